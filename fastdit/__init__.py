@@ -1,0 +1,1 @@
+"""fastdit: sparse attention for diffusers DiT pipelines."""

@@ -1,0 +1,162 @@
+"""Block-sparse attention: the one operation every fastdit method reduces to.
+
+Each query block ``m`` (rows ``[m * block_m, (m + 1) * block_m)``) attends to exactly the key
+blocks ``kv_indices[b, h, m, :kv_counts[b, h, m]]`` (keys ``[j * block_n, (j + 1) * block_n)``),
+minus keys at positions ``>= Nk`` and keys whose ``kv_valid`` is False. Softmax is taken over that
+set only (FlashAttention-2 online softmax on the GPU); a query block with no valid key gets output
+0 and ``lse = -inf``.
+
+Backends: ``"triton"`` (``block_sparse_triton.py``; the GPU, or the Triton interpreter on the CPU
+with ``TRITON_INTERPRET=1``), ``"torch"`` (``block_sparse_torch.py``; any device) and ``"auto"``
+(Triton on CUDA when it imports, torch otherwise).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .block_sparse_torch import block_sparse_attention_torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _triton_available():
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def triton_interpreter_enabled():
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid):
+    for name, t in (("q", q), ("k", k), ("v", v), ("kv_indices", kv_indices), ("kv_counts", kv_counts)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 (B, H, N, D), got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has unsupported dtype {t.dtype}; supported: float16, bfloat16, float32")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, heads, n_q, dim = q.shape
+    if k.shape[0] != batch or k.shape[1] != heads or k.shape[3] != dim:
+        raise ValueError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in (B, H, _, D)")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    if dim > MAX_HEAD_DIM or dim < 1:
+        raise ValueError(f"head dim {dim} is not supported; any head dim from 1 to {MAX_HEAD_DIM} works")
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+            raise ValueError(f"{name} must be a positive int, got {b!r}")
+    n_qblocks = -(-n_q // block_m)
+    if kv_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_indices must be int32, got {kv_indices.dtype}")
+    if kv_counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_counts must be int32, got {kv_counts.dtype}")
+    if kv_indices.dim() != 4:
+        raise ValueError(f"kv_indices must have rank 4 (B|1, H|1, ceil(N/block_m), max_blocks), got {tuple(kv_indices.shape)}")
+    if kv_counts.dim() != 3:
+        raise ValueError(f"kv_counts must have rank 3 (B|1, H|1, ceil(N/block_m)), got {tuple(kv_counts.shape)}")
+    pb, ph, pm, _ = kv_indices.shape
+    if pb not in (1, batch) or ph not in (1, heads) or pm != n_qblocks:
+        raise ValueError(
+            f"kv_indices shape {tuple(kv_indices.shape)} does not match q: expected ({batch} or 1, {heads} or 1, "
+            f"{n_qblocks} = ceil({n_q}/{block_m}), max_blocks)"
+        )
+    if tuple(kv_counts.shape) != (pb, ph, pm):
+        raise ValueError(f"kv_counts shape {tuple(kv_counts.shape)} must equal kv_indices.shape[:3] = {(pb, ph, pm)}")
+    for name, t in (("kv_indices", kv_indices), ("kv_counts", kv_counts)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if kv_valid is not None:
+        if not isinstance(kv_valid, torch.Tensor) or kv_valid.dtype != torch.bool:
+            raise ValueError("kv_valid must be a bool tensor of shape (B|1, Nk)")
+        if kv_valid.dim() != 2 or kv_valid.shape[0] not in (1, batch) or kv_valid.shape[1] != k.shape[2]:
+            raise ValueError(f"kv_valid shape {tuple(kv_valid.shape)} must be ({batch} or 1, {k.shape[2]})")
+        if kv_valid.device != q.device:
+            raise ValueError(f"kv_valid is on {kv_valid.device} but q is on {q.device}")
+
+
+def _pick_backend(backend, device):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton":
+        if not _triton_available():
+            raise ValueError("backend='triton' needs the triton package (Linux); use backend='torch'")
+        if device.type != "cuda" and not triton_interpreter_enabled():
+            raise ValueError(
+                f"backend='triton' got {device.type} tensors: Triton runs on CUDA GPUs, or on the CPU only with "
+                "TRITON_INTERPRET=1 set before fastdit is imported; use backend='torch' for CPU tensors"
+            )
+    return backend
+
+
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    kv_indices,
+    kv_counts,
+    block_m=128,
+    block_n=128,
+    scale=None,
+    kv_valid=None,
+    return_lse=True,
+    backend="auto",
+):
+    """Attention in which each query block attends to a list of key/value blocks.
+
+    Args:
+        q: ``(B, H, N, D)``; k, v: ``(B, H, Nk, D)``. float16, bfloat16 or float32, one device.
+            Any strides. D up to 256 (non-powers of two are padded inside the kernel).
+        kv_indices: int32 ``(B|1, H|1, ceil(N / block_m), max_blocks)``: key-block indices per
+            query block; the first ``kv_counts[b, h, m]`` entries are used, in any order, no
+            duplicates. Leading dims of size 1 broadcast over batch / heads.
+        kv_counts: int32 ``(B|1, H|1, ceil(N / block_m))``.
+        block_m, block_n: query / key block sizes of the plan (any positive ints; N and Nk need
+            not be multiples).
+        scale: score scale, default ``1 / sqrt(D)``.
+        kv_valid: optional bool ``(B|1, Nk)``; False keys are never attended.
+        return_lse: when True return ``(out, lse)``, else ``out`` alone.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``out`` ``(B, H, N, D)`` in q's dtype and, with ``return_lse``, ``lse`` float32
+        ``(B, H, N)``: ``log(sum_j exp(scale * q . k_j))`` over attended keys, ``-inf`` where none.
+
+    Example::
+
+        n_blocks = -(-N // 128)
+        idx = torch.arange(n_blocks, dtype=torch.int32).expand(1, 1, n_blocks, n_blocks).contiguous()
+        cnt = torch.full((1, 1, n_blocks), n_blocks, dtype=torch.int32)
+        out, lse = block_sparse_attention(q, k, v, idx, cnt)   # == dense attention
+    """
+    _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid)
+    backend = _pick_backend(backend, q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    batch, heads = q.shape[:2]
+    if backend == "triton":
+        from .block_sparse_triton import block_sparse_attention_triton
+
+        out, lse = block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid)
+    else:
+        shape = (batch, heads) + tuple(kv_indices.shape[2:])
+        out, lse = block_sparse_attention_torch(
+            q, k, v, kv_indices.long().expand(shape), kv_counts.long().expand(shape[:3]),
+            block_m, block_n, scale, kv_valid,
+        )
+    return (out, lse) if return_lse else out
