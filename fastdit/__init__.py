@@ -1,1 +1,19 @@
-"""fastdit: sparse attention for diffusers DiT pipelines."""
+"""fastdit: sparse attention for diffusers DiT pipelines, in one line.
+
+    import fastdit
+    p = fastdit.patch(pipe, "sta")      # sliding-tile attention on pipe.transformer
+    video = pipe(prompt).frames
+    p.remove()                          # everything restored
+
+``fastdit.methods()`` lists the methods; each has a config dataclass (``fastdit.STAConfig``, ...).
+"""
+from . import methods
+from .layout import TokenLayout
+from .methods import DenseConfig, MethodConfig, STAConfig
+from .patch import AlreadyPatchedError, Patch, patch
+from .plan import BlockPlan, run_plan
+
+__version__ = "0.1.0"
+
+__all__ = ["AlreadyPatchedError", "BlockPlan", "DenseConfig", "MethodConfig", "Patch", "STAConfig",
+           "TokenLayout", "methods", "patch", "run_plan"]

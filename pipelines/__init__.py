@@ -1,0 +1,20 @@
+"""fastdit.pipelines: per-family adapters for diffusers transformers and tiny built-in pipelines."""
+from .adapters import (
+    Adapter,
+    UnsupportedModelError,
+    adapters,
+    find_adapter,
+    register_adapter,
+    supported_families,
+)
+
+
+def tiny(name, **overrides):
+    """A runnable diffusers pipeline with random weights and no downloads (see ``tiny.py``)."""
+    from .tiny import tiny as _tiny
+
+    return _tiny(name, **overrides)
+
+
+__all__ = ["Adapter", "UnsupportedModelError", "adapters", "find_adapter", "register_adapter",
+           "supported_families", "tiny"]

@@ -1,0 +1,80 @@
+"""Token layouts: where each token of an attention call sits in the latent grid or the text span.
+
+DiT models flatten a latent video of ``(T, H, W)`` patches frame-major (``t``, then ``h``, then
+``w``) and, for joint attention, put text (or other conditioning) tokens before or after it::
+
+    text_position="none":    [ video (T*H*W) ]
+    text_position="prefix":  [ text (L) | video (T*H*W) ]      e.g. CogVideoX, SD3, Flux
+    text_position="suffix":  [ video (T*H*W) | text (L) ]      e.g. HunyuanVideo
+
+Methods build their block plans from a ``TokenLayout`` alone, so one method serves every model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TEXT_POSITIONS = ("none", "prefix", "suffix")
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """The token order of one attention call.
+
+    Attributes:
+        grid: ``(T, H, W)`` latent tokens (after patchification); images have ``T = 1``.
+        text_len: number of text / conditioning tokens in the joint sequence.
+        text_position: ``"none"``, ``"prefix"`` or ``"suffix"``.
+    """
+
+    grid: tuple
+    text_len: int = 0
+    text_position: str = "none"
+
+    def __post_init__(self):
+        grid = tuple(int(g) for g in self.grid)
+        if len(grid) != 3 or min(grid) < 1:
+            raise ValueError(f"grid must be three positive ints (T, H, W), got {self.grid!r}")
+        object.__setattr__(self, "grid", grid)
+        if self.text_position not in TEXT_POSITIONS:
+            raise ValueError(f"text_position must be one of {TEXT_POSITIONS}, got {self.text_position!r}")
+        if self.text_len < 0 or (self.text_len > 0 and self.text_position == "none"):
+            raise ValueError(f"text_len={self.text_len} does not fit text_position={self.text_position!r}")
+
+    @property
+    def frames(self):
+        return self.grid[0]
+
+    @property
+    def frame_len(self):
+        """Tokens per frame, ``H * W``."""
+        return self.grid[1] * self.grid[2]
+
+    @property
+    def video_len(self):
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def seq_len(self):
+        return self.video_len + self.text_len
+
+    @property
+    def video_start(self):
+        return self.text_len if self.text_position == "prefix" else 0
+
+    @property
+    def text_start(self):
+        return 0 if self.text_position == "prefix" else self.video_len
+
+    def video_positions(self, device=None):
+        """Sequence index of every video token, in frame-major grid order."""
+        return torch.arange(self.video_start, self.video_start + self.video_len, device=device)
+
+    def text_positions(self, device=None):
+        return torch.arange(self.text_start, self.text_start + self.text_len, device=device)
+
+    def describe(self):
+        t, h, w = self.grid
+        text = f" + {self.text_len} text ({self.text_position})" if self.text_len else ""
+        return f"{t}x{h}x{w} video tokens{text}"

@@ -1,0 +1,391 @@
+"""``fastdit.patch``: replace the attention of a diffusers DiT pipeline in one line, reversibly.
+
+Everything is instance-level: forward hooks on the transformer and on each patched attention
+module, the processors' ``_attention_backend`` pinned to ``"native"`` on those instances, and
+instance attributes wrapping the scheduler's ``set_timesteps`` / ``step``. No class attribute
+changes and no upstream ``forward`` is copied; ``remove()`` undoes each of these.
+
+Per attention call: the layout (video grid from the transformer's input, text tokens from the
+sequence length), the key mask (from the model's attention mask), then either the model's own
+dense attention (dense steps, dense layers, the ``"dense"`` method) or the method's block plan run
+through ``fastdit.kernels.block_sparse_attention``.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdit.intercept import ModuleInterceptor
+from fastdit.layout import TokenLayout
+from fastdit.methods import get_method
+from fastdit.plan import run_plan
+from fastdit.steps import StepTracker
+
+_MARK = "_fastdit_patch"
+
+
+class AlreadyPatchedError(RuntimeError):
+    """The model is already patched by fastdit; call ``remove()`` on the existing patch first."""
+
+
+@dataclass
+class LayerRecord:
+    """What one patched layer did in its latest call."""
+
+    layout: TokenLayout
+    dense: bool
+    plan: object = None
+    key_mask: torch.Tensor | None = None
+    num_heads: int = 0
+
+
+@dataclass
+class PatchStats:
+    """Counters over the patch's lifetime (reset with ``Patch.reset_stats``)."""
+
+    dense_calls: int = 0
+    sparse_calls: int = 0
+    fallback_calls: int = 0
+    plans_built: int = 0
+    plan_names: set = field(default_factory=set)
+    densities: list = field(default_factory=list)
+    padding_fractions: list = field(default_factory=list)
+
+    @property
+    def mean_density(self):
+        return sum(self.densities) / len(self.densities) if self.densities else 1.0
+
+    @property
+    def padding_fraction(self):
+        return max(self.padding_fractions) if self.padding_fractions else 0.0
+
+
+def key_mask_from_attn_mask(attn_mask, batch, q_len, k_len):
+    """The model's attention mask as a key mask ``(B, Nk)`` bool, or None.
+
+    Returns ``(mask, ok)``; ``ok`` is False when the mask is not a pure key mask (it varies with
+    the query or head, or is a float bias other than 0 / -inf-like), which the block engine does
+    not express; the call then runs the model's own attention.
+    """
+    if attn_mask is None:
+        return None, True
+    mask = attn_mask
+    if mask.dtype != torch.bool:
+        if not torch.is_floating_point(mask):
+            return None, False
+        zero, blocked = mask == 0, mask <= -1e4
+        if not bool((zero | blocked).all()):
+            return None, False
+        mask = zero
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0) if mask.dim() < 2 else mask.unsqueeze(1)
+    mask = mask.expand(batch, mask.shape[1], q_len if mask.shape[2] != 1 else 1, k_len)
+    first = mask[:, :1, :1, :]
+    if mask.shape[1] * mask.shape[2] > 1 and not bool((mask == first).all()):
+        return None, False
+    key_mask = first[:, 0, 0, :]
+    return (None if bool(key_mask.all()) else key_mask.contiguous()), True
+
+
+class Patch:
+    """A live patch of one pipeline (or transformer). Use ``remove()`` or a ``with`` block.
+
+    Attributes:
+        method: the method name. config: its resolved config. family: the adapter's family.
+        layers: names of the patched attention modules, in model order.
+        stats: ``PatchStats`` counters.
+    """
+
+    def __init__(self, target, method, config, adapter, transformers, scheduler, record_masks, backend):
+        self.target = target
+        self._method = method
+        self.method = method.name
+        self.config = config
+        self.adapter = adapter
+        self.family = adapter.family
+        self.record_masks = record_masks
+        self.backend = backend
+        self.tracker = StepTracker()
+        self.stats = PatchStats()
+        self.layers = []
+        self._transformers = transformers
+        self._scheduler = scheduler
+        self._records = {}
+        self._plans = {}
+        self._grid = {}
+        self._undo = []
+        self._warned = set()
+        self._removed = False
+
+    # -- installation -----------------------------------------------------------------------
+    def _install(self):
+        multi = len(self._transformers) > 1
+        for attr_name, transformer in self._transformers:
+            modules = self.adapter.attention_modules(transformer)
+            if not modules:
+                raise ValueError(
+                    f"{type(transformer).__name__}: found no attention module matching "
+                    f"{self.adapter.attention_pattern!r} for family {self.family!r}"
+                )
+            setattr(transformer, _MARK, self)
+            self._undo.append(lambda t=transformer: t.__dict__.pop(_MARK, None))
+            handle = transformer.register_forward_pre_hook(
+                lambda module, args, kwargs, t=transformer: self._on_transformer_call(t, args, kwargs), with_kwargs=True
+            )
+            self._undo.append(handle.remove)
+            for local_index, (name, module) in enumerate(modules):
+                global_index = len(self.layers)
+                self.layers.append(f"{attr_name}.{name}" if multi else name)
+                self._pin_native_backend(module)
+                interceptor = ModuleInterceptor(
+                    module,
+                    lambda call, original, g=global_index, i=local_index, t=transformer: self._attend(g, i, t, call, original),
+                )
+                self._undo.append(interceptor.remove)
+        if self._scheduler is not None:
+            self._wrap_scheduler(self._scheduler)
+
+    def _pin_native_backend(self, module):
+        processor = getattr(module, "processor", None)
+        if processor is None or not hasattr(processor, "_attention_backend"):
+            return  # legacy processor: calls SDPA directly
+        missing = object()
+        previous = processor.__dict__.get("_attention_backend", missing)
+        processor._attention_backend = "native"
+
+        def restore(p=processor, prev=previous):
+            if prev is missing:
+                p.__dict__.pop("_attention_backend", None)
+            else:
+                p._attention_backend = prev
+
+        self._undo.append(restore)
+
+    def _wrap_scheduler(self, scheduler):
+        tracker = self.tracker
+        original_set, original_step = scheduler.set_timesteps, scheduler.step
+
+        def set_timesteps(*args, **kwargs):
+            result = original_set(*args, **kwargs)
+            order = getattr(scheduler, "order", 1) or 1
+            tracker.begin_call(len(scheduler.timesteps) // order, order)
+            return result
+
+        def step(*args, **kwargs):
+            result = original_step(*args, **kwargs)
+            tracker.on_scheduler_step()
+            return result
+
+        for name, wrapper in (("set_timesteps", set_timesteps), ("step", step)):
+            setattr(scheduler, name, wrapper)
+
+            def restore(n=name, w=wrapper):
+                if scheduler.__dict__.get(n) is w:
+                    del scheduler.__dict__[n]
+
+            self._undo.append(restore)
+
+    # -- per call -----------------------------------------------------------------------------
+    def _on_transformer_call(self, transformer, args, kwargs):
+        self._grid[id(transformer)] = self.adapter.grid(transformer, args, kwargs)
+        if self._scheduler is None:
+            self.tracker.on_transformer_call(self.adapter.timestep(args, kwargs))
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"fastdit: {message}", stacklevel=3)
+
+    def _attend(self, layer, local_layer, transformer, call, original):
+        q, k, v = call["query"], call["key"], call["value"]
+        unusual = (call["dropout_p"] or call["is_causal"] or call["enable_gqa"] or q.dim() != 4
+                   or q.shape[-2] != k.shape[-2] or q.shape[1] != k.shape[1])
+        grid = self._grid.get(id(transformer))
+        if unusual or grid is None:
+            self.stats.fallback_calls += 1
+            self._warn_once(("unusual", layer), f"layer {self.layers[layer]}: attention call not handled "
+                            "(causal, dropout, GQA or cross-attention); running it dense")
+            return original()
+        batch, heads, seq, _ = q.shape
+        video_len = math.prod(grid)
+        text_len = seq - video_len
+        if text_len < 0 or (text_len > 0 and self.adapter.text_position == "none"):
+            raise RuntimeError(
+                f"fastdit ({self.family}): layer {self.layers[layer]} got {seq} tokens but the latent grid "
+                f"{grid} has {video_len}; the adapter's layout does not fit this model"
+            )
+        layout = TokenLayout(grid, text_len, self.adapter.text_position if text_len else "none")
+        key_mask, mask_ok = key_mask_from_attn_mask(call["attn_mask"], batch, seq, seq)
+        if not mask_ok:
+            self.stats.fallback_calls += 1
+            self._warn_once(("mask", layer), f"layer {self.layers[layer]}: the model's attention mask is not a "
+                            "key mask; running this call dense")
+            return original()
+
+        dense = (self._method.name == "dense" or local_layer < self.config.dense_layers
+                 or self.tracker.is_dense(self.config.dense_steps))
+        if dense:
+            self.stats.dense_calls += 1
+            self._record(layer, LayerRecord(layout, True, None, key_mask, heads))
+            return original()
+
+        plan = self._plan(layout, heads, q)
+        self.stats.sparse_calls += 1
+        self.stats.densities.append(plan.density)
+        self.stats.padding_fractions.append(plan.padding_fraction)
+        self.stats.plan_names.add(plan.name)
+        self._record(layer, LayerRecord(layout, False, plan, key_mask, heads))
+        return run_plan(q, k, v, plan, key_mask=key_mask, scale=call["scale"], backend=self.backend)
+
+    def _plan(self, layout, heads, q):
+        if self._method.dynamic:
+            self.stats.plans_built += 1
+            return self._method.plan(layout, self.config, heads, q.device, q=q)
+        key = (layout, heads, str(q.device))
+        plan = self._plans.get(key)
+        if plan is None:
+            self._method.check_layout(layout, self.config)
+            plan = self._method.plan(layout, self.config, heads, q.device)
+            self._plans[key] = plan
+            self.stats.plans_built += 1
+        return plan
+
+    def _record(self, layer, record):
+        if self.record_masks:
+            self._records[layer] = record
+
+    # -- public -------------------------------------------------------------------------------
+    def set_num_steps(self, num_steps):
+        """Tell a bare-transformer patch how many steps the coming call has (for fractions)."""
+        self.tracker.reset(int(num_steps))
+
+    @property
+    def step(self):
+        return self.tracker.step
+
+    def layer_index(self, layer):
+        if isinstance(layer, str):
+            if layer not in self.layers:
+                raise ValueError(f"unknown layer {layer!r}; patched layers: {self.layers}")
+            return self.layers.index(layer)
+        if not -len(self.layers) <= layer < len(self.layers):
+            raise ValueError(f"layer index {layer} out of range: {len(self.layers)} patched layers")
+        return layer % len(self.layers)
+
+    def mask(self, layer, head=0):
+        """Token-level boolean mask ``(S, S)`` that ``layer`` used in its latest call, in the model's
+        token order (text tokens included), for ``head``. Needs ``record_masks=True``."""
+        if not self.record_masks:
+            raise RuntimeError("masks are recorded only with fastdit.patch(..., record_masks=True)")
+        index = self.layer_index(layer)
+        record = self._records.get(index)
+        if record is None:
+            raise RuntimeError(f"layer {self.layers[index]} has not run since the patch was applied")
+        if not 0 <= head < max(record.num_heads, 1):
+            raise ValueError(f"head {head} out of range: the layer has {record.num_heads} heads")
+        seq = record.layout.seq_len
+        if record.dense:
+            mask = torch.ones(seq, seq, dtype=torch.bool)
+            if record.key_mask is not None:
+                mask &= record.key_mask[0].cpu()[None, :]
+            return mask
+        return record.plan.token_mask(head, record.key_mask).cpu()
+
+    def last_plan(self, layer):
+        """The ``BlockPlan`` of ``layer``'s latest call (None when it ran dense); needs record_masks."""
+        record = self._records.get(self.layer_index(layer))
+        return None if record is None else record.plan
+
+    def reset_stats(self):
+        self.stats = PatchStats()
+
+    def remove(self):
+        """Undo everything; outputs are then identical to the unpatched model's. Idempotent."""
+        if self._removed:
+            return
+        while self._undo:
+            self._undo.pop()()
+        self._records.clear()
+        self._plans.clear()
+        self._removed = True
+
+    @property
+    def active(self):
+        return not self._removed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    def __repr__(self):
+        state = "active" if self.active else "removed"
+        return f"<fastdit.Patch {self.method} on {self.family}, {len(self.layers)} layers, {state}>"
+
+
+def _targets(target):
+    """``([(attr_name, transformer)], scheduler)`` of a pipeline or a bare transformer."""
+    if isinstance(target, torch.nn.Module) and not hasattr(target, "transformer"):
+        return [("transformer", target)], None
+    transformer = getattr(target, "transformer", None)
+    if transformer is None:
+        unet = " (it has a UNet: fastdit patches DiT transformers only)" if getattr(target, "unet", None) is not None else ""
+        raise ValueError(f"{type(target).__name__} has no `transformer`{unet}; pass a diffusers DiT pipeline or its transformer")
+    found = [("transformer", transformer)]
+    second = getattr(target, "transformer_2", None)
+    if second is not None:
+        found.append(("transformer_2", second))
+    return found, getattr(target, "scheduler", None)
+
+
+def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", **options):
+    """Replace the DiT attention of a diffusers pipeline (or transformer) with ``method``.
+
+    Args:
+        target: a diffusers pipeline (its ``transformer``, and ``transformer_2`` for Wan 2.2, are
+            patched with one step counter) or a transformer.
+        method: a name from ``fastdit.methods()``.
+        config: the method's config dataclass (e.g. ``fastdit.STAConfig(...)``); keyword
+            ``options`` override its fields.
+        record_masks: keep each layer's latest plan so ``Patch.mask(layer, head)`` can draw it.
+        backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
+
+    Example::
+
+        p = fastdit.patch(pipe, "sta", tile=(6, 8, 8), window=(3, 3, 3), dense_steps=0.25)
+        video = pipe(prompt).frames
+        p.remove()
+    """
+    from fastdit.kernels.block_sparse import BACKENDS
+    from fastdit.pipelines import find_adapter
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    method_obj = get_method(method)
+    config = method_obj.make_config(config, **options)
+    transformers, scheduler = _targets(target)
+    adapters = [find_adapter(t) for _, t in transformers]
+    adapter = adapters[0]
+    for _, transformer in transformers:
+        existing = getattr(transformer, _MARK, None)
+        if existing is not None:
+            raise AlreadyPatchedError(
+                f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
+            )
+    config = method_obj.resolve(config, adapter.family)
+    method_obj.check_family(adapter, config)
+    result = Patch(target, method_obj, config, adapter, transformers, scheduler, record_masks, backend)
+    try:
+        result._install()
+    except BaseException:
+        result.remove()
+        raise
+    return result
