@@ -10,7 +10,8 @@
 from . import methods
 from .layout import TokenLayout
 from .methods import DenseConfig, MethodConfig, STAConfig
-from .patch import AlreadyPatchedError, Patch, patch
+from . import patch  # a callable module: fastdit.patch(pipe, "sta", ...)
+from .patch import AlreadyPatchedError, Patch
 from .plan import BlockPlan, run_plan
 
 __version__ = "0.1.0"

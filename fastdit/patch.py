@@ -389,3 +389,17 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
         result.remove()
         raise
     return result
+
+
+class _CallableModule(type(math)):
+    """``fastdit.patch`` is both this module and the ``patch`` function: calling the module patches,
+    while ``fastdit.patch.Patch`` and friends stay reachable (the package attribute would otherwise
+    shadow one with the other)."""
+
+    def __call__(self, *args, **kwargs):
+        return patch(*args, **kwargs)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule
