@@ -1,0 +1,360 @@
+"""Block-sparse attention engine: both backends against the float64 reference, plus plan helpers
+and input validation.
+
+The Triton backend runs on CUDA, or on the CPU under the Triton interpreter: the interpreter must
+be switched on before triton is first imported (``TRITON_INTERPRET=1 python -m pytest ...``);
+without it and without a GPU the Triton cases are skipped. Interpreter cases are kept small.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastdit.kernels as fk
+import fastdit.kernels.block_sparse as bs
+from fastdit.kernels import block_sparse_attention, dense_reference, plan_to_token_mask, validate_plan
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - platform without triton
+    HAS_TRITON = False
+
+ON_GPU = torch.cuda.is_available() and not fk.triton_interpreter_enabled()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+TRITON_OK = HAS_TRITON and (ON_GPU or fk.triton_interpreter_enabled())
+TRITON_SKIP_REASON = (
+    "Triton backend needs a CUDA GPU or the Triton CPU interpreter: run with TRITON_INTERPRET=1 set "
+    "before pytest starts (e.g. `TRITON_INTERPRET=1 python -m pytest tests/test_kernel.py`)"
+)
+
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("triton", id="triton", marks=pytest.mark.skipif(not TRITON_OK, reason=TRITON_SKIP_REASON)),
+]
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+LSE_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_plan(gen, pb, ph, n_qblocks, n_kblocks, zero_rows=True, garbage=True):
+    """Random plan: shuffled distinct indices, random counts (some 0), junk in unused slots."""
+    max_blocks = n_kblocks + 1
+    idx = torch.full((pb, ph, n_qblocks, max_blocks), -7 if garbage else 0, dtype=torch.int64)
+    cnt = torch.randint(0, n_kblocks + 1, (pb, ph, n_qblocks), generator=gen)
+    for b in range(pb):
+        for h in range(ph):
+            for m in range(n_qblocks):
+                c = int(cnt[b, h, m])
+                idx[b, h, m, :c] = torch.randperm(n_kblocks, generator=gen)[:c]
+                if garbage and c < max_blocks:
+                    idx[b, h, m, c:] = 10**6 + m  # never read: out of range on purpose
+    if zero_rows and n_qblocks > 1:
+        cnt[..., 1] = 0  # a whole query block with no key block
+    if n_qblocks > 2:
+        cnt[..., 0] = max(cnt.max().item(), 1)  # and a busy one
+        idx[..., 0, : int(cnt.max())] = torch.randperm(n_kblocks, generator=gen)[: int(cnt.max())]
+    return idx, cnt
+
+
+# One entry per scenario: shapes, plan layout, dtypes and masks. Sizes stay tiny for the interpreter.
+CASES = {
+    # name: (B, H, N, Nk, D, block_m, block_n, dtype, plan_bh, kv_valid, idx_dtype)
+    "d64_f32_shared_pow2": (2, 2, 200, 200, 64, 64, 64, torch.float32, (1, 1), False, torch.int32),
+    "d72_f32_perhead_npow2_kvvalid": (2, 2, 150, 230, 72, 48, 40, torch.float32, (2, 2), True, torch.int32),
+    "d128_f32_perhead_small_blocks": (1, 2, 130, 100, 128, 32, 32, torch.float32, (1, 2), True, torch.int64),
+    "d64_bf16_even": (2, 2, 192, 192, 64, 64, 64, torch.bfloat16, (2, 2), False, torch.int32),
+    "d72_f16_npow2_kvvalid": (1, 2, 170, 120, 72, 48, 40, torch.float16, (1, 1), True, torch.int32),
+    "d128_bf16_batchplan_kvvalid": (2, 1, 97, 160, 128, 64, 32, torch.bfloat16, (2, 1), True, torch.int32),
+    "d64_f16_even_kvvalid_split": (1, 2, 256, 256, 64, 128, 128, torch.float16, (1, 2), True, torch.int32),
+    "d64_f32_big_npow2_blocks": (1, 1, 300, 290, 64, 245, 100, torch.float32, (1, 1), True, torch.int32),
+    "d72_bf16_npow2": (1, 2, 140, 111, 72, 48, 40, torch.bfloat16, (1, 2), False, torch.int64),
+    "d128_f16_shared": (2, 2, 100, 140, 128, 64, 64, torch.float16, (1, 1), False, torch.int32),
+}
+
+
+def _make_case(name, layout="contiguous"):
+    B, H, N, Nk, D, bm, bn, dtype, (pb, ph), use_valid, idx_dtype = CASES[name]
+    gen = _gen(zlib.crc32(f"{name}/{layout}".encode()))
+    if layout == "bnhd":  # the diffusers layout, viewed as (B, H, N, D): non-contiguous
+        q = torch.randn(B, N, H, D, generator=gen).transpose(1, 2)
+        k = torch.randn(B, Nk, H, D, generator=gen).transpose(1, 2)
+        v = torch.randn(B, Nk, H, D, generator=gen).transpose(1, 2)
+    else:
+        q = torch.randn(B, H, N, D, generator=gen)
+        k = torch.randn(B, H, Nk, D, generator=gen)
+        v = torch.randn(B, H, Nk, D, generator=gen)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    n_qb, n_kb = -(-N // bm), -(-Nk // bn)
+    idx, cnt = make_plan(gen, pb, ph, n_qb, n_kb)
+    kv_valid = None
+    if use_valid:
+        kv_valid = torch.rand(B, Nk, generator=gen) > 0.25
+        kv_valid[:, : min(bn, Nk)] = False  # key block 0 fully masked ...
+        idx[..., -1, 0] = 0  # ... and the only block of the last query block: a fully masked row set
+        cnt[..., -1] = 1
+    idx, cnt = idx.to(idx_dtype), cnt.to(idx_dtype)
+    return (q, k, v, idx, cnt, bm, bn, kv_valid)
+
+
+def _to(device, *ts):
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def _check(out, lse, q, k, v, idx, cnt, bm, bn, kv_valid, scale=None):
+    N, Nk = q.shape[2], k.shape[2]
+    mask = plan_to_token_mask(idx.cpu(), cnt.cpu(), N, Nk, bm, bn, None if kv_valid is None else kv_valid.cpu())
+    ref, ref_lse = dense_reference(q.cpu(), k.cpu(), v.cpu(), mask, scale)
+    out, lse = out.cpu(), lse.cpu()
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert torch.isfinite(out).all(), "NaN/inf in the output"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    rel = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert rel < TOL[q.dtype], f"relative error {rel:.3e} >= {TOL[q.dtype]}"
+    ref_inf = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), ref_inf), "lse -inf pattern differs from the reference"
+    empty_rows = ~mask.expand(q.shape[0], q.shape[1], N, Nk).any(-1)
+    assert torch.equal(ref_inf, empty_rows)
+    assert (out[empty_rows] == 0).all(), "rows without a key must be exactly 0"
+    fin = ~ref_inf
+    if fin.any():
+        err = (lse.double()[fin] - ref_lse[fin]).abs() / ref_lse[fin].abs().clamp_min(1.0)
+        assert err.max().item() < LSE_TOL[q.dtype], f"lse error {err.max().item():.3e}"
+    return empty_rows
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors: every output element must be written."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name, backend, poisoned_empty):
+    q, k, v, idx, cnt, bm, bn, kv_valid = _to(DEVICE, *_make_case(name))
+    out, lse = block_sparse_attention(q, k, v, idx, cnt, bm, bn, kv_valid=kv_valid, backend=backend)
+    empty_rows = _check(out, lse, q, k, v, idx, cnt, bm, bn, kv_valid)
+    assert empty_rows.any(), "the case should contain rows without keys"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["d72_f32_perhead_npow2_kvvalid", "d64_bf16_even"])
+def test_strided_inputs_and_scale(name, backend):
+    q, k, v, idx, cnt, bm, bn, kv_valid = _to(DEVICE, *_make_case(name, layout="bnhd"))
+    assert not q.is_contiguous()
+    out, lse = block_sparse_attention(q, k, v, idx, cnt, bm, bn, scale=0.3, kv_valid=kv_valid, backend=backend)
+    assert out.is_contiguous()
+    _check(out, lse, q, k, v, idx, cnt, bm, bn, kv_valid, scale=0.3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_broadcast_kv_valid_and_return_lse_false(backend):
+    q, k, v, idx, cnt, bm, bn, _ = _to(DEVICE, *_make_case("d64_f32_shared_pow2"))
+    kv_valid = (torch.arange(k.shape[2]) % 3 != 1).unsqueeze(0).to(DEVICE)  # (1, Nk) for B=2
+    out = block_sparse_attention(q, k, v, idx, cnt, bm, bn, kv_valid=kv_valid, return_lse=False, backend=backend)
+    assert isinstance(out, torch.Tensor)
+    _, lse = block_sparse_attention(q, k, v, idx, cnt, bm, bn, kv_valid=kv_valid, backend=backend)
+    _check(out, lse, q, k, v, idx, cnt, bm, bn, kv_valid.expand(q.shape[0], -1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_full_plan_equals_sdpa(backend, dtype):
+    gen = _gen(7 + (dtype == torch.float16))
+    B, H, N, D, blk = 1, 2, 160, 64, 64
+    q, k, v = (torch.randn(B, H, N, D, generator=gen).to(dtype).to(DEVICE) for _ in range(3))
+    nb = -(-N // blk)
+    idx = torch.arange(nb, dtype=torch.int32).expand(1, 1, nb, nb).contiguous().to(DEVICE)
+    cnt = torch.full((1, 1, nb), nb, dtype=torch.int32, device=DEVICE)
+    out, lse = block_sparse_attention(q, k, v, idx, cnt, blk, blk, backend=backend)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < TOL[dtype]
+    ref_lse = torch.logsumexp((q.float() @ k.float().transpose(-1, -2)) / D**0.5, dim=-1)
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_rows_pruned(backend):
+    gen = _gen(11)
+    q, k, v = (torch.randn(1, 2, 70, 64, generator=gen).to(DEVICE) for _ in range(3))
+    idx = torch.zeros(1, 1, 2, 3, dtype=torch.int32, device=DEVICE)
+    cnt = torch.zeros(1, 1, 2, dtype=torch.int32, device=DEVICE)
+    out, lse = block_sparse_attention(q, k, v, idx, cnt, 64, 32, backend=backend)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.skipif(not TRITON_OK, reason=TRITON_SKIP_REASON)
+def test_backends_agree():
+    q, k, v, idx, cnt, bm, bn, kv_valid = _to(DEVICE, *_make_case("d72_f16_npow2_kvvalid"))
+    o_t, l_t = block_sparse_attention(q, k, v, idx, cnt, bm, bn, kv_valid=kv_valid, backend="triton")
+    o_p, l_p = block_sparse_attention(q, k, v, idx, cnt, bm, bn, kv_valid=kv_valid, backend="torch")
+    assert ((o_t.float() - o_p.float()).norm() / o_p.float().norm()).item() < 2e-2
+    assert torch.equal(torch.isneginf(l_t), torch.isneginf(l_p))
+
+
+# -------------------------------------------------------------------------------------------------
+# Plan helpers
+# -------------------------------------------------------------------------------------------------
+
+def test_plan_to_token_mask_hand_made():
+    # N=5 queries in blocks of 2 (3 query blocks), Nk=6 keys in blocks of 3 (2 key blocks).
+    idx = torch.tensor([[[[1, 9], [1, 0], [5, 5]]]], dtype=torch.int32)  # junk beyond the counts
+    cnt = torch.tensor([[[1, 2, 0]]], dtype=torch.int32)
+    kv_valid = torch.tensor([[True, True, False, True, True, True]])
+    mask = plan_to_token_mask(idx, cnt, 5, 6, block_m=2, block_n=3, kv_valid=kv_valid)
+    expected = torch.tensor(
+        [
+            [0, 0, 0, 1, 1, 1],
+            [0, 0, 0, 1, 1, 1],
+            [1, 1, 0, 1, 1, 1],
+            [1, 1, 0, 1, 1, 1],
+            [0, 0, 0, 0, 0, 0],
+        ],
+        dtype=torch.bool,
+    )
+    assert mask.shape == (1, 1, 5, 6)
+    assert torch.equal(mask[0, 0], expected)
+    no_valid = plan_to_token_mask(idx, cnt, 5, 6, block_m=2, block_n=3)
+    assert no_valid[0, 0, 2].all() and not no_valid[0, 0, 4].any()
+
+
+def test_validate_plan():
+    gen = _gen(3)
+    idx, cnt = make_plan(gen, 2, 3, 5, 6)
+    assert validate_plan(idx, cnt, 6, 5) == []  # junk in unused slots is fine
+    assert validate_plan(idx.int(), cnt.int(), 6) == []
+
+    bad = idx.clone()
+    bad[0, 0, 0, 0] = 6  # == n_kv_blocks: out of range
+    problems = validate_plan(bad, cnt, 6)
+    assert any("outside" in p for p in problems)
+
+    bad = idx.clone()
+    bad[1, 2, 0, 0] = -1
+    assert any("outside" in p for p in validate_plan(bad, cnt, 6))
+
+    dup = idx.clone()
+    dup[0, 1, 0, 1] = dup[0, 1, 0, 0]  # row 0 has the max count (>= 2)
+    assert any("duplicate" in p for p in validate_plan(dup, cnt, 6))
+
+    big = cnt.clone()
+    big[0, 0, 0] = idx.shape[-1] + 1
+    assert any("counts outside" in p for p in validate_plan(idx, big, 6))
+
+    assert validate_plan(idx, cnt, 6, n_q_blocks=4)  # wrong number of query blocks
+    assert validate_plan(idx.float(), cnt, 6)  # not integer
+    assert validate_plan(idx[0], cnt, 6)  # wrong rank
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input
+# -------------------------------------------------------------------------------------------------
+
+def _small(dtype=torch.float32, N=64, Nk=64, D=32, blk=32):
+    q = torch.randn(1, 2, N, D, dtype=dtype)
+    k = torch.randn(1, 2, Nk, D, dtype=dtype)
+    v = torch.randn(1, 2, Nk, D, dtype=dtype)
+    nq, nk = -(-N // blk), -(-Nk // blk)
+    idx = torch.arange(nk, dtype=torch.int32).expand(1, 1, nq, nk).contiguous()
+    cnt = torch.full((1, 1, nq), nk, dtype=torch.int32)
+    return q, k, v, idx, cnt
+
+
+def _call(q, k, v, idx, cnt, **kw):
+    kw.setdefault("block_m", 32)
+    kw.setdefault("block_n", 32)
+    kw.setdefault("backend", "torch")
+    return block_sparse_attention(q, k, v, idx, cnt, **kw)
+
+
+def test_bad_rank():
+    q, k, v, idx, cnt = _small()
+    with pytest.raises(ValueError, match=r"\bq\b.*rank 4"):
+        _call(q[0], k, v, idx, cnt)
+    with pytest.raises(ValueError, match=r"\bk\b.*rank 4"):
+        _call(q, k[0], v, idx, cnt)
+    with pytest.raises(ValueError, match="kv_indices.*rank 4"):
+        _call(q, k, v, idx[0], cnt)
+    with pytest.raises(ValueError, match="kv_counts.*rank 3"):
+        _call(q, k, v, idx, cnt[0])
+
+
+def test_bad_dtype():
+    q, k, v, idx, cnt = _small()
+    with pytest.raises(ValueError, match="q has unsupported dtype"):
+        _call(q.double(), k.double(), v.double(), idx, cnt)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        _call(q.int(), k.int(), v.int(), idx, cnt)
+    with pytest.raises(ValueError, match="share one dtype"):
+        _call(q, k.half(), v, idx, cnt)
+    with pytest.raises(ValueError, match="kv_indices"):
+        _call(q, k, v, idx.float(), cnt)
+    with pytest.raises(ValueError, match="kv_counts"):
+        _call(q, k, v, idx, cnt.to(torch.int16))
+    with pytest.raises(ValueError, match="kv_valid"):
+        _call(q, k, v, idx, cnt, kv_valid=torch.ones(1, 64))
+
+
+def test_bad_device():
+    q, k, v, idx, cnt = _small()
+    with pytest.raises(ValueError, match=r"\bk\b is on meta"):
+        _call(q, k.to("meta"), v, idx, cnt)
+    with pytest.raises(ValueError, match="kv_indices is on meta"):
+        _call(q, k, v, idx.to("meta"), cnt)
+    with pytest.raises(ValueError, match="kv_valid is on meta"):
+        _call(q, k, v, idx, cnt, kv_valid=torch.ones(1, 64, dtype=torch.bool, device="meta"))
+
+
+def test_bad_shapes():
+    q, k, v, idx, cnt = _small()
+    with pytest.raises(ValueError, match="kv_indices shape"):
+        _call(q, k, v, idx[:, :, :1], cnt)  # 1 query block, q needs 2
+    with pytest.raises(ValueError, match="kv_indices shape"):
+        _call(q, k, v, idx.expand(3, 1, -1, -1), cnt.expand(3, 1, -1))  # batch 3 vs 1
+    with pytest.raises(ValueError, match="kv_counts shape"):
+        _call(q, k, v, idx, cnt[:, :, :1])
+    with pytest.raises(ValueError, match=r"\bk shape"):
+        _call(q, k[..., :16], v[..., :16], idx, cnt)
+    with pytest.raises(ValueError, match=r"\bv shape"):
+        _call(q, k, v[:, :, :32], idx, cnt)
+    with pytest.raises(ValueError, match="kv_valid shape"):
+        _call(q, k, v, idx, cnt, kv_valid=torch.ones(1, 63, dtype=torch.bool))
+    with pytest.raises(ValueError, match="block_m"):
+        _call(q, k, v, idx, cnt, block_m=0)
+    with pytest.raises(ValueError, match="block_n"):
+        _call(q, k, v, idx, cnt, block_n=32.0)
+    with pytest.raises(ValueError, match="head dim"):
+        big = torch.randn(1, 1, 8, 512)
+        _call(big, big, big, idx[:, :, :1], cnt[:, :, :1])
+    with pytest.raises(ValueError, match="backend"):
+        _call(q, k, v, idx, cnt, backend="cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setattr(bs, "triton_interpreter_enabled", lambda: False)
+    q, k, v, idx, cnt = _small()
+    with pytest.raises(ValueError, match="backend='torch'"):
+        _call(q, k, v, idx, cnt, backend="triton")
+    # "auto" picks the fallback for CPU tensors
+    out = _call(q, k, v, idx, cnt, backend="auto", return_lse=False)
+    assert torch.isfinite(out).all()
