@@ -1,0 +1,178 @@
+"""Dense against accelerated generation with the same seed: latency, speedup, PSNR and SSIM.
+
+``fastdit compare`` (the CLI) and the Gradio app both call ``generate`` and ``compare`` here.
+The dense run is the unpatched pipeline; every other method patches it, generates, and removes
+the patch again, so runs never see each other's state.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import fastdit
+from fastdit.video import pipeline_frames, write_video
+
+#: Method options for the embedded tiny models, whose latent grid (8 x 32 x 32 tokens by default)
+#: is far smaller than a real video's: tiles of 4x4x8 tokens keep sliding-tile attention sparse
+#: (a 2 x 8 x 4 tile grid, 3x3x3 window, about 28% of blocks) where the published 6x8x8 tiles
+#: would cover almost the whole grid.
+TINY_METHOD_OPTIONS = {"sta": {"tile": (4, 4, 8), "window": (3, 3, 3)}}
+
+
+@dataclass
+class Generation:
+    """One generation: frames ``(F, H, W, C)`` in [0, 1], timing and what the patch did."""
+
+    method: str
+    options: dict
+    frames: np.ndarray
+    latency_s: float
+    peak_memory_mb: float | None = None
+    density: float | None = None
+    padding_fraction: float | None = None
+    patch: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def _sync(device):
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def pipeline_device(pipe):
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is not None:
+        return next(transformer.parameters()).device
+    return torch.device("cpu")
+
+
+def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=None, backend="auto",
+             record_masks=False, keep_patch=False, **pipe_kwargs):
+    """Run ``pipe`` once with ``method`` (``"dense"`` = unpatched) and the given seed.
+
+    Returns a ``Generation``. With ``keep_patch=True`` the patch is left applied and returned in
+    ``Generation.patch`` (the caller removes it), e.g. to draw its masks afterwards.
+    """
+    options = dict(options or {})
+    call_kwargs = {"output_type": "np", **(call_kwargs or {}), **pipe_kwargs}
+    device = pipeline_device(pipe)
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    patch = None
+    if method != "dense":
+        patch = fastdit.patch(pipe, method, backend=backend, record_masks=record_masks, **options)
+    try:
+        if str(device).startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = pipe(prompt=prompt, generator=generator, **call_kwargs)
+        _sync(device)
+        latency = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if str(device).startswith("cuda") else None
+        frames = pipeline_frames(output) if call_kwargs["output_type"] == "np" else None
+        result = Generation(method, options, frames, latency, peak)
+        if patch is not None:
+            result.density = patch.stats.mean_density
+            result.padding_fraction = patch.stats.padding_fraction
+            result.options = {**_public_options(patch.config)}
+            result.extra = {"dense_calls": patch.stats.dense_calls, "sparse_calls": patch.stats.sparse_calls,
+                            "plans": sorted(patch.stats.plan_names)}
+    finally:
+        if patch is not None and not keep_patch:
+            patch.remove()
+    result.patch = patch if keep_patch else None
+    return result
+
+
+def _public_options(config):
+    return {name: (list(value) if isinstance(value, tuple) else value) for name, value in vars(config).items()}
+
+
+def fidelity(frames, reference):
+    """PSNR (dB, per frame, data range 1) and SSIM of ``frames`` against the dense ``reference``."""
+    from fastdit.eval.fidelity import psnr, ssim
+
+    return float(psnr(frames, reference)), float(ssim(frames, reference))
+
+
+def format_table(rows):
+    """Plain-text table of compare rows (dicts with method, latency_s, speedup, psnr_db, ssim)."""
+    header = ["method", "latency (s)", "speedup", "PSNR (dB)", "SSIM", "density", "padding"]
+    lines = []
+    for row in rows:
+        psnr_db = row.get("psnr_db")
+        lines.append([
+            row["method"],
+            f"{row['latency_s']:.2f}",
+            f"{row['speedup']:.2f}x",
+            "-" if psnr_db is None else ("inf" if math.isinf(psnr_db) else f"{psnr_db:.2f}"),
+            "-" if row.get("ssim") is None else f"{row['ssim']:.4f}",
+            "-" if row.get("density") is None else f"{row['density']:.3f}",
+            "-" if row.get("padding_fraction") is None else f"{100 * row['padding_fraction']:.1f}%",
+        ])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
+def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_compare", model_name="",
+            method_options=None, backend="auto", fps=16, warmup=True, log=print):
+    """Dense first, then each method with the same seed; writes mp4s and ``report.json``.
+
+    Args:
+        methods: method names; ``"dense"`` (the unpatched pipeline) is always run first.
+        method_options: method name -> options for ``fastdit.patch``.
+    Returns the report dict ``{"model", "device", "prompt", "seed", "call", "runs": [...]}``.
+    """
+    method_options = method_options or {}
+    methods = ["dense"] + [m for m in methods if m != "dense"]
+    for method in methods:
+        fastdit.methods.get_method(method)  # unknown names fail before any work
+    os.makedirs(out_dir, exist_ok=True)
+    device = pipeline_device(pipe)
+    if warmup:  # first-call costs (allocation, kernel compilation) stay out of the timings
+        warm = {**(call_kwargs or {}), "num_inference_steps": 1, "output_type": "latent"}
+        log("warm-up run (1 step, not timed)")
+        generate(pipe, prompt, seed, warm)
+        if str(device).startswith("cuda"):
+            for method in methods[1:]:
+                generate(pipe, prompt, seed, warm, method, {**method_options.get(method, {}), "dense_steps": 0}, backend)
+    runs, reference = [], None
+    for index, method in enumerate(methods):
+        log(f"[{index + 1}/{len(methods)}] {method}")
+        result = generate(pipe, prompt, seed, call_kwargs, method, method_options.get(method), backend)
+        path = write_video(os.path.join(out_dir, f"{method}.mp4"), result.frames, fps=fps)
+        row = {"method": method, "options": result.options, "latency_s": result.latency_s, "speedup": 1.0,
+               "psnr_db": None, "ssim": None, "video": os.path.abspath(path),
+               "density": result.density, "padding_fraction": result.padding_fraction,
+               "peak_memory_mb": result.peak_memory_mb, **result.extra}
+        if reference is None:
+            reference = result
+        else:
+            row["speedup"] = reference.latency_s / result.latency_s
+            row["psnr_db"], row["ssim"] = fidelity(result.frames, reference.frames)
+        runs.append(row)
+    report = {"model": model_name, "device": str(device), "prompt": prompt, "seed": seed,
+              "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, (int, float, str, bool))},
+              "versions": {"fastdit": fastdit.__version__, "torch": torch.__version__}, "runs": runs}
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, default=_json_default)
+    return report
+
+
+def _json_default(value):
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
