@@ -415,11 +415,15 @@ def main(argv=None):
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's); 1 is steadier on a shared, busy machine")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/attention_<device>_<timestamp>.json)")
     p.add_argument("--table", default=None, help="also write the printed table to this path")
     args = p.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     try:
@@ -496,6 +500,10 @@ def main(argv=None):
             gen = torch.Generator(device=device).manual_seed(0)
             tensors[key] = tuple(torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
         q, k, v = tensors[key]
+        # CPU: long dense runs take seconds each; fewer calls there unless --reps / --warmup say otherwise
+        slow_cpu = not cuda and H * N * N > 2 * 8192 * 8192
+        c_reps = args.reps or (2 if slow_cpu else reps)
+        c_warmup = args.warmup if args.warmup is not None else (0 if slow_cpu else warmup)
         dtype_s = str(dtype).replace("torch.", "")
         base = {"case": case["name"], "N": N, "H": H, "D": D, "dtype": dtype_s, "block": blk,
                 "tile_grid": list(case["tile_grid"]), "window": list(case["window"])}
@@ -506,7 +514,7 @@ def main(argv=None):
             for name, ctx in sdpa_variants(cuda):
                 try:
                     with ctx():
-                        t = time_fn(lambda: F.scaled_dot_product_attention(q, k, v), reps, warmup, cuda)
+                        t = time_fn(lambda: F.scaled_dot_product_attention(q, k, v), c_reps, c_warmup, cuda)
                 except Exception as e:
                     log(f"  ({name} unavailable for {key}: {type(e).__name__}: {str(e).splitlines()[0][:100]})")
                     continue
@@ -539,7 +547,7 @@ def main(argv=None):
         for name, fn in runners:
             t_start = time.time()
             try:
-                t = time_fn(fn, reps, warmup, cuda)
+                t = time_fn(fn, c_reps, c_warmup, cuda)
             except Exception as e:
                 log(f"  ({name} failed on {case['name']}: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
                 continue
