@@ -9,12 +9,12 @@
 """
 from . import methods
 from .layout import TokenLayout
-from .methods import DenseConfig, MethodConfig, STAConfig
+from .methods import DenseConfig, MethodConfig, RadialConfig, STAConfig
 from . import patch  # a callable module: fastdit.patch(pipe, "sta", ...)
 from .patch import AlreadyPatchedError, Patch
 from .plan import BlockPlan, run_plan
 
 __version__ = "0.1.0"
 
-__all__ = ["AlreadyPatchedError", "BlockPlan", "DenseConfig", "MethodConfig", "Patch", "STAConfig",
+__all__ = ["AlreadyPatchedError", "BlockPlan", "DenseConfig", "MethodConfig", "Patch", "RadialConfig", "STAConfig",
            "TokenLayout", "methods", "patch", "run_plan"]

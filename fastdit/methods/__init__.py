@@ -8,9 +8,10 @@ import types
 
 from .base import Method, MethodConfig, get_method, method_names, register_method
 from .dense import DenseConfig
+from .radial import RadialConfig
 from .sta import STAConfig
 
-__all__ = ["DenseConfig", "Method", "MethodConfig", "STAConfig", "get_method", "method_names", "register_method"]
+__all__ = ["DenseConfig", "Method", "MethodConfig", "RadialConfig", "STAConfig", "get_method", "method_names", "register_method"]
 
 
 class _CallableModule(types.ModuleType):
