@@ -40,6 +40,7 @@ class LayerRecord:
     plan: object = None
     key_mask: torch.Tensor | None = None
     num_heads: int = 0
+    query_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -64,30 +65,42 @@ class PatchStats:
 
 
 def key_mask_from_attn_mask(attn_mask, batch, q_len, k_len):
-    """The model's attention mask as a key mask ``(B, Nk)`` bool, or None.
+    """Read the model's attention mask as key (and query) validity.
 
-    Returns ``(mask, ok)``; ``ok`` is False when the mask is not a pure key mask (it varies with
-    the query or head, or is a float bias other than 0 / -inf-like), which the block engine does
-    not express; the call then runs the model's own attention.
+    Returns ``(key_mask, query_mask, ok)``: bool ``(B, Nk)`` / ``(B, Nq)`` or None when all
+    True. Two forms are understood: a key mask broadcast over queries (``(B, 1, 1, Nk)``, e.g.
+    HunyuanVideo's text padding) and an outer product ``valid[q] & valid[k]`` (HunyuanVideo 1.5),
+    whose fully masked query rows come out as 0, as in torch's attention. ``ok`` is False for any
+    other mask (one that varies with the head, a float bias other than 0 / -inf-like, a
+    block-causal mask): the block engine does not express it and the call runs the model's own
+    attention.
     """
     if attn_mask is None:
-        return None, True
+        return None, None, True
     mask = attn_mask
     if mask.dtype != torch.bool:
         if not torch.is_floating_point(mask):
-            return None, False
+            return None, None, False
         zero, blocked = mask == 0, mask <= -1e4
         if not bool((zero | blocked).all()):
-            return None, False
+            return None, None, False
         mask = zero
     while mask.dim() < 4:
         mask = mask.unsqueeze(0) if mask.dim() < 2 else mask.unsqueeze(1)
-    mask = mask.expand(batch, mask.shape[1], q_len if mask.shape[2] != 1 else 1, k_len)
-    first = mask[:, :1, :1, :]
-    if mask.shape[1] * mask.shape[2] > 1 and not bool((mask == first).all()):
-        return None, False
-    key_mask = first[:, 0, 0, :]
-    return (None if bool(key_mask.all()) else key_mask.contiguous()), True
+    if mask.shape[1] > 1:
+        if not bool((mask == mask[:, :1]).all()):
+            return None, None, False
+        mask = mask[:, :1]
+    mask = mask[:, 0].expand(batch, mask.shape[2], k_len)  # (B, Nq or 1, Nk)
+    if mask.shape[1] == 1:
+        key_mask, query_mask = mask[:, 0], None
+    else:
+        key_mask, query_mask = mask.any(dim=1), mask.any(dim=2)
+        if not bool((mask == (query_mask[:, :, None] & key_mask[:, None, :])).all()):
+            return None, None, False
+    key_mask = None if bool(key_mask.all()) else key_mask.contiguous()
+    query_mask = None if query_mask is None or bool(query_mask.all()) else query_mask.contiguous()
+    return key_mask, query_mask, True
 
 
 class Patch:
@@ -204,10 +217,15 @@ class Patch:
         unusual = (call["dropout_p"] or call["is_causal"] or call["enable_gqa"] or q.dim() != 4
                    or q.shape[-2] != k.shape[-2] or q.shape[1] != k.shape[1])
         grid = self._grid.get(id(transformer))
-        if unusual or grid is None:
+        if unusual:
             self.stats.fallback_calls += 1
             self._warn_once(("unusual", layer), f"layer {self.layers[layer]}: attention call not handled "
                             "(causal, dropout, GQA or cross-attention); running it dense")
+            return original()
+        if grid is None:
+            self.stats.fallback_calls += 1
+            self._warn_once(("grid", layer), f"layer {self.layers[layer]}: the adapter gives no single token "
+                            "grid for this call (e.g. reference images of another size); running it dense")
             return original()
         batch, heads, seq, _ = q.shape
         video_len = math.prod(grid)
@@ -218,7 +236,7 @@ class Patch:
                 f"{grid} has {video_len}; the adapter's layout does not fit this model"
             )
         layout = TokenLayout(grid, text_len, self.adapter.text_position if text_len else "none")
-        key_mask, mask_ok = key_mask_from_attn_mask(call["attn_mask"], batch, seq, seq)
+        key_mask, query_mask, mask_ok = key_mask_from_attn_mask(call["attn_mask"], batch, seq, seq)
         if not mask_ok:
             self.stats.fallback_calls += 1
             self._warn_once(("mask", layer), f"layer {self.layers[layer]}: the model's attention mask is not a "
@@ -227,31 +245,29 @@ class Patch:
 
         dense = (self._method.name == "dense" or local_layer < self.config.dense_layers
                  or self.tracker.is_dense(self.config.dense_steps))
-        if dense:
+        plan = None if dense else self._plan(layout, heads, q)
+        if plan is None:  # dense step or layer, or a layout the method computes densely anyway
             self.stats.dense_calls += 1
-            self._record(layer, LayerRecord(layout, True, None, key_mask, heads))
+            self._record(layer, LayerRecord(layout, True, None, key_mask, heads, query_mask))
             return original()
-
-        plan = self._plan(layout, heads, q)
         self.stats.sparse_calls += 1
         self.stats.densities.append(plan.density)
         self.stats.padding_fractions.append(plan.padding_fraction)
         self.stats.plan_names.add(plan.name)
-        self._record(layer, LayerRecord(layout, False, plan, key_mask, heads))
-        return run_plan(q, k, v, plan, key_mask=key_mask, scale=call["scale"], backend=self.backend)
+        self._record(layer, LayerRecord(layout, False, plan, key_mask, heads, query_mask))
+        return run_plan(q, k, v, plan, key_mask=key_mask, scale=call["scale"], backend=self.backend,
+                        query_mask=query_mask)
 
     def _plan(self, layout, heads, q):
         if self._method.dynamic:
             self.stats.plans_built += 1
             return self._method.plan(layout, self.config, heads, q.device, q=q)
         key = (layout, heads, str(q.device))
-        plan = self._plans.get(key)
-        if plan is None:
+        if key not in self._plans:
             self._method.check_layout(layout, self.config)
-            plan = self._method.plan(layout, self.config, heads, q.device)
-            self._plans[key] = plan
+            self._plans[key] = self._method.plan(layout, self.config, heads, q.device)
             self.stats.plans_built += 1
-        return plan
+        return self._plans[key]
 
     def _record(self, layer, record):
         if self.record_masks:
@@ -291,8 +307,11 @@ class Patch:
             mask = torch.ones(seq, seq, dtype=torch.bool)
             if record.key_mask is not None:
                 mask &= record.key_mask[0].cpu()[None, :]
-            return mask
-        return record.plan.token_mask(head, record.key_mask).cpu()
+        else:
+            mask = record.plan.token_mask(head, record.key_mask).cpu()
+        if record.query_mask is not None:
+            mask &= record.query_mask[0].cpu()[:, None]
+        return mask
 
     def last_plan(self, layer):
         """The ``BlockPlan`` of ``layer``'s latest call (None when it ran dense); needs record_masks."""

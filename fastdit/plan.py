@@ -96,12 +96,13 @@ class BlockPlan:
         return mask
 
 
-def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto"):
+def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mask=None):
     """Attention of model-order ``q, k, v`` ``(B, H, S, D)`` under ``plan``; returns ``(B, H, S, D)``.
 
     Tokens are permuted into kernel order (padding slots read token 0 and are masked as keys;
     their query rows are dropped on the way back), the engine runs, and the output is returned in
-    model order.
+    model order. ``key_mask`` ``(B, S)``: False keys are never attended; ``query_mask`` ``(B, S)``:
+    False query rows are 0 (fully masked rows, as the model's own attention gives them).
     """
     if plan.perm is not None:
         index = plan.gather_index
@@ -112,4 +113,6 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto"):
     )
     if plan.inverse is not None:
         out = out.index_select(2, plan.inverse)
+    if query_mask is not None:
+        out = out * query_mask.to(device=out.device, dtype=out.dtype)[:, None, :, None]
     return out

@@ -6,6 +6,7 @@ from .adapters import (
     find_adapter,
     register_adapter,
     supported_families,
+    unregister_adapter,
 )
 
 
@@ -17,4 +18,4 @@ def tiny(name, **overrides):
 
 
 __all__ = ["Adapter", "UnsupportedModelError", "adapters", "find_adapter", "register_adapter",
-           "supported_families", "tiny"]
+           "supported_families", "tiny", "unregister_adapter"]

@@ -15,8 +15,8 @@ class LayerCapture:
         self.calls = []
         original = patch_module.run_plan
 
-        def recording_run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto"):
-            out = original(q, k, v, plan, key_mask=key_mask, scale=scale, backend=backend)
+        def recording_run_plan(q, k, v, plan, key_mask=None, scale=None, **kwargs):
+            out = original(q, k, v, plan, key_mask=key_mask, scale=scale, **kwargs)
             self.calls.append((q.detach().clone(), k.detach().clone(), v.detach().clone(), scale, out.detach().clone()))
             return out
 

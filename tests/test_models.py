@@ -46,10 +46,7 @@ OPTIONS = {
 COMMON = dict(dense_steps=0, dense_layers=0)
 
 #: Cases whose sparse calls currently fall back to dense (see the reason).
-DENSE_FALLBACK = {
-    "hunyuan_video15": "the model passes a (query x key) mask valid[q] & valid[k], which the patcher does not "
-                       "yet read as a key mask, so every call runs the model's own attention",
-}
+DENSE_FALLBACK = {}
 
 
 def method_options(method, case):
@@ -115,8 +112,8 @@ class Recorder:
             self.handles.append(module.register_forward_pre_hook(lambda m, a, layer=layer: self._enter(layer)))
         original = patch_module.run_plan
 
-        def recording(q, k, v, plan, key_mask=None, scale=None, backend="auto"):
-            out = original(q, k, v, plan, key_mask=key_mask, scale=scale, backend=backend)
+        def recording(q, k, v, plan, key_mask=None, scale=None, **kwargs):
+            out = original(q, k, v, plan, key_mask=key_mask, scale=scale, **kwargs)
             self.calls.append((self.current, q.detach().clone(), k.detach().clone(), v.detach().clone(), scale,
                                out.detach().clone()))
             return out

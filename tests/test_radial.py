@@ -261,9 +261,13 @@ def test_bad_input():
             fastdit.patch(model, "radial", **options)
     with pytest.raises(ValueError, match="video model"):
         R.Radial().check_family(types.SimpleNamespace(video=False, family="flux"), R.RadialConfig())
-    p = fastdit.patch(model, "radial", dense_steps=0, dense_layers=0, block_size=64)
-    with pytest.raises(ValueError, match="at least 2 latent frames"), torch.no_grad():
-        model(**wan_inputs(frames=1))
+    # A single frame has no temporal decay: the call runs the model's own (dense) attention.
+    inputs = wan_inputs(frames=1)
+    with torch.no_grad():
+        reference = model(**inputs).sample
+        p = fastdit.patch(model, "radial", dense_steps=0, dense_layers=0, block_size=64)
+        assert torch.equal(model(**inputs).sample, reference)
+        assert p.stats.sparse_calls == 0 and p.stats.dense_calls == len(p.layers)
     p.remove()
     assert fastdit.RadialConfig is R.RadialConfig and "radial" in fastdit.methods()
 

@@ -86,6 +86,7 @@ class Method:
         """Raise ValueError when the method cannot run on this layout (e.g. radial on one frame)."""
 
     def plan(self, layout, config, num_heads, device, q=None, k=None):
+        """The ``BlockPlan`` for ``layout``, or None to run the model's own dense attention."""
         raise NotImplementedError
 
 

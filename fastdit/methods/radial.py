@@ -288,16 +288,11 @@ class Radial(Method):
                 f"{adapter.family!r} is an image family. Use another method, e.g. 'sta' or 'dense'."
             )
 
-    def check_layout(self, layout, config):
-        if layout.frames < 2:
-            raise ValueError(
-                f"radial attention needs at least 2 latent frames, got the layout {layout.describe()}: a single "
-                "frame has no temporal distance to decay over (its radial mask would be dense). Generate more "
-                "frames or use the 'dense' method for single-frame calls."
-            )
-
     def plan(self, layout, config, num_heads, device, q=None, k=None):
-        self.check_layout(layout, config)
+        if layout.frames < 2:
+            # A single frame has no temporal distance to decay over: its radial mask is dense, so
+            # the call runs the model's own attention (a video model asked for one frame).
+            return None
         mask, perm, n_video = block_mask(layout, config)
         indices, counts = mask_to_indices(mask)
         B = config.block_size
