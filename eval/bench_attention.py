@@ -167,12 +167,14 @@ def sdpa_variants(cuda):
 _FLEX = {}
 
 
-def flex_block_mask(kv_indices, kv_counts, n_q, n_k, block_m, block_n):
+def flex_block_mask(kv_indices, kv_counts, n_q, n_k, block_m, block_n, token_mask=False):
     """A FlexAttention BlockMask of a ``(1, 1, ...)`` plan.
 
     Every listed block is a *full* block, so the compiled kernel visits exactly the plan's blocks
-    and never calls ``mask_mod``; ``mask_mod`` states the same plan at token level (what eager
-    FlexAttention evaluates), and keys past ``Nk`` are cut by ``seq_lengths``."""
+    and never calls ``mask_mod``; keys past ``Nk`` are cut by ``seq_lengths``. With
+    ``token_mask=True`` ``mask_mod`` also states the plan at token level, which is what eager
+    FlexAttention evaluates (checks on the CPU); the benchmark leaves it out so that every plan
+    shares one ``mask_mod`` and the compiled kernel is not recompiled per plan."""
     import inspect
 
     from torch.nn.attention.flex_attention import BlockMask
@@ -197,7 +199,8 @@ def flex_block_mask(kv_indices, kv_counts, n_q, n_k, block_m, block_n):
     if "seq_lengths" in params:
         kwargs["seq_lengths"] = (n_q, n_k)
     return BlockMask.from_kv_blocks(
-        torch.zeros_like(cnt), idx, cnt, idx, BLOCK_SIZE=(block_m, block_n), mask_mod=mask_mod, **kwargs
+        torch.zeros_like(cnt), idx, cnt, idx, BLOCK_SIZE=(block_m, block_n),
+        mask_mod=mask_mod if token_mask else None, **kwargs,
     )
 
 
@@ -273,28 +276,40 @@ def run_checks(device, triton_ok, log):
         log(f"  {'PASS' if ok else 'FAIL'}  small/{name:<24} {backend:<6} {msg}")
 
     if device.type == "cuda" and triton_ok:
+        # the tuned configs of the benchmark's shapes (same autotune keys), then the kv_valid path
+        # on Wan with the default config (no extra autotuning)
         for case in big_cases():
-            if case["name"] not in ("wan480_d0.1", "hunyuan720_sta"):
-                continue
-            results.append(_check_big(case, device, log))
+            if case["name"] in ("wan480_d0.1", "hunyuan720_sta"):
+                results.append(_check_big(case, device, log))
+            if case["name"] == "wan480_d0.1":
+                wan = case
+        old = os.environ.get("FASTDIT_TRITON_AUTOTUNE")
+        os.environ["FASTDIT_TRITON_AUTOTUNE"] = "0"
+        try:
+            results.append(_check_big(wan, device, log, with_kv_valid=True))
+        finally:
+            if old is None:
+                os.environ.pop("FASTDIT_TRITON_AUTOTUNE", None)
+            else:
+                os.environ["FASTDIT_TRITON_AUTOTUNE"] = old
     else:
         log("  skip  large shapes vs torch fallback (CUDA only)")
     return results
 
 
-def _check_big(case, device, log):
+def _check_big(case, device, log, with_kv_valid=False):
     gen = torch.Generator(device=device).manual_seed(1234)
     B, H, N, D, dtype = 1, case["H"], case["N"], 128, torch.bfloat16
     bm = bn = case["block"]
     q, k, v = (torch.randn(B, H, N, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
     idx, cnt = case["plan"](device)
-    kv_valid = torch.rand(B, N, generator=gen, device=device) > 0.02 if case["name"].startswith("wan") else None
+    kv_valid = torch.rand(B, N, generator=gen, device=device) > 0.02 if with_kv_valid else None
     name = f"large/{case['name']}" + ("+kv_valid" if kv_valid is not None else "")
     try:
         out, lse = block_sparse_attention(q, k, v, idx, cnt, bm, bn, kv_valid=kv_valid, backend="triton")
         n_qb = idx.shape[2]
         picks = sorted({0, 1, n_qb // 2, n_qb - 2, n_qb - 1, int(torch.randint(0, n_qb, (1,)))})
-        worst, inf_ok = 0.0, True
+        worst, lse_err, inf_ok = 0.0, 0.0, True
         for m in picks:
             r0, r1 = m * bm, min((m + 1) * bm, N)
             o_ref, l_ref = block_sparse_attention(
@@ -305,9 +320,9 @@ def _check_big(case, device, log):
             fin = torch.isfinite(l_ref)
             inf_ok &= torch.equal(torch.isneginf(lse[:, :, r0:r1]), ~fin)
             if fin.any():
-                worst = max(worst, (lse[:, :, r0:r1][fin] - l_ref[fin]).abs().max().item() / 10)
-        ok = bool(torch.isfinite(out).all()) and worst < 2e-2 and inf_ok
-        msg = f"blocks={picks} worst_rel={worst:.2e}"
+                lse_err = max(lse_err, (lse[:, :, r0:r1][fin] - l_ref[fin]).abs().max().item())
+        ok = bool(torch.isfinite(out).all()) and worst < 2e-2 and lse_err < 1e-2 and inf_ok
+        msg = f"blocks={picks} worst_rel={worst:.2e} lse_err={lse_err:.1e}"
     except Exception as e:
         ok, msg = False, f"{type(e).__name__}: {e}"
     log(f"  {'PASS' if ok else 'FAIL'}  {name:<30} triton {msg}")
@@ -537,9 +552,9 @@ def main(argv=None):
         density = pairs / (B * H * N * N)
         runners = [(f"fastdit_{sparse_backend}",
                     lambda: block_sparse_attention(q, k, v, idx, cnt, blk, blk, return_lse=False, backend=sparse_backend))]
-        if cuda and not args.no_flex:
+        if cuda and not args.no_flex and case["dtype"] != torch.float32:
             try:
-                bmask = flex_block_mask(idx, cnt, N, N, blk, blk)
+                bmask = flex_block_mask(idx, cnt, N, N, blk, blk)  # shared mask_mod: one compile per shape
                 flex = flex_fn(compiled=True)
                 runners.append(("flex", lambda: flex(q, k, v, block_mask=bmask)))
             except Exception as e:

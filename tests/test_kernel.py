@@ -358,3 +358,26 @@ def test_triton_cpu_without_interpreter(monkeypatch):
     # "auto" picks the fallback for CPU tensors
     out = _call(q, k, v, idx, cnt, backend="auto", return_lse=False)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("block_m,block_n,dim,dtype", [
+    (128, 128, 128, torch.bfloat16), (384, 384, 128, torch.bfloat16), (48, 40, 72, torch.float16),
+    (16, 16, 64, torch.float32), (64, 64, 256, torch.float16), (128, 128, 64, torch.float32),
+])
+def test_autotune_prune(block_m, block_n, dim, dtype, monkeypatch):
+    """The pruning filter keeps tiles within the plan block (next power of two), never returns an
+    empty list, and keeps the K/V pipeline inside an A100-sized shared memory."""
+    from fastdit.kernels import block_sparse_triton as bst
+
+    monkeypatch.setitem(bst._SMEM_CACHE, 0, 163 * 1024)
+    q = torch.empty(1, 1, 8, dim, dtype=dtype)
+    nargs = {"block_m": block_m, "block_n": block_n, "BLOCK_D": max(16, bst._next_pow2(dim)), "Q": q}
+    kept = bst._prune_configs(bst.AUTOTUNE_CONFIGS, nargs)
+    assert kept
+    for c in kept:
+        assert c.kwargs["BLOCK_M"] <= max(16, bst._next_pow2(block_m))
+        assert c.kwargs["BLOCK_N"] <= max(16, bst._next_pow2(block_n))
+        assert c.kwargs["BLOCK_M"] >= 16 and c.kwargs["BLOCK_N"] >= 16
+    if block_m >= 128 and dtype != torch.float32 and dim <= 128:
+        assert any(c.kwargs["BLOCK_M"] == 128 for c in kept), "128-row query tiles must stay candidates"
