@@ -1,0 +1,173 @@
+"""``fastdit eval`` (and ``python -m fastdit.eval``): dense and methods over prompts x seeds, scored.
+
+    fastdit eval --methods dense,sta,radial --prompts vbench --seeds 0,1 --metrics psnr,ssim,vbench --out runs/eval
+    accelerate launch --multi_gpu --num_processes 2 -m fastdit.eval ...   # shards samples over processes
+
+Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/plots/*.png``; re-running the same
+command resumes (finished samples are kept). See ``fastdit.eval.runner`` for what is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_METRICS = "psnr,ssim,vbench"
+
+
+def add_eval_arguments(parser):
+    from fastdit.cli import add_generation_arguments
+
+    add_generation_arguments(parser)
+    parser.add_argument("--methods", default="dense,sta", help="comma-separated methods; dense always runs, first")
+    parser.add_argument("--set", action="append", metavar="METHOD.OPTION=VALUE",
+                        help="method option for every setting of METHOD, e.g. --set sta.window=3,3,3 (repeatable)")
+    parser.add_argument("--grid", action="append", metavar="METHOD.OPTION=V1,V2",
+                        help="one setting per value, e.g. --grid sta.dense_steps=0,0.25; separate values with ';' when "
+                             "they contain commas: --grid 'sta.window=3,3,3;5,5,5' (repeatable: the product is run)")
+    parser.add_argument("--prompts", default="coco",
+                        help="prompt file (.txt one per line, or .json list of strings / {prompt_en, dimension}); "
+                             "'coco' or 'vbench' for the shipped sets (default coco)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds or ranges, e.g. 0,1 or 0-4")
+    parser.add_argument("--metrics", default=DEFAULT_METRICS,
+                        help="comma-separated, from psnr, ssim, lpips, fid, clip, vbench (default %(default)s)")
+    parser.add_argument("--negative-prompt", default=None)
+    parser.add_argument("--out", default="fastdit_eval", help="output folder (samples/, results.json, results.md, plots/)")
+    parser.add_argument("--fps", type=int, default=16)
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--lpips-net", default="alex", choices=["alex", "vgg"])
+    parser.add_argument("--lpips-weights", default=None,
+                        help="folder with the LPIPS files (default $FASTDIT_LPIPS_WEIGHTS or ~/.cache/fastdit/lpips)")
+    parser.add_argument("--fid-weights", default=None,
+                        help="pt_inception-2015-12-05-6726825d.pth or its folder (default $FASTDIT_FID_WEIGHTS or "
+                             "~/.cache/fastdit/fid)")
+    parser.add_argument("--fid-frames", type=int, default=16, help="evenly spaced frames per video that enter FID")
+    parser.add_argument("--clip-model", default=None,
+                        help="local HF-format CLIP folder or a cached hub id (default $FASTDIT_CLIP_MODEL or "
+                             "openai/clip-vit-large-patch14 from the HF cache)")
+    parser.add_argument("--vbench-python", default=None,
+                        help="python of VBench's own environment (default $FASTDIT_VBENCH_PYTHON); without it the vbench "
+                             "metric gives the native temporal flickering only")
+    parser.add_argument("--vbench-dimensions", default=None,
+                        help="comma-separated VBench dimensions (default: the prompt file's dimension tags, else the "
+                             "dimensions that work on custom prompts)")
+    return parser
+
+
+def parse_seeds(text):
+    seeds = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        try:
+            lo, dash, hi = part.partition("-")
+            seeds.extend(range(int(lo), int(hi) + 1) if dash else [int(part)])
+        except ValueError:
+            raise SystemExit(f"fastdit eval: --seeds expects integers or ranges like 0,1 or 0-4, got {text!r}") from None
+    return seeds
+
+
+def parse_grid(entries, methods):
+    from fastdit.cli import parse_value
+
+    grid = {}
+    for entry in entries or []:
+        key, sep, values = entry.partition("=")
+        method, dot, option = key.partition(".")
+        if not sep or not dot or not option or not values.strip():
+            raise SystemExit(f"fastdit eval: --grid expects METHOD.OPTION=V1,V2,..., got {entry!r}")
+        if method not in methods:
+            raise SystemExit(f"fastdit eval: --grid {entry!r} names method {method!r}, which is not in --methods "
+                             f"{','.join(methods)}")
+        parts = values.split(";") if ";" in values else values.split(",")
+        grid.setdefault(method, {})[option] = [parse_value(v) for v in parts if v.strip()]
+    return grid
+
+
+def config_from_args(args):
+    """An ``EvalConfig`` from parsed arguments (SystemExit with a clear message on bad input)."""
+    import os
+
+    from fastdit.cli import parse_options
+    from fastdit.eval.runner import EvalConfig, EvalError, load_prompts
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = ["dense"] + [m for m in methods if m != "dense"]
+    import fastdit
+
+    unknown = [m for m in methods if m not in fastdit.methods()]
+    if unknown:
+        raise SystemExit(f"fastdit eval: unknown method(s) {', '.join(unknown)}; available: {', '.join(fastdit.methods())}")
+    options = parse_options(args.set, methods)
+    grid = parse_grid(args.grid, methods)
+    from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
+
+    try:
+        is_tiny = tiny_name(args.model) is not None
+    except ModelNotFoundError as error:
+        raise SystemExit(f"fastdit eval: {error}") from None
+    if is_tiny:
+        from fastdit.compare import TINY_METHOD_OPTIONS
+
+        for method, preset in TINY_METHOD_OPTIONS.items():
+            if method in methods:
+                options[method] = {**preset, **options.get(method, {})}
+    try:
+        prompts = load_prompts(args.prompts)
+    except EvalError as error:
+        raise SystemExit(f"fastdit eval: {error}") from None
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
+            "guidance": args.guidance, "negative_prompt": args.negative_prompt}
+    return EvalConfig(
+        out=args.out, model=args.model, methods=methods, options=options, grid=grid, prompts=prompts,
+        prompts_file=args.prompts, seeds=parse_seeds(args.seeds), metrics=metrics,
+        call={k: v for k, v in call.items() if v is not None}, device=args.device, dtype=args.dtype,
+        backend=args.backend, fps=args.fps, warmup=not args.no_warmup, progress=not args.no_progress,
+        lpips_net=args.lpips_net, lpips_weights=args.lpips_weights, fid_weights=args.fid_weights,
+        fid_frames=args.fid_frames, clip_model=args.clip_model,
+        vbench_python=args.vbench_python or os.environ.get("FASTDIT_VBENCH_PYTHON") or None,
+        vbench_dimensions=[d.strip() for d in args.vbench_dimensions.split(",") if d.strip()] if args.vbench_dimensions else None,
+        plots=not args.no_plots,
+    )
+
+
+def cmd_eval(args):
+    import torch
+    from accelerate import PartialState
+
+    from fastdit.eval.runner import EvalError, run_eval
+
+    cfg = config_from_args(args)
+    cpu = (args.device or "").startswith("cpu") or not torch.cuda.is_available()
+    state = PartialState(cpu=cpu)
+    try:
+        run_eval(cfg, state)
+    except EvalError as error:
+        raise SystemExit(f"fastdit eval: {error}") from None
+    return 0
+
+
+def add_eval_parser(subparsers):
+    """Add the ``eval`` subcommand to ``fastdit``'s subparsers."""
+    parser = subparsers.add_parser("eval", help="dense and methods over prompts x seeds: latency, speedup, quality "
+                                                "metrics; results.json, results.md, plots (resumable, accelerate-shardable)")
+    add_eval_arguments(parser)
+    parser.set_defaults(func=cmd_eval)
+    return parser
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m fastdit.eval", description=__doc__.splitlines()[0])
+    add_eval_arguments(parser)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return cmd_eval(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""``fastdit eval`` / ``python -m fastdit.eval`` on the tiny Wan model at the tiny test size.
+
+One module-scoped run (dense + sta, 2 prompts x 1 seed) serves the report, resume and
+two-process tests; bad input must fail before any generation.
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fastdit.cli_eval import main as eval_main
+from fastdit.eval import runner
+from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS
+
+SIZE = TINY_TEST_DEFAULTS["wan"]
+
+
+def _args(out, prompts, seeds="0", metrics="psnr,ssim,vbench", extra=()):
+    return ["--model", "tiny-wan", "--frames", str(SIZE["num_frames"]), "--height", str(SIZE["height"]),
+            "--width", str(SIZE["width"]), "--steps", str(SIZE["num_inference_steps"]), "--device", "cpu",
+            "--methods", "dense,sta", "--set", "sta.tile=1,2,2", "--set", "sta.dense_steps=0",
+            "--prompts", str(prompts), "--seeds", seeds, "--metrics", metrics, "--out", str(out),
+            "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "two.txt"
+    path.write_text("# two prompts\nA red fox runs through fresh snow.\n\nA boat sails on a calm lake.\n")
+    return path
+
+
+class Counter:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = runner.timed_generate
+
+        def counted(pipe, sample, *args, **kwargs):
+            self.calls.append(sample.key)
+            return real(pipe, sample, *args, **kwargs)
+
+        monkeypatch.setattr(runner, "timed_generate", counted)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, prompts):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    mp = pytest.MonkeyPatch()
+    counter = Counter(mp)
+    try:
+        assert eval_main(_args(out, prompts)) == 0
+    finally:
+        mp.undo()
+    return out, counter.calls
+
+
+def _load(out):
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
+def test_run_writes_results_table_and_plots(first_run):
+    out, calls = first_run
+    assert len(calls) == 4  # 2 settings x 2 prompts x 1 seed
+    results = _load(out)
+    assert results["schema"] == runner.SCHEMA
+    assert [s["setting"] for s in results["settings"]] == ["dense", "sta"]
+    assert len(results["samples"]) == 4
+    dense, sta = results["settings"]
+    assert dense["speedup"] == pytest.approx(1.0) and dense["psnr"] is None
+    assert sta["speedup"] > 0 and sta["latency_s"] > 0 and 0 < sta["density"] < 1
+    assert sta["psnr"] > 10 and 0 < sta["ssim"] <= 1
+    for setting in results["settings"]:  # every run gets a VBench number: native temporal flickering
+        assert 0 < setting["temporal_flickering"] <= 1
+    assert any("vbench-python" in note for note in results["notes"])
+    assert results["call"]["num_frames"] == SIZE["num_frames"] and results["call"]["num_inference_steps"] == 2
+    for row in results["samples"]:
+        assert os.path.isfile(os.path.join(out, row["video"])) and os.path.isfile(os.path.join(out, row["frames"]))
+        assert row["shape"] == [SIZE["num_frames"], SIZE["height"], SIZE["width"], 3]
+    table = open(os.path.join(out, "results.md")).read()
+    assert "| `sta` |" in table and "psnr (dB)" in table
+    for name in ["speedup_vs_psnr", "speedup_vs_ssim", "speedup_vs_temporal_flickering", "per_prompt_psnr",
+                 "per_prompt_speedup"]:
+        path = os.path.join(out, "plots", name + ".png")
+        assert os.path.getsize(path) > 1000, path
+
+
+def test_resume_regenerates_only_missing(first_run, prompts, tmp_path, monkeypatch):
+    out, _ = first_run
+    run = tmp_path / "resume"
+    shutil.copytree(out, run)
+    before = _load(run)
+    os.remove(run / "samples" / "sta" / "1_0.json")  # an interrupted sample: video may exist, record does not
+    counter = Counter(monkeypatch)
+    assert eval_main(_args(run, prompts)) == 0
+    assert counter.calls == [("sta", 1, 0)]
+    after = _load(run)
+    assert _strip(after["samples"])[:3] == _strip(before["samples"])[:3]
+    counter.calls.clear()
+    assert eval_main(_args(run, prompts)) == 0  # everything done: nothing generated, pipeline not loaded
+    assert counter.calls == []
+
+
+def _strip(value):
+    """Drop the fields that depend on timing and the machine."""
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in runner.TIMING_FIELDS}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def _assert_close(a, b, path=""):
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _assert_close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-6), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(first_run, prompts, tmp_path):
+    out, _ = first_run
+    two = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           "-m", "fastdit.eval", *_args(two, prompts)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one_results, two_results = _load(out), _load(two)
+    assert two_results["num_processes"] == 2 and one_results["num_processes"] == 1
+    ranks = {line.split("]")[0] for line in proc.stdout.splitlines() if line.startswith("[rank ")}
+    assert ranks == {"[rank 0", "[rank 1"}, proc.stdout[-2000:]
+    _assert_close(_strip(one_results), _strip(two_results))
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--metrics", "psnr,bogus"], "unknown metric"),
+    (["--methods", "dense,nope"], "unknown method"),
+    (["--metrics", "psnr,lpips", "--lpips-weights", "/nonexistent/lpips"], "alex.pth"),
+    (["--metrics", "fid", "--fid-weights", "/nonexistent/fid"], "pt_inception"),
+    (["--metrics", "clip", "--clip-model", "/nonexistent/clip"], "config.json"),
+])
+def test_bad_input_fails_before_generating(change, message, prompts, tmp_path, monkeypatch):
+    counter = Counter(monkeypatch)
+    monkeypatch.setattr(runner, "_load_pipe", lambda *a: pytest.fail("pipeline loaded despite bad input"))
+    argv = _args(tmp_path / "bad", prompts)
+    for flag, value in zip(change[::2], change[1::2]):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    with pytest.raises(SystemExit) as info:
+        eval_main(argv)
+    assert message in str(info.value)
+    assert counter.calls == []
+
+
+@pytest.mark.parametrize("content, name, message", [
+    ("", "empty.txt", "holds no prompts"),
+    ("# only a comment\n\n", "comments.txt", "holds no prompts"),
+    ('[{"prompt_en": "a cat"', "broken.json", "not valid JSON"),
+    ('{"prompt": "a cat"}', "object.json", "expected a JSON list"),
+    ('[{"text": "a cat"}]', "nofield.json", "no string 'prompt_en' or 'prompt'"),
+    ("[]", "emptylist.json", "holds no prompts"),
+])
+def test_bad_prompt_files(content, name, message, tmp_path):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        eval_main(_args(tmp_path / "out", path))
+    assert message in str(info.value) and str(path) in str(info.value)
+
+
+def test_missing_prompt_file_and_model(tmp_path, prompts):
+    with pytest.raises(SystemExit, match="does not exist"):
+        eval_main(_args(tmp_path / "out", tmp_path / "nope.txt"))
+    argv = _args(tmp_path / "out", prompts)
+    argv[argv.index("--model") + 1] = str(tmp_path / "no_model_here")
+    with pytest.raises(SystemExit, match="no such folder"):
+        eval_main(argv)
+
+
+def test_shipped_prompt_files():
+    vbench = runner.load_prompts("vbench")
+    assert len(vbench) >= 10 and all(p.dimension for p in vbench)
+    assert any("temporal_flickering" in p.dimension for p in vbench)
+    coco = runner.load_prompts("coco")
+    assert len(coco) >= 3 and all(not p.dimension and p.text.endswith(".") for p in coco)
+    strings = runner.load_prompts(runner.shipped_prompt_file("vbench"))
+    assert [p.text for p in strings] == [p.text for p in vbench]
+
+
+def test_grid_makes_one_setting_per_value():
+    cfg = runner.EvalConfig(out="unused", methods=["dense", "sta"], options={"sta": {"tile": (1, 2, 2)}},
+                            grid={"sta": {"dense_steps": [0, 0.25]}}, prompts=[runner.Prompt("a")], seeds=[0])
+    settings = runner.build_settings(cfg)
+    assert [s.name for s in settings] == ["dense", "sta[dense_steps=0]", "sta[dense_steps=0.25]"]
+    assert settings[2].options == {"tile": (1, 2, 2), "dense_steps": 0.25}
+    assert len({s.slug for s in settings}) == 3
+    with pytest.raises(runner.EvalError, match="window"):
+        runner.build_settings(runner.EvalConfig(out="x", methods=["sta"], options={"sta": {"window": (2, 2, 2)}}))
+
+
+def test_different_sizes_are_a_clear_error(first_run, prompts, tmp_path):
+    import numpy as np
+
+    out, _ = first_run
+    run = tmp_path / "sizes"
+    shutil.copytree(out, run)
+    npy = run / "samples" / "dense" / "0_0.npy"
+    np.save(npy, np.load(npy)[:, :-2])
+    for cache in (run / "samples").rglob("*.metrics.json"):
+        cache.unlink()
+    with pytest.raises(SystemExit, match="different sizes"):
+        eval_main(_args(run, prompts))
+
+
+def test_pareto_front():
+    points = [(1.0, 30.0), (2.0, 25.0), (1.5, 20.0), (3.0, 10.0)]
+    assert runner._pareto(points, higher_is_better=True) == [0, 1, 3]
+    assert runner._pareto([(1.0, 10.0), (2.0, 20.0), (1.5, 5.0)], higher_is_better=False) == [2, 1]
