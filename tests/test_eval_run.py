@@ -232,3 +232,60 @@ def test_pareto_front():
     points = [(1.0, 30.0), (2.0, 25.0), (1.5, 20.0), (3.0, 10.0)]
     assert runner._pareto(points, higher_is_better=True) == [0, 1, 3]
     assert runner._pareto([(1.0, 10.0), (2.0, 20.0), (1.5, 5.0)], higher_is_better=False) == [2, 1]
+
+
+FAKE_VBENCH = '''#!{python}
+"""A stand-in for VBench's interpreter: answers run_vbench's probe and writes a results file."""
+import json, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+if sys.argv[1] == "-c":
+    os.makedirs(os.path.join(here, "vbench", "launch"), exist_ok=True)
+    open(os.path.join(here, "vbench", "launch", "evaluate.py"), "w").close()
+    print(os.path.join(here, "vbench"))
+    sys.exit(0)
+args = sys.argv[1:]
+dims = args[args.index("--dimension") + 1:]
+dims = dims[:next((i for i, a in enumerate(dims) if a.startswith("--")), len(dims))]
+out = args[args.index("--output_path") + 1]
+videos = sorted(os.listdir(args[args.index("--videos_path") + 1]))
+with open(os.path.join(out, "fake_eval_results.json"), "w") as f:
+    json.dump({{d: [0.9, [{{"video_path": v, "video_results": 0.9}} for v in videos]] for d in dims}}, f)
+'''
+
+
+def test_metrics_added_later_without_regenerating(first_run, prompts, tmp_path, monkeypatch):
+    """lpips (random weights in the official formats) and full VBench (a fake interpreter) on a
+    finished run: only metrics are computed, cached values are kept, nothing is generated."""
+    import torch
+
+    from fastdit.eval.fidelity import LPIPS
+
+    out, _ = first_run
+    run = tmp_path / "more"
+    shutil.copytree(out, run)
+    weights = tmp_path / "lpips"
+    weights.mkdir()
+    torch.manual_seed(0)
+    net = LPIPS("alex")
+    torch.save({f"features.{k}": v for k, v in net.features.state_dict().items()}, weights / "alexnet-owt-7be5be79.pth")
+    torch.save({f"lin{i}.model.1.weight": torch.rand(1, c, 1, 1) for i, c in enumerate((64, 192, 384, 256, 256))},
+               weights / "alex.pth")
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_VBENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    counter = Counter(monkeypatch)
+    argv = _args(run, prompts, metrics="psnr,ssim,lpips,vbench",
+                 extra=["--lpips-weights", str(weights), "--vbench-python", str(fake),
+                        "--vbench-dimensions", "subject_consistency,temporal_flickering"])
+    assert eval_main(argv) == 0
+    assert counter.calls == []
+    before, after = _load(out), _load(run)
+    for old, new in zip(before["samples"], after["samples"]):
+        assert new["psnr"] == old["psnr"] and new["ssim"] == old["ssim"]
+        assert (new["lpips"] is None) == (new["setting"] == "dense")
+    assert after["settings"][1]["lpips"] >= 0
+    for setting in after["settings"]:
+        assert setting["vbench"]["dimensions"] == {"subject_consistency": 0.9, "temporal_flickering": 0.9}
+        assert setting["vbench_quality"] is not None
+    assert not any("vbench-python" in note for note in after["notes"])
+    assert os.path.isfile(run / "plots" / "speedup_vs_lpips.png")
