@@ -904,7 +904,14 @@ def write_reports(cfg, results):
     _atomic_write_json(os.path.join(cfg.out, "results.json"), results)
     with open(os.path.join(cfg.out, "results.md"), "w") as f:
         f.write(markdown_table(results))
-    return write_plots(results, os.path.join(cfg.out, "plots")) if cfg.plots else []
+    if not cfg.plots:
+        return []
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("note: matplotlib is not installed, so no plots were drawn (pip install 'fastdit[eval]')")
+        return []
+    return write_plots(results, os.path.join(cfg.out, "plots"))
 
 
 # --------------------------------------------------------------------------------------------
