@@ -141,6 +141,10 @@ def build_parser():
 
     methods = sub.add_parser("methods", help="list the available attention methods")
     methods.set_defaults(func=cmd_methods)
+
+    from fastdit.cli_eval import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
