@@ -1,0 +1,565 @@
+"""Tiny, offline, randomly initialised diffusers video DiT pipelines.
+
+Everything is built from configs in code (no hub access, no weights): the
+transformer, the VAE, the text encoder(s), the image encoder and the
+tokenizers (small WordPiece tokenizers over a built-in English vocabulary
+with a per-character fallback, so any ASCII prompt tokenizes and different
+prompts give different embeddings).
+
+API
+---
+``tiny(name, seed=0, **overrides) -> DiffusionPipeline``
+    Build a whole pipeline (fp32, CPU, eval mode).  ``name`` is one of
+    :data:`TINY_MODELS`.
+``tiny_transformer(name, seed=0, **overrides)``
+    Build only the transformer; its weights are identical to
+    ``tiny(name, seed=seed, **overrides).transformer``.
+``TINY_DEFAULTS[name]``
+    Call arguments for ``pipe(prompt, **TINY_DEFAULTS[name], output_type="np")``
+    sized so that attention dominates the run time on a small CPU
+    (about 4.6k video tokens, 2-4 transformer layers, tiny VAE / text encoders).
+``TINY_TEST_DEFAULTS[name]``
+    Same, with a very small, odd latent token grid (3x5x7 = 105 tokens) and
+    2 inference steps, for unit tests.
+
+Overrides
+---------
+Plain keyword overrides go to the transformer config
+(e.g. ``tiny("wan", num_layers=4, attention_head_dim=32)``).  Per-component
+config overrides are passed as dicts under the component name: ``vae=``,
+``text_encoder=``, ``text_encoder_2=``, ``image_encoder=``, ``scheduler=``.
+Derived values are kept consistent automatically unless given explicitly:
+Wan I2V ``added_kv_proj_dim`` (= inner dim), HunyuanVideo ``rope_axes_dim``
+(must sum to ``attention_head_dim``), ``text_dim`` / ``text_embed_dim`` /
+``pooled_projection_dim`` / ``image_dim`` / ``in_channels`` from the encoder
+and VAE configs.
+
+Size granularity
+----------------
+All three pipelines use a VAE with spatial factor 8 and temporal factor 4 and
+a transformer patch of (t, h, w) = (1, 2, 2):
+
+* ``height`` and ``width`` must be multiples of 16 (8 * 2); the Wan I2V and
+  HunyuanVideo pipelines raise otherwise, Wan T2V rounds down with a warning.
+  Any multiple of 16 works, including odd token counts (e.g. 80 -> 5 tokens).
+* ``num_frames`` must be ``4k + 1`` (Wan rounds otherwise, HunyuanVideo
+  silently gives ``(num_frames - 1) // 4 + 1`` latent frames).
+* Latent token grid: ``((num_frames - 1) // 4 + 1, height // 16, width // 16)``.
+
+Pipeline notes
+--------------
+* ``wan_i2v``: the Wan attention processor hard-codes a text context of 512
+  tokens (``encoder_hidden_states.shape[1] - 512`` is taken as the image
+  context), so ``max_sequence_length`` must stay at the pipeline default 512.
+  An ``image`` (PIL or tensor) is required; ``TINY_DEFAULTS["wan_i2v"]``
+  carries a small deterministic one (:func:`tiny_image`).
+* ``hunyuan_video``: the default prompt template (``crop_start=95``) works
+  unchanged: the tiny Llama tokenizer is built so that the template prefix is
+  exactly 95 tokens, like the real Llama 3 tokenizer.  Text tokens are
+  appended AFTER the video tokens in the joint attention of both double- and
+  single-stream blocks; a boolean key mask ``[B, 1, 1, N_video + N_text]``
+  masks padded text tokens.  The guidance scale is embedded (one transformer
+  pass per step); true CFG only runs with ``true_cfg_scale > 1`` and a
+  negative prompt.
+* Wan (T2V and I2V) runs classifier-free guidance as two transformer passes
+  per step when ``guidance_scale > 1``; text tokens are only in cross-attention
+  (``attn2``), self-attention (``attn1``) is over video tokens only, no mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TINY_MODELS",
+    "TINY_DEFAULTS",
+    "TINY_TEST_DEFAULTS",
+    "tiny",
+    "tiny_transformer",
+    "tiny_tokenizer",
+    "tiny_image",
+]
+
+TINY_MODELS: tuple[str, ...] = ("wan", "wan_i2v", "hunyuan_video")
+
+# --------------------------------------------------------------------------- #
+# Tokenizers
+# --------------------------------------------------------------------------- #
+
+# Words of the HunyuanVideo prompt template (all whole-word tokens, except
+# "behaviors" which deliberately splits as "behavior" + "##s", so that the
+# template prefix is exactly 95 tokens = the pipeline's hardcoded crop_start).
+_TEMPLATE_WORDS = """
+system describe the video by detailing following aspects main content and theme of
+color shape size texture quantity text spatial relationships objects actions events
+behavior temporal physical movement changes background environment light style
+atmosphere camera angles movements transitions used in user
+""".split()
+
+_COMMON_WORDS = """
+a an this that these those is are was were be been being it its they them their there
+here he she his her we you i my your our of to for with on at from into onto over under
+above below behind between through across around near far up down left right front back
+inside outside out off and or but not no yes very more most less few many much some all
+each every other another one two three four five six seven eight nine ten first last
+next new old young big small large little tiny huge tall short long wide narrow high low
+hot cold warm cool bright dark light heavy soft hard fast slow quick quiet loud beautiful
+pretty ugly happy sad angry calm busy empty full clean dirty wet dry red orange yellow
+green blue purple pink brown black white gray grey golden silver man woman boy girl child
+children people person baby family friend crowd dog cat bird horse cow fish bear lion
+tiger elephant monkey rabbit fox wolf deer duck chicken car bus train plane boat ship bike
+bicycle truck road street city town village house home building tower bridge room kitchen
+window door table chair bed wall floor roof garden park forest tree trees flower flowers
+grass leaf leaves mountain mountains hill river lake sea ocean beach sand wave waves water
+rain snow ice fire smoke sky cloud clouds sun moon star stars night day morning evening
+sunset sunrise winter summer spring autumn weather wind storm field farm desert island
+walk walks walking run runs running jump jumps jumping fly flies flying swim swims swimming
+dance dances dancing sing sings singing play plays playing eat eats eating drink drinks
+drinking sit sits sitting stand stands standing look looks looking watch watches watching
+move moves moving turn turns turning ride rides riding drive drives driving hold holds
+holding open opens close closes fall falls falling rise rises rising smile smiles smiling
+talk talks talking read reads reading write writes writing cook cooks cooking work works
+working sleep sleeps sleeping wear wears wearing carry carries carrying throw throws catch
+catches push pull chase chases slowly quickly gently together alone while during before
+after then when where what who how why as like than so too also just only still again ever
+never always often together background foreground scene shot view close wide aerial camera
+pan pans zoom zooms tracking cinematic realistic photo film movie animation cartoon style
+painting art drawing detailed high quality resolution lighting shadow shadows reflection
+glass metal wood wooden stone paper plastic glowing shiny colorful vibrant soft gentle
+hat shirt dress coat shoes glasses ball book phone computer guitar piano music song game
+food bread apple cake coffee tea wine cup bowl plate box bag hand hands face eyes hair head
+""".split()
+
+_PUNCT = list(".,:;!?'\"()[]{}-_/\\&%$#@*+=<>|~`^")
+_CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789")
+
+# (bos, eos, pad, unk, extra specials, post-processor template)
+_TOKENIZER_SPECS: dict[str, dict[str, Any]] = {
+    # Llama-3 style: <|begin_of_text|> prepended, chat-header specials.
+    "llama": dict(
+        bos="<|begin_of_text|>",
+        eos="<|end_of_text|>",
+        pad="<|pad|>",
+        unk="<|unk|>",
+        extra=["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        single="{bos} $A",
+        model_max_length=1024,
+    ),
+    # UMT5 style: </s> appended, <pad> is id 0.
+    "t5": dict(
+        bos="<s>",
+        eos="</s>",
+        pad="<pad>",
+        unk="<unk>",
+        extra=[],
+        single="$A {eos}",
+        model_max_length=1024,
+        pad_first=True,
+    ),
+    # CLIP style: <|startoftext|> ... <|endoftext|>, 77 positions.
+    "clip": dict(
+        bos="<|startoftext|>",
+        eos="<|endoftext|>",
+        pad="<|pad|>",
+        unk="<|unk|>",
+        extra=[],
+        single="{bos} $A {eos}",
+        model_max_length=77,
+    ),
+}
+
+
+def _vocab_words() -> list[str]:
+    seen: dict[str, None] = {}
+    for w in _TEMPLATE_WORDS + _COMMON_WORDS + _CHARS + _PUNCT:
+        seen.setdefault(w, None)
+    seen.pop("behaviors", None)  # keep the template prefix at exactly 95 tokens (see _TEMPLATE_WORDS)
+    for c in _CHARS:
+        seen.setdefault("##" + c, None)
+    seen.setdefault("\n", None)
+    seen.setdefault("\n\n", None)
+    return list(seen)
+
+
+def tiny_tokenizer(kind: str = "llama"):
+    """A small offline ``PreTrainedTokenizerFast`` (kind: "llama", "t5" or "clip").
+
+    WordPiece over a built-in English vocabulary, lowercasing, single-character
+    fallback (``##x`` pieces) so any ASCII text maps to distinct ids, newlines
+    kept as tokens ("\\n\\n" is one token, as in Llama 3).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if kind not in _TOKENIZER_SPECS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {tuple(_TOKENIZER_SPECS)}")
+    spec = _TOKENIZER_SPECS[kind]
+    specials = [spec["pad"], spec["bos"], spec["eos"], spec["unk"]] if spec.get("pad_first") else [
+        spec["bos"], spec["eos"], spec["unk"], spec["pad"]]
+    specials = specials + list(spec["extra"])
+    tokens = specials + [w for w in _vocab_words() if w not in specials]
+    vocab = {t: i for i, t in enumerate(tokens)}
+
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=spec["unk"], max_input_chars_per_word=64))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    # keep: runs of newlines, words, single punctuation characters; drop spaces/tabs
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+        pre_tokenizers.Split(Regex(r"\n+|[^\w\s]"), behavior="isolated"),
+    ])
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(specials)
+    single = spec["single"].format(bos=spec["bos"], eos=spec["eos"])
+    used = [s for s in (spec["bos"], spec["eos"]) if s in single.split()]
+    tok.post_processor = processors.TemplateProcessing(
+        single=single,
+        pair=single + " $B",
+        special_tokens=[(s, vocab[s]) for s in used],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=spec["bos"],
+        eos_token=spec["eos"],
+        pad_token=spec["pad"],
+        unk_token=spec["unk"],
+        additional_special_tokens=list(spec["extra"]) or None,
+        model_max_length=spec["model_max_length"],
+        padding_side="right",
+        truncation_side="right",
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Component configs
+# --------------------------------------------------------------------------- #
+
+_Z = 4  # latent channels of both tiny VAEs
+_TEXT_DIM = 32  # hidden size of all tiny text encoders
+_IMAGE_DIM = 32  # hidden size of the tiny CLIP vision encoder
+
+_WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=64,
+    in_channels=_Z,
+    out_channels=_Z,
+    text_dim=_TEXT_DIM,
+    freq_dim=64,
+    ffn_dim=256,
+    num_layers=4,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=1024,
+)
+
+_WAN_I2V_TRANSFORMER = dict(
+    _WAN_TRANSFORMER,
+    in_channels=2 * _Z + 4,  # noise latents + VAE-encoded condition + 4 mask channels
+    image_dim=_IMAGE_DIM,
+    added_kv_proj_dim=None,  # derived: inner dim (num_heads * head_dim), as in Wan 2.1 I2V
+)
+
+_HUNYUAN_TRANSFORMER = dict(
+    in_channels=_Z,
+    out_channels=_Z,
+    num_attention_heads=2,
+    attention_head_dim=64,
+    num_layers=2,
+    num_single_layers=2,
+    num_refiner_layers=1,
+    mlp_ratio=2.0,
+    patch_size=2,
+    patch_size_t=1,
+    qk_norm="rms_norm",
+    guidance_embeds=True,
+    text_embed_dim=_TEXT_DIM,
+    pooled_projection_dim=_TEXT_DIM,
+    rope_theta=256.0,
+    rope_axes_dim=None,  # derived from attention_head_dim: (16, 24, 24) for 64
+)
+
+_WAN_VAE = dict(
+    base_dim=2,
+    z_dim=_Z,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=0,  # decoder still has one res block per stage
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    latents_mean=[0.0] * _Z,
+    latents_std=[1.0] * _Z,
+)
+
+_HUNYUAN_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=_Z,
+    down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+    up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+    block_out_channels=(2, 2, 2, 2),
+    layers_per_block=0,  # decoder still has one resnet per up block
+    norm_num_groups=1,
+    scaling_factor=0.476986,
+    spatial_compression_ratio=8,
+    temporal_compression_ratio=4,
+    # the mid-block attention of this VAE is full attention over ALL latent
+    # tokens of the video with a frame-causal mask; far too costly here.
+    mid_block_add_attention=False,
+)
+
+_UMT5 = dict(d_model=_TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+             relative_attention_num_buckets=8, relative_attention_max_distance=32,
+             dropout_rate=0.0, feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+_LLAMA = dict(hidden_size=_TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+              rms_norm_eps=1e-5)
+_CLIP_TEXT = dict(hidden_size=_TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, max_position_embeddings=77, projection_dim=_TEXT_DIM)
+_CLIP_VISION = dict(hidden_size=_IMAGE_DIM, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, image_size=32, patch_size=8, projection_dim=_IMAGE_DIM)
+
+_WAN_SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True,
+                      num_train_timesteps=1000, flow_shift=3.0)
+_HUNYUAN_SCHEDULER = dict(shift=7.0)
+
+_TRANSFORMER_CONFIGS = {
+    "wan": _WAN_TRANSFORMER,
+    "wan_i2v": _WAN_I2V_TRANSFORMER,
+    "hunyuan_video": _HUNYUAN_TRANSFORMER,
+}
+
+_COMPONENTS = {
+    "wan": ("vae", "text_encoder", "scheduler"),
+    "wan_i2v": ("vae", "text_encoder", "image_encoder", "scheduler"),
+    "hunyuan_video": ("vae", "text_encoder", "text_encoder_2", "scheduler"),
+}
+
+# --------------------------------------------------------------------------- #
+# Call arguments
+# --------------------------------------------------------------------------- #
+
+
+def tiny_image(height: int = 64, width: int = 64):
+    """A deterministic smooth RGB PIL image (the conditioning frame for wan_i2v)."""
+    import numpy as np
+    from PIL import Image
+
+    y = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None]
+    x = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :]
+    rgb = np.stack([
+        0.5 + 0.5 * np.sin(6.0 * x + 2.0 * y),
+        0.5 + 0.5 * np.cos(4.0 * y - 3.0 * x),
+        0.25 + 0.5 * x * y + 0.0 * x,
+    ], axis=-1)
+    return Image.fromarray((np.clip(rgb, 0, 1) * 255).astype(np.uint8))
+
+
+# Latent token grid (T, H, W) = ((num_frames - 1) // 4 + 1, height // 16, width // 16).
+# Default: 8 x 24 x 32 = 6144 video tokens (29 frames of 384 x 512).
+TINY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "wan": dict(num_frames=29, height=384, width=512, num_inference_steps=5,
+                guidance_scale=5.0, max_sequence_length=64),
+    "wan_i2v": dict(image=tiny_image(64, 64), num_frames=29, height=384, width=512,
+                    num_inference_steps=5, guidance_scale=5.0, max_sequence_length=512),
+    "hunyuan_video": dict(num_frames=29, height=384, width=512, num_inference_steps=8,
+                          guidance_scale=6.0, max_sequence_length=64),
+}
+
+# Test size: 3 x 5 x 7 = 105 video tokens (odd in every axis), 2 steps.
+TINY_TEST_DEFAULTS: dict[str, dict[str, Any]] = {
+    "wan": dict(num_frames=9, height=80, width=112, num_inference_steps=2,
+                guidance_scale=5.0, max_sequence_length=16),
+    "wan_i2v": dict(image=tiny_image(32, 32), num_frames=9, height=80, width=112,
+                    num_inference_steps=2, guidance_scale=5.0, max_sequence_length=512),
+    "hunyuan_video": dict(num_frames=9, height=80, width=112, num_inference_steps=2,
+                          guidance_scale=6.0, max_sequence_length=16),
+}
+
+# --------------------------------------------------------------------------- #
+# Builders
+# --------------------------------------------------------------------------- #
+
+_SEED_OFFSET = {"transformer": 0, "vae": 1, "text_encoder": 2, "text_encoder_2": 3, "image_encoder": 4}
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Seed the CPU RNG for the block and restore the caller's RNG state afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _check_name(name: str) -> None:
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; expected one of {TINY_MODELS}")
+
+
+def _rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Split head_dim into (t, h, w) even rope dims summing to head_dim (64 -> 16, 24, 24)."""
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"HunyuanVideo attention_head_dim must be even and >= 6, got {head_dim}")
+    t = max(2, (head_dim // 4) // 2 * 2)
+    hw = (head_dim - t) // 2 // 2 * 2
+    t = head_dim - 2 * hw
+    return (t, hw, hw)
+
+
+def _split_overrides(name: str, overrides: dict[str, Any]):
+    comp_over: dict[str, dict[str, Any]] = {}
+    tr_over: dict[str, Any] = {}
+    valid_comp = _COMPONENTS[name]
+    tr_keys = set(_TRANSFORMER_CONFIGS[name])
+    for k, v in overrides.items():
+        if k in valid_comp:
+            if not isinstance(v, dict):
+                raise TypeError(f"override {k}= must be a dict of config values, got {type(v).__name__}")
+            comp_over[k] = dict(v)
+        elif k in tr_keys:
+            tr_over[k] = v
+        else:
+            raise ValueError(
+                f"unknown override {k!r} for tiny({name!r}); transformer config keys: {sorted(tr_keys)}; "
+                f"component config dicts: {list(valid_comp)}"
+            )
+    return tr_over, comp_over
+
+
+def _transformer_config(name: str, tr_over: dict[str, Any], comp_over: dict[str, dict[str, Any]]) -> dict:
+    cfg = copy.deepcopy(_TRANSFORMER_CONFIGS[name])
+    # keep dims consistent with (possibly overridden) encoders / VAE
+    if name in ("wan", "wan_i2v"):
+        te = {**_UMT5, **comp_over.get("text_encoder", {})}
+        cfg["text_dim"] = te["d_model"]
+        z = {**_WAN_VAE, **comp_over.get("vae", {})}["z_dim"]
+        cfg["in_channels"] = z if name == "wan" else 2 * z + 4
+        cfg["out_channels"] = z
+        if name == "wan_i2v":
+            cfg["image_dim"] = {**_CLIP_VISION, **comp_over.get("image_encoder", {})}["hidden_size"]
+    else:
+        cfg["text_embed_dim"] = {**_LLAMA, **comp_over.get("text_encoder", {})}["hidden_size"]
+        cfg["pooled_projection_dim"] = {**_CLIP_TEXT, **comp_over.get("text_encoder_2", {})}["hidden_size"]
+        z = {**_HUNYUAN_VAE, **comp_over.get("vae", {})}["latent_channels"]
+        cfg["in_channels"] = cfg["out_channels"] = z
+    cfg.update(tr_over)
+    if name == "wan_i2v" and cfg.get("added_kv_proj_dim") is None:
+        cfg["added_kv_proj_dim"] = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    if name == "hunyuan_video" and cfg.get("rope_axes_dim") is None:
+        cfg["rope_axes_dim"] = _rope_axes(cfg["attention_head_dim"])
+    return cfg
+
+
+def _build_transformer(name: str, cfg: dict, seed: int):
+    from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
+
+    cls = HunyuanVideoTransformer3DModel if name == "hunyuan_video" else WanTransformer3DModel
+    with _seeded(seed + _SEED_OFFSET["transformer"]):
+        model = cls(**cfg)
+    return model.eval()  # fp32 already (default dtype); .to() would warn about fp32 modules
+
+
+def tiny_transformer(name: str, seed: int = 0, **overrides):
+    """Only the transformer of ``tiny(name, seed, **overrides)`` (same weights)."""
+    _check_name(name)
+    tr_over, comp_over = _split_overrides(name, overrides)
+    return _build_transformer(name, _transformer_config(name, tr_over, comp_over), seed)
+
+
+def _seeded_model(factory, seed: int, key: str):
+    with _seeded(seed + _SEED_OFFSET[key]):
+        model = factory()
+    return model.eval()  # fp32 already (default dtype); .to() would warn about fp32 modules
+
+
+def _ensure_wan_i2v_ftfy() -> None:
+    """diffusers' Wan I2V ``basic_clean`` calls ``ftfy.fix_text`` unconditionally (unlike Wan T2V, which
+    checks ``is_ftfy_available()``), so without the optional ``ftfy`` package every prompt raises
+    ``NameError``.  Install an identity stand-in for that module global only when ftfy is missing."""
+    import types
+
+    import diffusers.pipelines.wan.pipeline_wan_i2v as wan_i2v
+
+    if getattr(wan_i2v, "ftfy", None) is None:
+        wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+
+
+def tiny(name: str, seed: int = 0, **overrides):
+    """Build the tiny pipeline ``name`` (one of :data:`TINY_MODELS`), fp32 on CPU.
+
+    Construction is deterministic for a given ``seed`` and leaves the global
+    torch RNG state untouched.  See the module docstring for overrides, sizes
+    and pipeline notes; run it as ``pipe(prompt, **TINY_DEFAULTS[name])``.
+    """
+    _check_name(name)
+    tr_over, comp_over = _split_overrides(name, overrides)
+    transformer = _build_transformer(name, _transformer_config(name, tr_over, comp_over), seed)
+
+    def cfg(base: dict, key: str) -> dict:
+        return {**copy.deepcopy(base), **comp_over.get(key, {})}
+
+    if name in ("wan", "wan_i2v"):
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        tokenizer = tiny_tokenizer("t5")
+        vae_cfg = cfg(_WAN_VAE, "vae")
+        z = vae_cfg["z_dim"]
+        vae_cfg.setdefault("latents_mean", [0.0] * z)
+        vae_cfg.setdefault("latents_std", [1.0] * z)
+        if len(vae_cfg["latents_mean"]) != z:
+            vae_cfg["latents_mean"], vae_cfg["latents_std"] = [0.0] * z, [1.0] * z
+        vae = _seeded_model(lambda: AutoencoderKLWan(**vae_cfg), seed, "vae")
+        te_cfg = UMT5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+                            **cfg(_UMT5, "text_encoder"))
+        text_encoder = _seeded_model(lambda: UMT5EncoderModel(te_cfg), seed, "text_encoder")
+        scheduler = UniPCMultistepScheduler(**cfg(_WAN_SCHEDULER, "scheduler"))
+        if name == "wan":
+            return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                               transformer=transformer, scheduler=scheduler)
+
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        _ensure_wan_i2v_ftfy()
+
+        try:  # transformers >= 5 without torchvision: the PIL backend, without the fallback warning
+            from transformers import CLIPImageProcessorPil as _ImageProcessor
+        except ImportError:  # pragma: no cover - older transformers
+            from transformers import CLIPImageProcessor as _ImageProcessor
+        ve_cfg = CLIPVisionConfig(**cfg(_CLIP_VISION, "image_encoder"))
+        image_encoder = _seeded_model(lambda: CLIPVisionModel(ve_cfg), seed, "image_encoder")
+        side = ve_cfg.image_size
+        image_processor = _ImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        return WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                                       transformer=transformer, scheduler=scheduler,
+                                       image_processor=image_processor, image_encoder=image_encoder)
+
+    # hunyuan_video
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    tokenizer = tiny_tokenizer("llama")
+    tokenizer_2 = tiny_tokenizer("clip")
+    vae_cfg = cfg(_HUNYUAN_VAE, "vae")
+    vae = _seeded_model(lambda: AutoencoderKLHunyuanVideo(**vae_cfg), seed, "vae")
+    # Decode all latent frames in one go: the default frame-wise decoding re-decodes overlapping
+    # temporal tiles (about 1.6x the work) to save memory, which this tiny VAE does not need.
+    vae.use_framewise_decoding = False
+    llama_cfg = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            **cfg(_LLAMA, "text_encoder"))
+    text_encoder = _seeded_model(lambda: LlamaModel(llama_cfg), seed, "text_encoder")
+    clip_cfg = CLIPTextConfig(vocab_size=len(tokenizer_2), bos_token_id=tokenizer_2.bos_token_id,
+                              eos_token_id=tokenizer_2.eos_token_id, pad_token_id=tokenizer_2.pad_token_id,
+                              **cfg(_CLIP_TEXT, "text_encoder_2"))
+    text_encoder_2 = _seeded_model(lambda: CLIPTextModel(clip_cfg), seed, "text_encoder_2")
+    scheduler = FlowMatchEulerDiscreteScheduler(**cfg(_HUNYUAN_SCHEDULER, "scheduler"))
+    return HunyuanVideoPipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+                                vae=vae, scheduler=scheduler, text_encoder_2=text_encoder_2,
+                                tokenizer_2=tokenizer_2)
