@@ -29,7 +29,6 @@ import math
 import os
 import tempfile
 import threading
-import time
 import traceback
 from collections import OrderedDict
 
@@ -113,6 +112,7 @@ CSS = """
 .fd-card.fd-accent .fd-value {color: var(--color-accent);}
 .fd-empty {opacity: 0.7; padding: 8px 2px;}
 #fd-compare {min-height: 48px;}
+.fd-options {padding: 2px;}
 """
 
 
@@ -178,7 +178,7 @@ def _optional(default):
 
 def _display_value(kind, default):
     if default is None:
-        return None if kind in ("int", "float", "steps") else (DEFAULT_HINT if kind in ("bool", "choice") else "")
+        return DEFAULT_HINT if kind in ("bool", "choice") else ""
     if kind == "triple":
         return _format_triple(default)
     if kind == "bool":
@@ -202,6 +202,12 @@ def make_option_widget(gr, method, name, kind, hint, default):
     label = hint.get("label", name.replace("_", " "))
     info = hint.get("info")
     value = _display_value(kind, default)
+    if kind in ("int", "float", "steps", "number") and default is None:
+        import fastdit
+
+        generic = fastdit.methods.get_method(method).generic_defaults.get(name)
+        placeholder = f"default: {generic}" if generic is not None else "default: per model family"
+        return gr.Textbox(value="", label=label, info=info, placeholder=placeholder, max_lines=1)
     if kind in ("int", "float", "steps", "number"):
         return gr.Number(value=value, label=label, info=info, precision=0 if kind == "int" else None,
                          step=hint.get("step", 1 if kind in ("int", "steps") else 0.05), minimum=0)
@@ -422,8 +428,9 @@ def pooled_plan_mask(plan, head=0, size=MASK_PIXELS):
     return ((r_q.T @ blocks @ r_k) > 0).numpy(), factor
 
 
-def mask_picture(pooled, factor, path, boundaries=(), size=MASK_PIXELS):
-    """Draw a pooled mask (attended = dark) as a PNG of at most ``size`` px; token boundaries in orange."""
+def mask_picture(pooled, factor, path, boundaries=(), size=MASK_PIXELS, frames=()):
+    """Draw a pooled mask (attended = dark) as a PNG of at most ``size`` px: ``boundaries`` (token
+    indices, e.g. video | text) as orange lines, ``frames`` (frame starts) as thin grey lines."""
     from PIL import Image, ImageDraw
 
     cells = pooled.shape[0]
@@ -432,6 +439,11 @@ def mask_picture(pooled, factor, path, boundaries=(), size=MASK_PIXELS):
     rgb = np.where(pooled[..., None], dark, light).astype(np.uint8)
     image = Image.fromarray(rgb).resize((cells * scale, cells * scale), Image.NEAREST)
     draw = ImageDraw.Draw(image)
+    for token in frames:
+        x = int(round(token / factor * scale))
+        if 0 < x < image.width:
+            draw.line([(x, 0), (x, image.height)], fill=(140, 140, 140), width=1)
+            draw.line([(0, x), (image.width, x)], fill=(140, 140, 140), width=1)
     for token in boundaries:
         x = int(round(token / factor * scale))
         if 0 < x < image.width:
@@ -460,11 +472,16 @@ def draw_patch_mask(patch, layer, head, path):
     boundaries = []
     if layout is not None and layout.text_len:
         boundaries = [layout.video_start, layout.video_start + layout.video_len] if hasattr(layout, "video_start") else []
-    mask_picture(pooled, factor, path, boundaries)
+    frame_starts = []
+    if layout is not None and 1 < layout.frames <= 64 and layout.frame_len / factor * (MASK_PIXELS / pooled.shape[0]) >= 6:
+        frame_starts = [layout.video_start + k * layout.frame_len for k in range(1, layout.frames)]
+    mask_picture(pooled, factor, path, boundaries, frames=frame_starts)
     density = float(pooled.mean())
     kind = "dense (warm-up step or dense layer)" if plan is None else plan.name
     caption = (f"layer {layer_index} ({patch.layers[layer_index]}), head {head}, last step: {kind}; "
                f"{seq or '?'} tokens, {factor}x{factor} tokens per pixel, {100 * density:.0f}% of cells attended")
+    if frame_starts:
+        caption += "; grey lines: frames"
     if boundaries:
         caption += "; orange lines: video | text tokens"
     return path, caption
@@ -566,8 +583,6 @@ class Runner:
     def compare(self, model, prompt, negative, seed, steps, guidance, frames, height, width, method, options,
                 mask_layer=0, mask_head=0, reuse_dense=True, image=None, progress=None, cancel=None):
         """Dense, then ``method``; returns a dict of paths and numbers (see ``metrics`` keys)."""
-        import torch
-
         from fastdit.compare import fidelity, generate
         from fastdit.pipelines.loading import call_parameters, tiny_name
         from fastdit.video import write_video
@@ -664,7 +679,6 @@ class Runner:
             "padding_fraction": result.padding_fraction, "layers": len(layers),
             "device": str(pipe.device), "notes": list(notes),
         }
-        del torch
         return {"dense_video": dense_path, "method_video": method_path, "mask": mask_path,
                 "mask_caption": mask_caption, "metrics": metrics, "notes": notes}
 
@@ -732,29 +746,34 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
                                     info="built-in tiny models, a hub id or a local folder (loaded once, cached)")
                 prompt = gr.Textbox(value=DEFAULT_PROMPT, label="prompt", lines=2, elem_id="fd-prompt")
                 negative = gr.Textbox(value=DEFAULT_NEGATIVE, label="negative prompt", lines=1)
-                with gr.Row():
+                with gr.Row(elem_classes=["fd-tight"]):
                     seed = gr.Number(value=0, label="seed", precision=0, minimum=0)
                     steps = gr.Number(value=sizes.get("num_inference_steps", 3), label="steps", precision=0, minimum=1)
                     guidance = gr.Number(value=sizes.get("guidance_scale", 5.0), label="guidance", step=0.5)
-                with gr.Row():
+                with gr.Row(elem_classes=["fd-tight"]):
                     frames = gr.Number(value=sizes.get("num_frames", 29), label="frames", precision=0, minimum=1)
                     height = gr.Number(value=sizes.get("height", 384), label="height", precision=0, minimum=16, step=16)
                     width = gr.Number(value=sizes.get("width", 384), label="width", precision=0, minimum=16, step=16)
                 method = gr.Dropdown(choices=methods, value=default_method, label="method", elem_id="fd-method",
                                      info="the attention method compared against dense")
                 for name in methods:
-                    with gr.Group(visible=name == default_method) as group:
-                        for field_name, kind, hint, default in option_specs(name):
-                            shown = presets.get(name, {}).get(field_name, default)
-                            component = make_option_widget(gr, name, field_name, kind, hint, shown)
-                            option_widgets.append((name, field_name, kind, default, component))
+                    specs = option_specs(name)
+                    with gr.Group(visible=name == default_method, elem_classes=["fd-options"]) as group:
+                        for start in range(0, len(specs), 2):
+                            with gr.Row():
+                                for field_name, kind, hint, default in specs[start:start + 2]:
+                                    shown = presets.get(name, {}).get(field_name, default)
+                                    component = make_option_widget(gr, name, field_name, kind, hint, shown)
+                                    option_widgets.append((name, field_name, kind, default, component))
                     groups[name] = group
-                with gr.Accordion("attention mask and image input", open=False):
-                    with gr.Row():
-                        mask_layer = gr.Number(value=0, label="mask layer", precision=0, minimum=0,
-                                               info="index of the patched layer")
-                        mask_head = gr.Number(value=0, label="mask head", precision=0, minimum=0)
-                    reuse_dense = gr.Checkbox(value=True, label="reuse the dense run when its inputs are unchanged")
+                with gr.Row():
+                    mask_layer = gr.Number(value=-1, label="mask: layer", precision=0,
+                                           info="patched layer to draw (-1 = the last)")
+                    mask_head = gr.Number(value=0, label="mask: head", precision=0, minimum=0)
+                with gr.Accordion("more", open=False):
+                    reuse_dense = gr.Checkbox(value=False, label="reuse the dense run when its inputs are unchanged",
+                                              info="faster exploring; the speedup then compares against an earlier "
+                                                   "dense timing")
                     image = gr.Image(label="conditioning image (image-to-video models)", type="pil", height=160)
                 with gr.Row():
                     run_btn = gr.Button("Compare", variant="primary", elem_id="fd-compare", scale=3)
@@ -780,8 +799,8 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
             details = gr.JSON(label="metrics")
         example_rows = _examples(default_model, sizes, methods)
         if example_rows:
-            gr.Examples(example_rows, [model, prompt, negative, seed, steps, guidance, frames, height, width, method],
-                        label="examples")
+            gr.Examples(example_rows, [prompt, negative, seed, steps, guidance, frames, height, width, method],
+                        label=f"examples (sizes for {default_model})", examples_per_page=8)
 
         widgets = [c for *_, c in option_widgets]
 
@@ -877,18 +896,22 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
 
 
 def _examples(model, sizes, methods):
+    """Example rows (prompt, negative, seed, steps, guidance, frames, height, width, method) for ``model``."""
     if not sizes:
         return []
     steps, guidance = sizes.get("num_inference_steps", 3), sizes.get("guidance_scale", 5.0)
     frames, height, width = sizes.get("num_frames", 29), sizes.get("height", 384), sizes.get("width", 384)
+    tiny = model.startswith("tiny-")
+    quick = (9, 256, 256, 2) if tiny else (max((frames - 1) // 2 + 1, 1), height, width, max(steps // 2, 1))
+    longer = (45, 256, 256, steps) if tiny else (frames, height, width, steps)
     rows = [
-        [model, DEFAULT_PROMPT, DEFAULT_NEGATIVE, 0, steps, guidance, frames, height, width, "sta"],
-        [model, "A paper boat drifts down a rain-soaked street, cinematic lighting", DEFAULT_NEGATIVE, 7, steps,
-         guidance, frames, height, width, "radial"],
-        [model, "Aerial shot of waves breaking on a black sand beach", "", 42, steps + 1, guidance,
-         max(frames - 8, 5), height + 64, width + 128, "sta"],
-        [model, "A corgi astronaut floats inside a space station, soft light", DEFAULT_NEGATIVE, 3, max(steps - 1, 1),
-         guidance, 9, height, width, "sta"],
+        [DEFAULT_PROMPT, DEFAULT_NEGATIVE, 0, steps, guidance, frames, height, width, "sta"],
+        ["A paper boat drifts down a rain-soaked street, cinematic lighting", DEFAULT_NEGATIVE, 7, steps, guidance,
+         frames, height, width, "radial"],
+        ["A corgi astronaut floats inside a space station, soft light", DEFAULT_NEGATIVE, 3, quick[3], guidance,
+         *quick[:3], "sta"],
+        ["Aerial shot of waves breaking on a black sand beach, golden hour", "", 42, longer[3], guidance,
+         *longer[:3], "radial"],
     ]
     return [row for row in rows if row[-1] in methods]
 

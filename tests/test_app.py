@@ -112,10 +112,10 @@ def test_compare_returns_videos_numbers_and_mask(client):
 def test_method_options_and_session_table(client):
     # A fresh session: radial with its own options, then sta with a custom window; the table grows.
     fresh = gradio_client.Client(client.src, verbose=False)
-    first = unpack(compare(fresh, method="radial", radial_decay=0.5, radial_dense_steps=0))[-1]
+    first = unpack(compare(fresh, method="radial", radial_decay="0.5", radial_dense_steps="0"))[-1]
     assert first["method"] == "radial" and first["options"]["decay"] == 0.5 and first["options"]["dense_steps"] == 0
     assert "dense run reused" in " ".join(first["notes"]) or first["dense_latency_s"] > 0
-    _d, _m, _mask, _c, _n, table, second = unpack(compare(fresh, method="sta", sta_window="1,1,1", sta_dense_steps=0))
+    _d, _m, _mask, _c, _n, table, second = unpack(compare(fresh, method="sta", sta_window="1,1,1", sta_dense_steps="0"))
     assert second["options"]["window"] == [1, 1, 1]
     assert second["density"] < 1.0  # a 1x1x1 window on a 3x5x7 grid with 4x4x8 tiles skips tile pairs
     assert [row[2] for row in table["data"]] == ["radial", "sta"]
@@ -260,3 +260,15 @@ def test_browser_renders_the_page(app):
         run = subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}", f"--screenshot={shot}", url],
                              capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and shot.is_file() and shot.stat().st_size > 10_000, run.stderr[-2000:]
+
+
+def test_cli_subcommand_parses():
+    import argparse
+
+    from fastdit.app import add_app_parser, cmd_app
+
+    parser = argparse.ArgumentParser(prog="fastdit")
+    add_app_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["app", "--host", "0.0.0.0", "--port", "7861", "--model", "tiny-wan", "--max-tokens", "4096"])
+    assert args.func is cmd_app and args.port == 7861 and args.host == "0.0.0.0" and not args.share
+    assert args.max_tokens == 4096
