@@ -142,9 +142,11 @@ def build_parser():
     methods = sub.add_parser("methods", help="list the available attention methods")
     methods.set_defaults(func=cmd_methods)
 
+    from fastdit.app import add_app_parser
     from fastdit.cli_eval import add_eval_parser
 
     add_eval_parser(sub)
+    add_app_parser(sub)
     return parser
 
 

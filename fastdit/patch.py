@@ -12,6 +12,7 @@ through ``fastdit.kernels.block_sparse_attention``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -181,12 +182,16 @@ class Patch:
         tracker = self.tracker
         original_set, original_step = scheduler.set_timesteps, scheduler.step
 
+        # functools.wraps keeps the signatures: pipelines inspect them (e.g. HunyuanVideo checks
+        # that `set_timesteps` accepts `sigmas`).
+        @functools.wraps(original_set)
         def set_timesteps(*args, **kwargs):
             result = original_set(*args, **kwargs)
             order = getattr(scheduler, "order", 1) or 1
             tracker.begin_call(len(scheduler.timesteps) // order, order)
             return result
 
+        @functools.wraps(original_step)
         def step(*args, **kwargs):
             result = original_step(*args, **kwargs)
             tracker.on_scheduler_step()
