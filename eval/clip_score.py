@@ -21,6 +21,8 @@ from typing import Dict, List, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from fastdit.video import to_uint8
+
 PathLike = Union[str, os.PathLike]
 DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
 
@@ -62,30 +64,6 @@ def load_clip(model: PathLike = DEFAULT_CLIP_MODEL, device: Union[str, torch.dev
     return _CACHE[key]
 
 
-def _to_uint8_frames(x) -> np.ndarray:
-    """(N, H, W, 3) uint8 from float [0, 1] / uint8 data, (H, W, 3) images, tensors or PIL images."""
-    from PIL import Image
-
-    if isinstance(x, Image.Image):
-        x = np.asarray(x.convert("RGB"))[None]
-    elif isinstance(x, (list, tuple)):
-        return np.concatenate([_to_uint8_frames(i) for i in x]) if len(x) else np.zeros((0, 1, 1, 3), np.uint8)
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    x = np.asarray(x)
-    if x.ndim == 3:
-        x = x[None]
-    if x.ndim != 4 or x.shape[-1] not in (1, 3):
-        raise ValueError(f"expected images of shape (H, W, 3) or (N, H, W, 3), got {x.shape}")
-    if x.shape[-1] == 1:
-        x = np.repeat(x, 3, axis=-1)
-    if x.dtype != np.uint8:
-        if x.size and (x.min() < -0.5 or x.max() > 1.5):
-            raise ValueError(f"float images must be in [0, 1], got range [{x.min():.3g}, {x.max():.3g}]")
-        x = np.clip(np.rint(x.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
-    return x
-
-
 def _features(out) -> torch.Tensor:
     # transformers < 5 returns the projected embedding; >= 5 an output whose pooler_output it is.
     return out if isinstance(out, torch.Tensor) else out.pooler_output
@@ -121,7 +99,7 @@ def clip_scores(images, texts: Union[str, Sequence[str]], model: PathLike = DEFA
     ``images``: (N, H, W, 3) float [0, 1] or uint8 (or a list of images / PIL images);
     ``texts``: N strings, or one string used for every image.
     """
-    frames = _to_uint8_frames(images)
+    frames = to_uint8(images)
     texts = [texts] * len(frames) if isinstance(texts, str) else list(texts)
     if len(texts) != len(frames):
         raise ValueError(f"got {len(frames)} images but {len(texts)} texts")

@@ -41,6 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 
+from fastdit.video import to_uint8
+
 PathLike = Union[str, os.PathLike]
 
 FID_WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d.pth"
@@ -264,29 +266,6 @@ def load_inception(weights: Optional[PathLike] = None, device: Union[str, torch.
 # preprocessing
 # ----------------------------------------------------------------------------
 
-def _as_uint8_images(images) -> np.ndarray:
-    """(N, H, W, 3) uint8 from float [0, 1] / uint8 arrays, tensors, or a list of PIL images/arrays."""
-    if isinstance(images, (list, tuple)):
-        images = np.stack([np.asarray(im.convert("RGB")) if isinstance(im, Image.Image) else
-                           (im.detach().cpu().numpy() if isinstance(im, torch.Tensor) else np.asarray(im))
-                           for im in images])
-    elif isinstance(images, torch.Tensor):
-        images = images.detach().cpu().numpy()
-    x = np.asarray(images)
-    if x.ndim == 3:
-        x = x[None]
-    if x.ndim != 4 or x.shape[-1] not in (1, 3):
-        raise ValueError(f"expected images of shape (N, H, W, 3), got {x.shape}")
-    if x.shape[-1] == 1:
-        x = np.repeat(x, 3, axis=-1)
-    if x.dtype != np.uint8:
-        if x.size and (x.min() < -0.5 or x.max() > 1.5):
-            raise ValueError(f"float images must be in [0, 1], got range [{x.min():.3g}, {x.max():.3g}]")
-        # Quantise as an image file would (clean-fid works on uint8 images).
-        x = np.clip(np.rint(x.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
-    return x
-
-
 def _resize_clean(x: np.ndarray, size: int = 299) -> np.ndarray:
     """clean-fid: per-channel PIL bicubic on float32 ('F' mode) images, clipped to [0, 255]."""
     out = np.empty((x.shape[0], size, size, 3), np.float32)
@@ -314,7 +293,7 @@ def preprocess(images, resize: str = "clean") -> torch.Tensor:
     """Images -> (N, 3, 299, 299) float32 in [-1, 1] as the network expects."""
     if resize not in RESIZE_MODES:
         raise ValueError(f"resize must be one of {RESIZE_MODES}, got {resize!r}")
-    x = _as_uint8_images(images)
+    x = to_uint8(images)
     if resize == "clean":
         t = torch.from_numpy(_resize_clean(x)).permute(0, 3, 1, 2) / 255.0
     else:
@@ -336,7 +315,7 @@ def inception_features(images, weights: Optional[PathLike] = None, resize: str =
     """
     model = load_inception(weights, device)
     if not isinstance(images, (list, tuple)):
-        images = _as_uint8_images(images)
+        images = to_uint8(images)
     feats = []
     for i in range(0, len(images), batch_size):
         chunk = images[i:i + batch_size]

@@ -40,6 +40,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from fastdit.video import to_uint8
+
 PathLike = Union[str, os.PathLike]
 
 __all__ = [
@@ -100,27 +102,6 @@ def _key(name: str) -> str:
 
 # --- writing videos -------------------------------------------------------------------------
 
-def _to_uint8_video(v) -> np.ndarray:
-    try:
-        import torch
-        if isinstance(v, torch.Tensor):
-            v = v.detach().cpu().numpy()
-    except ImportError:  # pragma: no cover
-        pass
-    v = np.asarray(v)
-    if v.ndim == 3:  # grayscale (F, H, W)
-        v = v[..., None]
-    if v.ndim != 4:
-        raise ValueError(f"expected a video of shape (F, H, W, C), got {v.shape}")
-    if v.shape[-1] == 1:
-        v = np.repeat(v, 3, axis=-1)
-    if v.dtype != np.uint8:
-        if v.size and (v.min() < -0.5 or v.max() > 1.5):
-            raise ValueError(f"float videos must be in [0, 1], got range [{v.min():.3g}, {v.max():.3g}]")
-        v = np.clip(np.rint(v.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
-    return v
-
-
 def _safe_filename(prompt: str, max_len: int = 180) -> str:
     # Custom mode only: the real prompt goes to prompts.json, so the name just has to be valid.
     name = re.sub(r'[\\/:*?"<>|\n\r\t]', "_", prompt).strip(" .")
@@ -165,7 +146,7 @@ def write_vbench_videos(videos: Sequence, prompts: Sequence[str], out_dir: PathL
         name = f"{stem}-{index}.mp4"
         if mode == "custom" and name in prompt_map and prompt_map[name] != prompt:
             raise ValueError(f"prompts {prompt_map[name]!r} and {prompt!r} map to the same file name {name!r}")
-        frames = _to_uint8_video(video)
+        frames = to_uint8(video, three_dims="grayscale")
         path = out / name
         # macro_block_size=1 keeps the frame size as is (yuv420p still needs even sizes).
         imageio.mimwrite(path, list(frames), fps=fps, codec="libx264", quality=quality,
@@ -363,7 +344,7 @@ def temporal_flickering(video) -> float:
     if isinstance(video, (str, os.PathLike)):
         frames = read_video_frames(video)
     else:
-        frames = _to_uint8_video(video)
+        frames = to_uint8(video, three_dims="grayscale")
     if frames.shape[0] < 2:
         raise ValueError(f"temporal flickering needs at least 2 frames, got {frames.shape[0]}")
     f = frames.astype(np.float32)

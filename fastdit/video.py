@@ -10,13 +10,35 @@ import os
 import numpy as np
 
 
-def to_uint8(frames):
-    """float [0, 1] (or uint8) ``(..., H, W, C)`` -> uint8, clipped; grayscale gets 3 channels."""
+def to_uint8(frames, three_dims="image"):
+    """``(N, H, W, 3)`` uint8 RGB from float [0, 1] or uint8 data.
+
+    Accepts numpy arrays, torch tensors, PIL images and lists of any of them. A 3-D array is one
+    ``(H, W, C)`` image (``three_dims="image"``) or a grayscale video ``(F, H, W)``
+    (``three_dims="grayscale"``); grayscale gets 3 channels. Floats are rounded to the nearest
+    level (as writing an image file would); values clearly outside [0, 1] raise ``ValueError``.
+    """
+    from PIL import Image
+
+    if isinstance(frames, Image.Image):
+        frames = np.asarray(frames.convert("RGB"))
+    elif isinstance(frames, (list, tuple)):
+        if not frames:
+            return np.zeros((0, 1, 1, 3), np.uint8)
+        return np.concatenate([to_uint8(f, three_dims) for f in frames])
+    if hasattr(frames, "detach"):  # torch tensor
+        frames = frames.detach().cpu().numpy()
     frames = np.asarray(frames)
-    if frames.dtype != np.uint8:
-        frames = (np.clip(frames, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+    if frames.ndim == 3:
+        frames = frames[None] if three_dims == "image" else frames[..., None]
+    if frames.ndim != 4 or frames.shape[-1] not in (1, 3):
+        raise ValueError(f"expected images (H, W, 3) / (N, H, W, 3) or a video (F, H, W, 3), got shape {frames.shape}")
     if frames.shape[-1] == 1:
         frames = np.repeat(frames, 3, axis=-1)
+    if frames.dtype != np.uint8:
+        if frames.size and (frames.min() < -0.5 or frames.max() > 1.5):
+            raise ValueError(f"float images must be in [0, 1], got range [{frames.min():.3g}, {frames.max():.3g}]")
+        frames = np.clip(np.rint(frames.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
     return frames
 
 
@@ -45,8 +67,6 @@ def write_video(path, frames, fps=16):
     import imageio.v2 as imageio
 
     frames = to_uint8(frames)
-    if frames.ndim == 3:
-        frames = frames[None]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.endswith(".png"):
         imageio.imwrite(path, frames[0])
