@@ -18,10 +18,10 @@ import torch
 import fastdit
 from fastdit.video import pipeline_frames, write_video
 
-#: Method options for the embedded tiny models, whose latent grid (8 x 32 x 32 tokens by default)
-#: is far smaller than a real video's: tiles of 4x4x8 tokens keep sliding-tile attention sparse
-#: (a 2 x 8 x 4 tile grid, 3x3x3 window, about 28% of blocks) where the published 6x8x8 tiles
-#: would cover almost the whole grid.
+#: Method options for the embedded tiny models, whose latent grid (8 x 32 x 48 tokens in
+#: `fastdit compare`) is far smaller than a real video's: tiles of 4x4x8 tokens keep sliding-tile
+#: attention sparse (a 2 x 8 x 6 tile grid, 3x3x3 window, about 19% of blocks) where the
+#: published 6x8x8 tiles would cover most of the grid.
 TINY_METHOD_OPTIONS = {"sta": {"tile": (4, 4, 8), "window": (3, 3, 3)}}
 
 

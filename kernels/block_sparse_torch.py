@@ -47,7 +47,8 @@ def block_sparse_attention_torch(q, k, v, kv_indices, kv_counts, block_m, block_
 
     Gathering: keys and values are first laid out as 2-D tables with one short row per token
     (``(tokens, B*H*D)`` for a plan shared by all heads, ``(B*H*tokens, D)`` for per-head plans),
-    so that each query block's gather is one ``index_select`` over rows. Gathering whole blocks of
+    so that each query block's gather is one ``index_select`` over rows. A shared row whose blocks
+    are one consecutive run (dense rows, 1-D windows) reads a slice instead, with no copy. Gathering whole blocks of
     a 4-D tensor instead was 100x slower on a busy CPU (each small parallel copy waits for its
     threads).
     """
@@ -74,6 +75,7 @@ def block_sparse_attention_torch(q, k, v, kv_indices, kv_counts, block_m, block_
         v_table = v_pad.permute(2, 0, 1, 3).reshape(n_tok, batch * heads * dim)
         ok_table = key_ok.t().contiguous()  # (n_tok, B)
         indices = kv_indices[0, 0]
+        indices_all = indices.tolist()
     else:  # rows = (batch*head, token) pairs
         k_table = k_pad.reshape(batch * heads * n_tok, dim)
         v_table = v_pad.reshape(batch * heads * n_tok, dim)
@@ -91,12 +93,20 @@ def block_sparse_attention_torch(q, k, v, kv_indices, kv_counts, block_m, block_
             count = counts_all[0][0][m]
             if count == 0:
                 continue  # query pruning: output 0, lse -inf
-            rows = (indices[m, :count, None] * block_n + in_block).reshape(-1)
-            length = rows.numel()
-            keys = k_table.index_select(0, rows).view(length, batch, heads, dim).permute(1, 2, 0, 3)
-            values = v_table.index_select(0, rows).view(length, batch, heads, dim).permute(1, 2, 0, 3)
-            if has_invalid_keys:
-                ok = ok_table.index_select(0, rows).t()[:, None].expand(batch, heads, length)
+            row = indices_all[m][:count]
+            first = min(row)
+            if max(row) - first + 1 == count:  # one run of consecutive blocks: a view, no copy
+                a, b = first * block_n, (first + count) * block_n
+                keys, values = k_pad[:, :, a:b], v_pad[:, :, a:b]
+                if has_invalid_keys:
+                    ok = key_ok[:, None, a:b].expand(batch, heads, b - a)
+            else:
+                rows = (indices[m, :count, None] * block_n + in_block).reshape(-1)
+                length = rows.numel()
+                keys = k_table.index_select(0, rows).view(length, batch, heads, dim).permute(1, 2, 0, 3)
+                values = v_table.index_select(0, rows).view(length, batch, heads, dim).permute(1, 2, 0, 3)
+                if has_invalid_keys:
+                    ok = ok_table.index_select(0, rows).t()[:, None].expand(batch, heads, length)
         else:
             row_counts = [counts_all[b][h][m] for b in range(batch) for h in range(heads)]
             width = max(row_counts)
