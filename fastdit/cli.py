@@ -93,14 +93,15 @@ def cmd_compare(args):
     if unknown:
         raise SystemExit(f"fastdit: unknown method(s) {unknown}; available: {', '.join(fastdit.methods())}")
     options = parse_options(args.set, methods)
-    if tiny_name(args.model) is not None:
-        for method, preset in TINY_METHOD_OPTIONS.items():
-            options[method] = {**preset, **options.get(method, {})}
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         pipe = load_pipeline(args.model, args.device, dtype)
     except ModelNotFoundError as error:
         raise SystemExit(f"fastdit: {error}") from None
+    if tiny_name(args.model) is not None:
+        for method, preset in TINY_METHOD_OPTIONS.items():
+            if method in options or method in methods:
+                options[method] = {**preset, **options.get(method, {})}
     call_kwargs = call_arguments(pipe, args.model, args)
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt

@@ -18,6 +18,7 @@ import os
 import torch
 
 from .block_sparse_torch import block_sparse_attention_torch
+from .reference import validate_plan
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -35,6 +36,11 @@ def _triton_available():
 def triton_interpreter_enabled():
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def debug_enabled():
+    """``FASTDIT_DEBUG=1``: validate every plan before running it (slow; for debugging)."""
+    return os.environ.get("FASTDIT_DEBUG", "0").lower() in ("1", "true", "yes", "on")
 
 
 def _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid):
@@ -146,6 +152,10 @@ def block_sparse_attention(
         out, lse = block_sparse_attention(q, k, v, idx, cnt)   # == dense attention
     """
     _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid)
+    if debug_enabled():
+        problems = validate_plan(kv_indices, kv_counts, -(-k.shape[2] // block_n), -(-q.shape[2] // block_m))
+        if problems:
+            raise ValueError("invalid block plan (FASTDIT_DEBUG=1): " + "; ".join(problems))
     backend = _pick_backend(backend, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     batch, heads = q.shape[:2]
