@@ -1,54 +1,13 @@
 """The patcher and sliding-tile attention on tiny Wan and HunyuanVideo transformers (CPU, fp32)."""
 import pytest
 import torch
-from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 
 import fastdit
 from fastdit.layout import TokenLayout
 from fastdit.pipelines import UnsupportedModelError
 
 from layer_capture import LayerCapture, assert_matches_masked_dense, sta_token_mask
-
-
-def tiny_wan(seed=0):
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64,
-    ).eval()
-
-
-def wan_inputs(frames=5, height=14, width=18, batch=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(batch, 4, frames, height, width, generator=g),
-        timestep=torch.full((batch,), 900.0),
-        encoder_hidden_states=torch.randn(batch, 7, 32, generator=g),
-    )
-
-
-def tiny_hunyuan(seed=0):
-    torch.manual_seed(seed)
-    return HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
-        num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
-        text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6),
-    ).eval()
-
-
-def hunyuan_inputs(frames=3, height=10, width=14, batch=2, text=9, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.ones(batch, text, dtype=torch.bool)
-    mask[0, 6:] = False  # text padding in the first sample
-    mask[1, 4:] = False
-    return dict(
-        hidden_states=torch.randn(batch, 4, frames, height, width, generator=g),
-        timestep=torch.full((batch,), 900.0),
-        encoder_hidden_states=torch.randn(batch, text, 32, generator=g),
-        encoder_attention_mask=mask,
-        pooled_projections=torch.randn(batch, 16, generator=g),
-        guidance=torch.full((batch,), 3500.0),
-    )
+from tiny_transformers import hunyuan_inputs, tiny_hunyuan, tiny_wan, wan_inputs
 
 
 FAMILIES = {"wan": (tiny_wan, wan_inputs), "hunyuan_video": (tiny_hunyuan, hunyuan_inputs)}

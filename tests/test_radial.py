@@ -3,13 +3,18 @@ import types
 
 import pytest
 import torch
-from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 
 import fastdit
 from fastdit.layout import TokenLayout
 from fastdit.methods import radial as R
 
 from layer_capture import LayerCapture, assert_matches_masked_dense
+from tiny_transformers import hunyuan_inputs, tiny_hunyuan, tiny_wan
+from tiny_transformers import wan_inputs as _wan_inputs
+
+
+def wan_inputs(frames=9, height=10, width=14, timestep=900.0, i2v=False, seed=1):
+    return _wan_inputs(frames, height, width, batch=1, timestep=timestep, i2v=i2v, seed=seed)
 
 
 # -- a direct token-level statement of the rule (the issue's semantics, written independently) --
@@ -125,50 +130,6 @@ def test_density_falls_with_frames_and_plans_fast():
 
 # -- patched tiny transformers ------------------------------------------------------------------
 
-def tiny_wan(seed=0, i2v=False):
-    torch.manual_seed(seed)
-    extra = dict(image_dim=24, added_kv_proj_dim=32) if i2v else {}
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64, **extra,
-    ).eval()
-
-
-def wan_inputs(frames=9, height=10, width=14, timestep=900.0, i2v=False, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    inputs = dict(
-        hidden_states=torch.randn(1, 4, frames, height, width, generator=g),
-        timestep=torch.full((1,), timestep),
-        encoder_hidden_states=torch.randn(1, 512 if i2v else 7, 32, generator=g),
-    )
-    if i2v:
-        inputs["encoder_hidden_states_image"] = torch.randn(1, 5, 24, generator=g)
-    return inputs
-
-
-def tiny_hunyuan(seed=0):
-    torch.manual_seed(seed)
-    return HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
-        num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
-        text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6),
-    ).eval()
-
-
-def hunyuan_inputs(frames=9, height=10, width=14, text=9, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.ones(1, text, dtype=torch.bool)
-    mask[0, 6:] = False  # padded text
-    return dict(
-        hidden_states=torch.randn(1, 4, frames, height, width, generator=g),
-        timestep=torch.full((1,), 900.0),
-        encoder_hidden_states=torch.randn(1, text, 32, generator=g),
-        encoder_attention_mask=mask,
-        pooled_projections=torch.randn(1, 16, generator=g),
-        guidance=torch.full((1,), 3500.0),
-    )
-
-
 def check_layers(p, capture, layout, sink):
     """Each sparse layer: output == dense attention under p.mask; d = 0 pairs and sink keys kept."""
     assert len(capture.calls) == len(p.layers)
@@ -206,7 +167,7 @@ def test_hunyuan_layers_equal_masked_dense(monkeypatch, sink):
                       record_masks=True, backend="torch")
     assert (p.config.decay, p.config.adjacent) == (0.95, "dense")
     with torch.no_grad():
-        model(**hunyuan_inputs())
+        model(**hunyuan_inputs(frames=9, batch=1))
     layout = TokenLayout((9, 5, 7), 9, "suffix")
     check_layers(p, capture, layout, sink=sink)
     mask = p.mask(0)
