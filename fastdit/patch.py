@@ -53,16 +53,19 @@ class PatchStats:
     fallback_calls: int = 0
     plans_built: int = 0
     plan_names: set = field(default_factory=set)
-    densities: list = field(default_factory=list)
-    padding_fractions: list = field(default_factory=list)
+    density_sum: float = 0.0
+    padding_fraction: float = 0.0  # the largest padding of any plan used
 
     @property
     def mean_density(self):
-        return sum(self.densities) / len(self.densities) if self.densities else 1.0
+        """Block density averaged over sparse calls (1.0 when none ran)."""
+        return self.density_sum / self.sparse_calls if self.sparse_calls else 1.0
 
-    @property
-    def padding_fraction(self):
-        return max(self.padding_fractions) if self.padding_fractions else 0.0
+    def count_sparse_call(self, plan):
+        self.sparse_calls += 1
+        self.density_sum += plan.density
+        self.padding_fraction = max(self.padding_fraction, plan.padding_fraction)
+        self.plan_names.add(plan.name)
 
 
 def key_mask_from_attn_mask(attn_mask, batch, q_len, k_len):
@@ -255,10 +258,7 @@ class Patch:
             self.stats.dense_calls += 1
             self._record(layer, LayerRecord(layout, True, None, key_mask, heads, query_mask))
             return original()
-        self.stats.sparse_calls += 1
-        self.stats.densities.append(plan.density)
-        self.stats.padding_fractions.append(plan.padding_fraction)
-        self.stats.plan_names.add(plan.name)
+        self.stats.count_sparse_call(plan)
         self._record(layer, LayerRecord(layout, False, plan, key_mask, heads, query_mask))
         return run_plan(q, k, v, plan, key_mask=key_mask, scale=call["scale"], backend=self.backend,
                         query_mask=query_mask)

@@ -8,6 +8,7 @@ attention call: permute, run the kernel, un-permute and drop padding.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -57,20 +58,13 @@ class BlockPlan:
     def kernel_len(self):
         return self.seq_len if self.perm is None else int(self.perm.numel())
 
-    @property
+    @functools.cached_property
     def density(self):
-        """Fraction of (query block, key block) pairs computed, averaged over heads."""
+        """Fraction of (query block, key block) pairs computed, averaged over heads (computed once:
+        a plan never changes, and reading its counts from a GPU would sync every call)."""
         n_kblocks = -(-self.kernel_len // self.block_n)
         total = self.kv_counts.shape[-1] * n_kblocks
         return float(self.kv_counts.double().mean() * self.kv_counts.shape[-1] / total)
-
-    def to(self, device):
-        moved = {
-            name: getattr(self, name).to(device) if isinstance(getattr(self, name), torch.Tensor) else getattr(self, name)
-            for name in ("kv_indices", "kv_counts", "perm", "kv_valid")
-        }
-        return BlockPlan(block_m=self.block_m, block_n=self.block_n, seq_len=self.seq_len,
-                         padding_fraction=self.padding_fraction, name=self.name, info=dict(self.info), **moved)
 
     def kernel_kv_valid(self, key_mask=None):
         """Key validity in kernel order: static padding & the model's key mask ``(B, S)``."""
