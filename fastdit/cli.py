@@ -83,7 +83,7 @@ COMPARE_TINY_SIZE = {"num_frames": 29, "height": 512, "width": 768, "num_inferen
 def cmd_compare(args):
     import torch
 
-    from fastdit.compare import TINY_METHOD_OPTIONS, compare, format_table
+    from fastdit.compare import compare, format_table, tiny_method_options
     from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline, tiny_name
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -98,11 +98,11 @@ def cmd_compare(args):
         pipe = load_pipeline(args.model, args.device, dtype)
     except ModelNotFoundError as error:
         raise SystemExit(f"fastdit: {error}") from None
-    if tiny_name(args.model) is not None:
-        for method, preset in TINY_METHOD_OPTIONS.items():
-            if method in options or method in methods:
-                options[method] = {**preset, **options.get(method, {})}
     call_kwargs = call_arguments(pipe, args.model, args)
+    if tiny_name(args.model) is not None:
+        for method, preset in tiny_method_options(pipe, call_kwargs).items():
+            if method in methods:
+                options[method] = {**preset, **options.get(method, {})}
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}

@@ -25,6 +25,20 @@ from fastdit.video import pipeline_frames, write_video
 TINY_METHOD_OPTIONS = {"sta": {"tile": (4, 4, 8), "window": (3, 3, 3)}}
 
 
+def tiny_method_options(pipe, call_kwargs):
+    """``TINY_METHOD_OPTIONS`` fitted to the call's latent grid: the sliding-tile tile is chosen
+    around 4x4x8 with padding under 10% (``choose_tile``), so other sizes are not padded heavily
+    (17 frames give 5 latent frames, which 4-frame tiles would pad by 60%)."""
+    from fastdit.methods.sta import choose_tile
+    from fastdit.pipelines.loading import size_granularity
+
+    spatial, temporal = size_granularity(pipe)
+    frames = call_kwargs.get("num_frames", 1)
+    grid = ((frames - 1) // temporal + 1, call_kwargs["height"] // spatial, call_kwargs["width"] // spatial)
+    sta = TINY_METHOD_OPTIONS["sta"]
+    return {**TINY_METHOD_OPTIONS, "sta": {**sta, "tile": choose_tile(grid, sta["tile"])}}
+
+
 @dataclass
 class Generation:
     """One generation: frames ``(F, H, W, C)`` in [0, 1], timing and what the patch did."""
