@@ -426,13 +426,10 @@ def _split(state, items):
 
 
 def _call_kwargs(pipe, cfg):
-    from argparse import Namespace
-
     from fastdit.cli import call_arguments
 
-    args = Namespace(height=cfg.call.get("height"), width=cfg.call.get("width"), frames=cfg.call.get("frames"),
-                     steps=cfg.call.get("steps"), guidance=cfg.call.get("guidance"))
-    kwargs = call_arguments(pipe, cfg.model, args)
+    kwargs = call_arguments(pipe, cfg.model, cfg.call.get("height"), cfg.call.get("width"), cfg.call.get("frames"),
+                            cfg.call.get("steps"), cfg.call.get("guidance"))
     if cfg.call.get("negative_prompt") is not None:
         kwargs["negative_prompt"] = cfg.call["negative_prompt"]
     return kwargs

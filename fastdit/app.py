@@ -325,7 +325,7 @@ def plan_call(pipe, model, steps, guidance, frames, height, width, max_tokens=No
     Raises ``AppError`` for sizes that are absurd for the device, before any work starts.
     """
     from fastdit.compare import pipeline_device
-    from fastdit.pipelines.loading import call_parameters, fit_size, size_granularity, tiny_name
+    from fastdit.pipelines.loading import call_parameters, fitted_call, latent_grid, tiny_name
 
     for name, value, limit in (("height", height, MAX_SIDE), ("width", width, MAX_SIDE), ("frames", frames, MAX_FRAMES)):
         if value is None:
@@ -337,24 +337,20 @@ def plan_call(pipe, model, steps, guidance, frames, height, width, max_tokens=No
     if steps is None or not 1 <= int(steps) <= 1000:
         raise AppError(f"steps must be between 1 and 1000, got {steps}.")
     params = call_parameters(pipe)
-    kwargs = {}
+    base = {}
     name = tiny_name(model)
     if name is not None:
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
-        kwargs.update(TINY_DEFAULTS[name])
-    h, w, f, notes = fit_size(pipe, _int(height), _int(width), _int(frames))
-    for key, value in (("height", h), ("width", w), ("num_frames", f), ("num_inference_steps", int(steps)),
-                       ("guidance_scale", None if guidance is None else float(guidance))):
-        if value is not None and key in params:
-            kwargs[key] = value
+        base = TINY_DEFAULTS[name]
+    steps = int(steps)
+    guidance = None if guidance is None else float(guidance)
+    kwargs, notes = fitted_call(pipe, base, _int(height), _int(width), _int(frames), steps, guidance)
     if frames is not None and "num_frames" not in params:
         notes.append("this model makes images: the frame count is ignored")
     # Token count of the latent grid, checked against the device before any work.
-    spatial, temporal = size_granularity(pipe)
-    h_, w_ = kwargs.get("height", h or 0), kwargs.get("width", w or 0)
-    f_ = kwargs.get("num_frames", 1)
-    tokens = ((f_ - 1) // temporal + 1 if temporal > 1 else f_) * max(h_ // spatial, 1) * max(w_ // spatial, 1)
+    h_, w_, f_ = kwargs.get("height", 0), kwargs.get("width", 0), kwargs.get("num_frames", 1)
+    tokens = math.prod(latent_grid(pipe, kwargs))
     device = pipeline_device(pipe)
     limit = max_tokens or max_tokens_for(device)
     if tokens > limit:

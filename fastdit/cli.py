@@ -51,25 +51,19 @@ def add_generation_arguments(parser, steps_default=None):
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"], help="kernel backend")
 
 
-def call_arguments(pipe, model, args):
+def call_arguments(pipe, model, height=None, width=None, frames=None, steps=None, guidance=None):
     """Pipeline call kwargs: the tiny model's defaults, then the user's sizes (fitted to the model)."""
-    from fastdit.pipelines.loading import call_parameters, fit_size, tiny_name
+    from fastdit.pipelines.loading import fitted_call, tiny_name
 
-    kwargs = {}
+    base = {}
     name = tiny_name(model)
     if name is not None:
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
-        kwargs.update(TINY_DEFAULTS[name])
-        kwargs.update(COMPARE_TINY_SIZE)
-    height, width, frames, notes = fit_size(pipe, args.height, args.width, args.frames)
+        base = {**TINY_DEFAULTS[name], **COMPARE_TINY_SIZE}
+    kwargs, notes = fitted_call(pipe, base, height, width, frames, steps, guidance)
     for note in notes:
         print(f"note: {note}")
-    params = call_parameters(pipe)
-    for key, value in (("height", height), ("width", width), ("num_frames", frames),
-                       ("num_inference_steps", args.steps), ("guidance_scale", args.guidance)):
-        if value is not None and key in params:
-            kwargs[key] = value
     return kwargs
 
 
@@ -98,7 +92,7 @@ def cmd_compare(args):
         pipe = load_pipeline(args.model, args.device, dtype)
     except ModelNotFoundError as error:
         raise SystemExit(f"fastdit: {error}") from None
-    call_kwargs = call_arguments(pipe, args.model, args)
+    call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
     if tiny_name(args.model) is not None:
         for method, preset in tiny_method_options(pipe, call_kwargs).items():
             if method in methods:

@@ -30,11 +30,9 @@ def tiny_method_options(pipe, call_kwargs):
     around 4x4x8 with padding under 10% (``choose_tile``), so other sizes are not padded heavily
     (17 frames give 5 latent frames, which 4-frame tiles would pad by 60%)."""
     from fastdit.methods.sta import choose_tile
-    from fastdit.pipelines.loading import size_granularity
+    from fastdit.pipelines.loading import latent_grid
 
-    spatial, temporal = size_granularity(pipe)
-    frames = call_kwargs.get("num_frames", 1)
-    grid = ((frames - 1) // temporal + 1, call_kwargs["height"] // spatial, call_kwargs["width"] // spatial)
+    grid = latent_grid(pipe, call_kwargs)
     sta = TINY_METHOD_OPTIONS["sta"]
     return {**TINY_METHOD_OPTIONS, "sta": {**sta, "tile": choose_tile(grid, sta["tile"])}}
 

@@ -127,3 +127,24 @@ def fit_size(pipe, height=None, width=None, frames=None):
     if frames is not None and "num_frames" in call_parameters(pipe) and temporal > 1:
         frames = nearest(frames, temporal, offset=1, name="frames")
     return height, width, frames, notes
+
+
+def fitted_call(pipe, base=None, height=None, width=None, frames=None, steps=None, guidance=None):
+    """``(kwargs, notes)``: ``base`` call kwargs updated with the requested size (rounded to what
+    the pipeline takes, with a note per change), steps and guidance, keeping only the arguments
+    the pipeline's ``__call__`` accepts."""
+    kwargs = dict(base or {})
+    height, width, frames, notes = fit_size(pipe, height, width, frames)
+    params = call_parameters(pipe)
+    for key, value in (("height", height), ("width", width), ("num_frames", frames),
+                       ("num_inference_steps", steps), ("guidance_scale", guidance)):
+        if value is not None and key in params:
+            kwargs[key] = value
+    return kwargs, notes
+
+
+def latent_grid(pipe, call):
+    """The latent token grid ``(T, H, W)`` of a call's ``num_frames`` / ``height`` / ``width``."""
+    spatial, temporal = size_granularity(pipe)
+    frames = call.get("num_frames", 1)
+    return ((frames - 1) // temporal + 1, max(call.get("height", 0) // spatial, 1), max(call.get("width", 0) // spatial, 1))
