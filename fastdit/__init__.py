@@ -8,13 +8,16 @@
 ``fastdit.methods()`` lists the methods; each has a config dataclass (``fastdit.STAConfig``, ...).
 """
 from . import methods
+from .context import AttentionContext
+from .functional import attention
 from .layout import TokenLayout
-from .methods import DenseConfig, MethodConfig, RadialConfig, STAConfig
+from .methods import DenseConfig, Method, MethodConfig, RadialConfig, STAConfig
 from . import patch  # a callable module: fastdit.patch(pipe, "sta", ...)
 from .patch import AlreadyPatchedError, Patch
+from .stats import PatchStats
 from .plan import BlockPlan, run_plan
 
 __version__ = "0.1.0"
 
-__all__ = ["AlreadyPatchedError", "BlockPlan", "DenseConfig", "MethodConfig", "Patch", "RadialConfig", "STAConfig",
-           "TokenLayout", "methods", "patch", "run_plan"]
+__all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "DenseConfig", "Method", "MethodConfig", "Patch",
+           "PatchStats", "RadialConfig", "STAConfig", "TokenLayout", "attention", "methods", "patch", "run_plan"]

@@ -1,31 +1,47 @@
 """``fastdit.patch``: replace the attention of a diffusers DiT pipeline in one line, reversibly.
 
-Everything is instance-level: forward hooks on the transformer and on each patched attention
-module, the processors' ``_attention_backend`` pinned to ``"native"`` on those instances, and
-instance attributes wrapping the scheduler's ``set_timesteps`` / ``step``. No class attribute
-changes and no upstream ``forward`` is copied; ``remove()`` undoes each of these.
+Everything is instance-level: an instance ``forward`` on each patched attention module (the
+module's own forward run inside the SDPA interception, ``fastdit/intercept.py``), a forward
+pre-hook on the transformer that publishes the call's latent grid and step to the attention calls
+(``fastdit/context.py``), the processors' ``_attention_backend`` pinned to ``"native"`` on those
+instances, and reference-counted step tracking on the scheduler (``fastdit/steps.py``). No class
+attribute changes and no upstream ``forward`` is copied; ``remove()`` undoes each of these.
 
-Per attention call: the layout (video grid from the transformer's input, text tokens from the
-sequence length), the key mask (from the model's attention mask), then either the model's own
-dense attention (dense steps, dense layers, the ``"dense"`` method) or the method's block plan run
-through ``fastdit.kernels.block_sparse_attention``.
+Per attention call (inside the custom op, outside any compiled graph): the layout (the video grid
+from the transformer's input, text tokens from the sequence length), the key and query masks (from
+the model's attention mask), an ``AttentionContext``, then the method: a dense layer or step runs
+the model's own attention, anything else the method's ``attend``. Calls the patch cannot express
+(cross-attention, causal or dropout calls, masks that are not key masks, float64, ...) run the
+model's own attention and are counted as fallbacks with their reason.
 """
 from __future__ import annotations
 
-import functools
 import math
+import threading
 import warnings
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 
-from fastdit.intercept import ModuleInterceptor
+from fastdit.context import (
+    AttentionContext,
+    TransformerCall,
+    active_call,
+    bare_call_state,
+    reset_bare_call_state,
+    set_transformer_call,
+    transformer_call,
+)
+from fastdit.intercept import AttentionForward, register_patch, unregister_patch
 from fastdit.layout import TokenLayout
-from fastdit.methods import get_method
-from fastdit.plan import run_plan
-from fastdit.steps import StepTracker
+from fastdit.masks import key_mask_from_attn_mask
+from fastdit.methods.base import OptionError, get_method
+from fastdit.stats import PatchStats
+from fastdit.steps import track_scheduler
 
 _MARK = "_fastdit_patch"
+_ENGINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class AlreadyPatchedError(RuntimeError):
@@ -45,66 +61,10 @@ class LayerRecord:
 
 
 @dataclass
-class PatchStats:
-    """Counters over the patch's lifetime (reset with ``Patch.reset_stats``)."""
-
-    dense_calls: int = 0
-    sparse_calls: int = 0
-    fallback_calls: int = 0
-    plans_built: int = 0
-    plan_names: set = field(default_factory=set)
-    density_sum: float = 0.0
-    padding_fraction: float = 0.0  # the largest padding of any plan used
-
-    @property
-    def mean_density(self):
-        """Block density averaged over sparse calls (1.0 when none ran)."""
-        return self.density_sum / self.sparse_calls if self.sparse_calls else 1.0
-
-    def count_sparse_call(self, plan):
-        self.sparse_calls += 1
-        self.density_sum += plan.density
-        self.padding_fraction = max(self.padding_fraction, plan.padding_fraction)
-        self.plan_names.add(plan.name)
-
-
-def key_mask_from_attn_mask(attn_mask, batch, q_len, k_len):
-    """Read the model's attention mask as key (and query) validity.
-
-    Returns ``(key_mask, query_mask, ok)``: bool ``(B, Nk)`` / ``(B, Nq)`` or None when all
-    True. Two forms are understood: a key mask broadcast over queries (``(B, 1, 1, Nk)``, e.g.
-    HunyuanVideo's text padding) and an outer product ``valid[q] & valid[k]`` (HunyuanVideo 1.5),
-    whose fully masked query rows come out as 0, as in torch's attention. ``ok`` is False for any
-    other mask (one that varies with the head, a float bias other than 0 / -inf-like, a
-    block-causal mask): the block engine does not express it and the call runs the model's own
-    attention.
-    """
-    if attn_mask is None:
-        return None, None, True
-    mask = attn_mask
-    if mask.dtype != torch.bool:
-        if not torch.is_floating_point(mask):
-            return None, None, False
-        zero, blocked = mask == 0, mask <= -1e4
-        if not bool((zero | blocked).all()):
-            return None, None, False
-        mask = zero
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0) if mask.dim() < 2 else mask.unsqueeze(1)
-    if mask.shape[1] > 1:
-        if not bool((mask == mask[:, :1]).all()):
-            return None, None, False
-        mask = mask[:, :1]
-    mask = mask[:, 0].expand(batch, mask.shape[2], k_len)  # (B, Nq or 1, Nk)
-    if mask.shape[1] == 1:
-        key_mask, query_mask = mask[:, 0], None
-    else:
-        key_mask, query_mask = mask.any(dim=1), mask.any(dim=2)
-        if not bool((mask == (query_mask[:, :, None] & key_mask[:, None, :])).all()):
-            return None, None, False
-    key_mask = None if bool(key_mask.all()) else key_mask.contiguous()
-    query_mask = None if query_mask is None or bool(query_mask.all()) else query_mask.contiguous()
-    return key_mask, query_mask, True
+class _Layer:
+    name: str
+    local_index: int
+    transformer: object  # weakref.ref to the transformer
 
 
 class Patch:
@@ -113,198 +73,223 @@ class Patch:
     Attributes:
         method: the method name. config: its resolved config. family: the adapter's family.
         layers: names of the patched attention modules, in model order.
-        stats: ``PatchStats`` counters.
+        stats: ``PatchStats`` over all calls of all patched layers.
     """
 
-    def __init__(self, target, method, config, adapter, transformers, scheduler, record_masks, backend):
+    def __init__(self, target, method, adapter, transformers, scheduler, record_masks, backend):
         self.target = target
         self._method = method
         self.method = method.name
-        self.config = config
+        self.config = method.config
         self.adapter = adapter
         self.family = adapter.family
         self.record_masks = record_masks
         self.backend = backend
-        self.tracker = StepTracker()
-        self.stats = PatchStats()
+        self.stats = PatchStats(method)
         self.layers = []
+        self._layers = []
         self._transformers = transformers
         self._scheduler = scheduler
+        self._pipeline = target if scheduler is not None else None
         self._records = {}
-        self._plans = {}
-        self._grid = {}
         self._undo = []
+        self._pinned = []  # (processor, value fastdit set, value to restore)
         self._warned = set()
+        self._warn_lock = threading.Lock()
+        self._bare_num_steps = None
         self._removed = False
+        self.id = register_patch(self)
 
     # -- installation -----------------------------------------------------------------------
-    def _install(self):
+    def _install(self, modules_per_transformer):
         multi = len(self._transformers) > 1
-        for attr_name, transformer in self._transformers:
-            modules = self.adapter.attention_modules(transformer)
-            if not modules:
-                raise ValueError(
-                    f"{type(transformer).__name__}: found no attention module matching "
-                    f"{self.adapter.attention_pattern!r} for family {self.family!r}"
-                )
+        for (attr_name, transformer), modules in zip(self._transformers, modules_per_transformer):
             setattr(transformer, _MARK, self)
             self._undo.append(lambda t=transformer: t.__dict__.pop(_MARK, None))
-            handle = transformer.register_forward_pre_hook(
-                lambda module, args, kwargs, t=transformer: self._on_transformer_call(t, args, kwargs), with_kwargs=True
-            )
-            self._undo.append(handle.remove)
             for local_index, (name, module) in enumerate(modules):
-                global_index = len(self.layers)
                 self.layers.append(f"{attr_name}.{name}" if multi else name)
+                self._layers.append(_Layer(self.layers[-1], local_index, weakref.ref(transformer)))
                 self._pin_native_backend(module)
-                interceptor = ModuleInterceptor(
-                    module,
-                    lambda call, original, g=global_index, i=local_index, t=transformer: self._attend(g, i, t, call, original),
-                )
-                self._undo.append(interceptor.remove)
+                self._undo.append(AttentionForward(module, self.id, len(self._layers) - 1).remove)
+            # The hook runs eagerly even inside torch.compile: it reads Python-side state (grid,
+            # step) that the compiled graph must not bake in.
+            hook = torch.compiler.disable(self._on_transformer_call)
+            self._undo.append(transformer.register_forward_pre_hook(hook, with_kwargs=True).remove)
         if self._scheduler is not None:
-            self._wrap_scheduler(self._scheduler)
+            self._undo.append(track_scheduler(self._scheduler))
 
     def _pin_native_backend(self, module):
         processor = getattr(module, "processor", None)
         if processor is None or not hasattr(processor, "_attention_backend"):
             return  # legacy processor: calls SDPA directly
         missing = object()
-        previous = processor.__dict__.get("_attention_backend", missing)
+        entry = [processor, "native", processor.__dict__.get("_attention_backend", missing)]
         processor._attention_backend = "native"
+        self._pinned.append(entry)
 
-        def restore(p=processor, prev=previous):
-            if prev is missing:
-                p.__dict__.pop("_attention_backend", None)
+        def restore(entry=entry, missing=missing):
+            processor, ours, previous = entry
+            if processor.__dict__.get("_attention_backend", missing) != ours:
+                return  # changed by someone else since: theirs stays
+            if previous is missing:
+                processor.__dict__.pop("_attention_backend", None)
             else:
-                p._attention_backend = prev
+                processor._attention_backend = previous
 
         self._undo.append(restore)
 
-    def _wrap_scheduler(self, scheduler):
-        tracker = self.tracker
-        original_set, original_step = scheduler.set_timesteps, scheduler.step
+    def _keep_backends_pinned(self):
+        """``transformer.set_attention_backend(...)`` while patched would route the patched layers
+        around SDPA and silently switch fastdit off: fastdit stays in charge, warns once, and
+        restores the user's choice on ``remove()``."""
+        for entry in self._pinned:
+            processor, ours, _ = entry
+            current = processor.__dict__.get("_attention_backend")
+            if current != ours:
+                entry[2] = current
+                processor._attention_backend = ours
+                self._warn_once(("backend", str(current)), f"the attention backend was set to {current!r} while "
+                                "fastdit is patched; fastdit keeps the patched layers and restores "
+                                f"{current!r} on remove()")
 
-        # functools.wraps keeps the signatures: pipelines inspect them (e.g. HunyuanVideo checks
-        # that `set_timesteps` accepts `sigmas`).
-        @functools.wraps(original_set)
-        def set_timesteps(*args, **kwargs):
-            result = original_set(*args, **kwargs)
-            order = getattr(scheduler, "order", 1) or 1
-            tracker.begin_call(len(scheduler.timesteps) // order, order)
-            return result
-
-        @functools.wraps(original_step)
-        def step(*args, **kwargs):
-            result = original_step(*args, **kwargs)
-            tracker.on_scheduler_step()
-            return result
-
-        for name, wrapper in (("set_timesteps", set_timesteps), ("step", step)):
-            setattr(scheduler, name, wrapper)
-
-            def restore(n=name, w=wrapper):
-                if scheduler.__dict__.get(n) is w:
-                    del scheduler.__dict__[n]
-
-            self._undo.append(restore)
-
-    # -- per call -----------------------------------------------------------------------------
+    # -- per transformer call (eager, before the compiled graph) ------------------------------
     def _on_transformer_call(self, transformer, args, kwargs):
-        self._grid[id(transformer)] = self.adapter.grid(transformer, args, kwargs)
-        if self._scheduler is None:
-            self.tracker.on_transformer_call(self.adapter.timestep(args, kwargs))
+        self._keep_backends_pinned()
+        state = active_call() if self._scheduler is not None else None
+        if state is None:
+            state = bare_call_state(self.id, self._bare_num_steps)
+            branch = state.on_bare_timestep(self.adapter.timestep(args, kwargs))
+        else:
+            branch = state.on_transformer_call()
+        try:
+            grid = self.adapter.grid(transformer, args, kwargs)
+        except (ValueError, TypeError, KeyError, IndexError) as error:
+            self._warn_once(("grid-error",), f"could not read the latent grid ({error}); those calls run dense")
+            grid = None
+        cfg = None
+        if self._pipeline is not None:
+            try:
+                cfg = bool(getattr(self._pipeline, "do_classifier_free_guidance"))
+            except Exception:  # noqa: BLE001 - a property that needs state the pipeline has not set
+                cfg = None
+        set_transformer_call(transformer, TransformerCall(grid, branch, state, cfg))
+
+    # -- per attention call (inside the custom op) ------------------------------------------
+    def _fallback(self, layer, reason, size, original):
+        self.stats.count_fallback(reason, size)
+        self._warn_once(("fallback", reason), f"layer {self.layers[layer]}: {reason}; running the model's own attention")
+        return original()
 
     def _warn_once(self, key, message):
-        if key not in self._warned:
+        with self._warn_lock:
+            if key in self._warned:
+                return
             self._warned.add(key)
-            warnings.warn(f"fastdit: {message}", stacklevel=3)
+        warnings.warn(f"fastdit: {message}", stacklevel=3)
 
-    def _attend(self, layer, local_layer, transformer, call, original):
+    def handle_call(self, layer, call, original):
+        """Run one intercepted attention call of patched layer ``layer``."""
         q, k, v = call["query"], call["key"], call["value"]
-        unusual = (call["dropout_p"] or call["is_causal"] or call["enable_gqa"] or q.dim() != 4
-                   or q.shape[-2] != k.shape[-2] or q.shape[1] != k.shape[1])
-        grid = self._grid.get(id(transformer))
-        if unusual:
-            self.stats.fallback_calls += 1
-            self._warn_once(("unusual", layer), f"layer {self.layers[layer]}: attention call not handled "
-                            "(causal, dropout, GQA or cross-attention); running it dense")
-            return original()
-        if grid is None:
-            self.stats.fallback_calls += 1
-            self._warn_once(("grid", layer), f"layer {self.layers[layer]}: the adapter gives no single token "
-                            "grid for this call (e.g. reference images of another size); running it dense")
-            return original()
+        if q.dim() != 4 or k.dim() != 4:
+            return self._fallback(layer, f"attention input of rank {q.dim()} (expected (B, H, S, D))", 0, original)
         batch, heads, seq, _ = q.shape
-        video_len = math.prod(grid)
+        size = batch * heads * seq * k.shape[-2]
+        if call["dropout_p"] or call["is_causal"] or call["enable_gqa"] or seq != k.shape[-2] or heads != k.shape[1]:
+            return self._fallback(layer, "attention call not handled (causal, dropout, GQA or cross-attention)", size,
+                                  original)
+        if q.dtype not in _ENGINE_DTYPES:
+            return self._fallback(layer, f"{q.dtype} attention (the kernels take float16, bfloat16 and float32)",
+                                  size, original)
+        spec = self._layers[layer]
+        transformer = spec.transformer()
+        info = None if transformer is None else transformer_call(transformer)
+        if info is None:
+            return self._fallback(layer, "attention module called outside a forward of its transformer", size, original)
+        if info.grid is None:
+            return self._fallback(layer, "the adapter gives no single token grid for this call (e.g. reference "
+                                  "images of another size)", size, original)
+        video_len = math.prod(info.grid)
         text_len = seq - video_len
         if text_len < 0 or (text_len > 0 and self.adapter.text_position == "none"):
             raise RuntimeError(
                 f"fastdit ({self.family}): layer {self.layers[layer]} got {seq} tokens but the latent grid "
-                f"{grid} has {video_len}; the adapter's layout does not fit this model"
+                f"{info.grid} has {video_len}; the adapter's layout does not fit this model"
             )
-        layout = TokenLayout(grid, text_len, self.adapter.text_position if text_len else "none")
+        layout = TokenLayout(info.grid, text_len, self.adapter.text_position if text_len else "none")
         key_mask, query_mask, mask_ok = key_mask_from_attn_mask(call["attn_mask"], batch, seq, seq)
         if not mask_ok:
-            self.stats.fallback_calls += 1
-            self._warn_once(("mask", layer), f"layer {self.layers[layer]}: the model's attention mask is not a "
-                            "key mask; running this call dense")
-            return original()
-
-        dense = (self._method.name == "dense" or local_layer < self.config.dense_layers
-                 or self.tracker.is_dense(self.config.dense_steps))
-        plan = None if dense else self._plan(layout, heads, q)
-        if plan is None:  # dense step or layer, or a layout the method computes densely anyway
-            self.stats.dense_calls += 1
-            self._record(layer, LayerRecord(layout, True, None, key_mask, heads, query_mask))
-            return original()
-        self.stats.count_sparse_call(plan)
-        self._record(layer, LayerRecord(layout, False, plan, key_mask, heads, query_mask))
-        return run_plan(q, k, v, plan, key_mask=key_mask, scale=call["scale"], backend=self.backend,
-                        query_mask=query_mask)
-
-    def _plan(self, layout, heads, q):
-        if self._method.dynamic:
-            self.stats.plans_built += 1
-            return self._method.plan(layout, self.config, heads, q.device, q=q)
-        key = (layout, heads, str(q.device))
-        if key not in self._plans:
-            self._method.check_layout(layout, self.config)
-            self._plans[key] = self._method.plan(layout, self.config, heads, q.device)
-            self.stats.plans_built += 1
-        return self._plans[key]
-
-    def _record(self, layer, record):
+            return self._fallback(layer, "the model's attention mask is not a key mask", size, original)
+        ctx = AttentionContext(
+            layer=layer, layer_name=self.layers[layer], step=info.call.step, num_steps=info.call.num_steps,
+            branch=info.branch, layout=layout, call=info.call, local_layer=spec.local_index, key_mask=key_mask,
+            query_mask=query_mask, head_offset=0, num_heads=heads, total_heads=heads, scale=call["scale"],
+            cfg=info.cfg, state=info.call.layer_state(layer, info.branch), backend=self.backend, dense_fn=original,
+        )
+        out = self._method(ctx, q, k, v)
+        self._count(ctx, size)
         if self.record_masks:
-            self._records[layer] = record
+            plan = ctx.info.get("plan")
+            dense = bool(ctx.info.get("dense")) or plan is None
+            self._records[layer] = LayerRecord(layout, dense, None if dense else plan, key_mask, heads, query_mask)
+        return out
+
+    def _count(self, ctx, size):
+        info = ctx.info
+        if info.get("dense"):
+            self.stats.count_dense(size)
+        elif "performed" in info:
+            self.stats.count_sparse(size, info["performed"] / max(info["total"], 1), info.get("plan"))
+        elif "plan" in info:
+            plan = info["plan"]
+            density = plan.block_density_tensor().mean() if plan.dynamic else plan.density
+            self.stats.count_sparse(size, density, plan)
+        else:
+            self.stats.count_sparse(size, 1.0)  # a method that reported nothing computed everything
 
     # -- public -------------------------------------------------------------------------------
     def set_num_steps(self, num_steps):
         """Tell a bare-transformer patch how many steps the coming call has (for fractions)."""
-        self.tracker.reset(int(num_steps))
+        self._bare_num_steps = int(num_steps)
+        reset_bare_call_state(self.id, self._bare_num_steps)
+
+    @property
+    def call_state(self):
+        """The ``CallState`` of the pipeline call in this context (None before any call)."""
+        state = active_call() if self._scheduler is not None else None
+        return state if state is not None else bare_call_state(self.id, self._bare_num_steps)
 
     @property
     def step(self):
-        return self.tracker.step
+        return self.call_state.step
 
     def layer_index(self, layer):
         if isinstance(layer, str):
             if layer not in self.layers:
                 raise ValueError(f"unknown layer {layer!r}; patched layers: {self.layers}")
             return self.layers.index(layer)
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise OptionError(f"layer must be an int index or a layer name, got {type(layer).__name__}: {layer!r}")
         if not -len(self.layers) <= layer < len(self.layers):
             raise ValueError(f"layer index {layer} out of range: {len(self.layers)} patched layers")
         return layer % len(self.layers)
 
-    def mask(self, layer, head=0):
-        """Token-level boolean mask ``(S, S)`` that ``layer`` used in its latest call, in the model's
-        token order (text tokens included), for ``head``. Needs ``record_masks=True``."""
+    def _record_of(self, layer):
+        if self._removed:
+            raise RuntimeError("this patch was removed; its masks and plans were released with it")
         if not self.record_masks:
-            raise RuntimeError("masks are recorded only with fastdit.patch(..., record_masks=True)")
+            raise RuntimeError("masks and plans are recorded only with fastdit.patch(..., record_masks=True)")
         index = self.layer_index(layer)
         record = self._records.get(index)
         if record is None:
             raise RuntimeError(f"layer {self.layers[index]} has not run since the patch was applied")
+        return record
+
+    def mask(self, layer, head=0):
+        """Token-level boolean mask ``(S, S)`` that ``layer`` used in its latest call, in the model's
+        token order (text tokens included), for ``head``. Needs ``record_masks=True``."""
+        record = self._record_of(layer)
+        if isinstance(head, bool) or not isinstance(head, int):
+            raise OptionError(f"head must be an int, got {type(head).__name__}: {head!r}")
         if not 0 <= head < max(record.num_heads, 1):
             raise ValueError(f"head {head} out of range: the layer has {record.num_heads} heads")
         seq = record.layout.seq_len
@@ -320,21 +305,24 @@ class Patch:
 
     def last_plan(self, layer):
         """The ``BlockPlan`` of ``layer``'s latest call (None when it ran dense); needs record_masks."""
-        record = self._records.get(self.layer_index(layer))
-        return None if record is None else record.plan
+        return self._record_of(layer).plan
+
+    def last_layout(self, layer):
+        """The ``TokenLayout`` of ``layer``'s latest call; needs record_masks."""
+        return self._record_of(layer).layout
 
     def reset_stats(self):
-        self.stats = PatchStats()
+        self.stats = PatchStats(self._method)
 
     def remove(self):
         """Undo everything; outputs are then identical to the unpatched model's. Idempotent."""
         if self._removed:
             return
+        self._removed = True
+        unregister_patch(self.id)
         while self._undo:
             self._undo.pop()()
         self._records.clear()
-        self._plans.clear()
-        self._removed = True
 
     @property
     def active(self):
@@ -352,19 +340,40 @@ class Patch:
         return f"<fastdit.Patch {self.method} on {self.family}, {len(self.layers)} layers, {state}>"
 
 
+def _unwrap(module):
+    """The module behind ``torch.compile(module)``."""
+    return getattr(module, "_orig_mod", module) if isinstance(module, torch.nn.Module) else module
+
+
 def _targets(target):
     """``([(attr_name, transformer)], scheduler)`` of a pipeline or a bare transformer."""
     if isinstance(target, torch.nn.Module) and not hasattr(target, "transformer"):
-        return [("transformer", target)], None
+        return [("transformer", _unwrap(target))], None
     transformer = getattr(target, "transformer", None)
     if transformer is None:
         unet = " (it has a UNet: fastdit patches DiT transformers only)" if getattr(target, "unet", None) is not None else ""
         raise ValueError(f"{type(target).__name__} has no `transformer`{unet}; pass a diffusers DiT pipeline or its transformer")
-    found = [("transformer", transformer)]
+    found = [("transformer", _unwrap(transformer))]
     second = getattr(target, "transformer_2", None)
     if second is not None:
-        found.append(("transformer_2", second))
+        found.append(("transformer_2", _unwrap(second)))
     return found, getattr(target, "scheduler", None)
+
+
+def _check_backend(backend, transformers):
+    from fastdit.kernels.block_sparse import BACKENDS, _triton_available, triton_interpreter_enabled
+
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise OptionError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "triton":
+        return
+    if not _triton_available():
+        raise ValueError("backend='triton' needs the triton package (Linux); use backend='auto' or 'torch'")
+    for _, transformer in transformers:
+        param = next(transformer.parameters(), None)
+        if param is not None and param.device.type != "cuda" and not triton_interpreter_enabled():
+            raise ValueError(f"backend='triton' but the model is on {param.device.type}: Triton runs on CUDA GPUs (or on "
+                             "the CPU with TRITON_INTERPRET=1 set before fastdit is imported); use backend='auto' or 'torch'")
 
 
 def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", **options):
@@ -372,7 +381,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
 
     Args:
         target: a diffusers pipeline (its ``transformer``, and ``transformer_2`` for Wan 2.2, are
-            patched with one step counter) or a transformer.
+            patched with one step counter) or a transformer (also one wrapped by ``torch.compile``).
         method: a name from ``fastdit.methods()``.
         config: the method's config dataclass (e.g. ``fastdit.STAConfig(...)``); keyword
             ``options`` override its fields.
@@ -382,20 +391,21 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
 
+    Every option is checked here, against the model (e.g. per-head windows against its head
+    count), before anything is installed: a bad option raises and leaves the model untouched.
+
     Example::
 
         p = fastdit.patch(pipe, "sta", tile=(6, 8, 8), window=(3, 3, 3), dense_steps=0.25)
         video = pipe(prompt).frames
         p.remove()
     """
-    from fastdit.kernels.block_sparse import BACKENDS
     from fastdit.pipelines import find_adapter
 
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    method_obj = get_method(method)
-    config = method_obj.make_config(config, **options)
+    method_cls = get_method(method)
+    config = method_cls.make_config(config, **options)
     transformers, scheduler = _targets(target)
+    _check_backend(backend, transformers)
     adapters = [find_adapter(t) for _, t in transformers]
     adapter = adapters[0]
     for _, transformer in transformers:
@@ -404,11 +414,21 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             raise AlreadyPatchedError(
                 f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
             )
-    config = method_obj.resolve(config, adapter.family)
-    method_obj.check_family(adapter, config)
-    result = Patch(target, method_obj, config, adapter, transformers, scheduler, record_masks, backend)
+    config = method_cls.resolve(config, adapter)
+    method_cls.check_family(adapter, config)
+    method_obj = method_cls(config)
+    modules_per_transformer = []
+    for _, transformer in transformers:
+        modules = adapter.attention_modules(transformer)
+        if not modules:
+            raise ValueError(f"{type(transformer).__name__}: found no attention module matching "
+                             f"{adapter.attention_pattern!r} for family {adapter.family!r}")
+        for heads in sorted({getattr(m, "heads", None) for _, m in modules} - {None}):
+            method_obj.check_heads(heads)
+        modules_per_transformer.append(modules)
+    result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
     try:
-        result._install()
+        result._install(modules_per_transformer)
     except BaseException:
         result.remove()
         raise

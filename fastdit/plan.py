@@ -8,6 +8,7 @@ attention call: permute, run the kernel, un-permute and drop padding.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class BlockPlan:
         padding_fraction: padding slots / real tokens.
         name: a readable name including the parameters, e.g. ``sta_t6x8x8_w3x3x3``.
         info: free-form numbers for reports (tile, window, ...).
+        dynamic: True for plans chosen per call from q and k.
     """
 
     kv_indices: torch.Tensor
@@ -43,6 +45,8 @@ class BlockPlan:
     padding_fraction: float = 0.0
     name: str = ""
     info: dict = field(default_factory=dict)
+    #: chosen per call from q / k (its density is read on the device, never cached)
+    dynamic: bool = False
 
     def __post_init__(self):
         self.inverse = None
@@ -58,13 +62,56 @@ class BlockPlan:
     def kernel_len(self):
         return self.seq_len if self.perm is None else int(self.perm.numel())
 
+    @property
+    def num_kv_blocks(self):
+        return -(-self.kernel_len // self.block_n)
+
+    def block_density_tensor(self):
+        """Computed / total (query block, key block) pairs per (batch, head): float32 ``(1|B, 1|H)``
+        on the plan's device (no host synchronisation; dynamic plans report through this)."""
+        total = self.kv_counts.shape[-1] * self.num_kv_blocks
+        return self.kv_counts.float().sum(-1) / total
+
     @functools.cached_property
     def density(self):
         """Fraction of (query block, key block) pairs computed, averaged over heads (computed once:
         a plan never changes, and reading its counts from a GPU would sync every call)."""
-        n_kblocks = -(-self.kernel_len // self.block_n)
-        total = self.kv_counts.shape[-1] * n_kblocks
-        return float(self.kv_counts.double().mean() * self.kv_counts.shape[-1] / total)
+        return float(self.block_density_tensor().double().mean())
+
+    def pair_counts(self):
+        """Query-key score computations this plan performs per (batch, head), counting real tokens
+        only (padding slots excluded): float64 ``(1|B, 1|H)`` on the plan's device.
+
+        A computed block pair ``(m, j)`` contributes ``real_rows(m) * real_cols(j)``; dense
+        attention over the call would be ``seq_len ** 2``.
+        """
+        length = self.kernel_len
+        device = self.kv_counts.device
+        valid = (self.perm >= 0) if self.perm is not None else torch.ones(length, dtype=torch.bool, device=device)
+
+        def per_block(size):
+            n = -(-length // size)
+            padded = torch.zeros(n * size, dtype=torch.float64, device=device)
+            padded[:length] = valid.to(torch.float64)
+            return padded.view(n, size).sum(1)
+
+        rows, cols = per_block(self.block_m), per_block(self.block_n)
+        width = self.kv_indices.shape[-1]
+        used = torch.arange(width, device=device) < self.kv_counts[..., None]
+        key_cols = cols[self.kv_indices.long().clamp(0, cols.numel() - 1)] * used
+        return (key_cols.sum(-1) * rows).sum(-1)
+
+    def select_heads(self, offset, count):
+        """This plan for heads ``offset .. offset + count`` of the layer (context parallelism
+        splits heads across ranks); a plan shared by all heads is returned as it is."""
+        if self.kv_indices.shape[1] == 1:
+            return self
+        if offset + count > self.kv_indices.shape[1]:
+            raise ValueError(f"heads {offset}..{offset + count - 1} are outside the plan's {self.kv_indices.shape[1]} heads")
+        return dataclasses.replace(
+            self, kv_indices=self.kv_indices[:, offset:offset + count], kv_counts=self.kv_counts[:, offset:offset + count],
+            name=f"{self.name}_h{offset}-{offset + count - 1}",
+        )
 
     def kernel_kv_valid(self, key_mask=None):
         """Key validity in kernel order: static padding & the model's key mask ``(B, S)``."""
@@ -90,8 +137,9 @@ class BlockPlan:
         return mask
 
 
-def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mask=None):
-    """Attention of model-order ``q, k, v`` ``(B, H, S, D)`` under ``plan``; returns ``(B, H, S, D)``.
+def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False):
+    """Attention of model-order ``q, k, v`` ``(B, H, S, D)`` under ``plan``; returns ``(B, H, S, D)``
+    (and, with ``return_lse``, the log-sum-exp ``(B, H, S)`` float32 in model order).
 
     Tokens are permuted into kernel order (padding slots read token 0 and are masked as keys;
     their query rows are dropped on the way back), the engine runs, and the output is returned in
@@ -101,12 +149,14 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mas
     if plan.perm is not None:
         index = plan.gather_index
         q, k, v = (t.index_select(2, index) for t in (q, k, v))
-    out = block_sparse_attention(
+    out, lse = block_sparse_attention(
         q, k, v, plan.kv_indices, plan.kv_counts, plan.block_m, plan.block_n,
-        scale=scale, kv_valid=plan.kernel_kv_valid(key_mask), return_lse=False, backend=backend,
+        scale=scale, kv_valid=plan.kernel_kv_valid(key_mask), return_lse=True, backend=backend,
     )
     if plan.inverse is not None:
         out = out.index_select(2, plan.inverse)
+        lse = lse.index_select(2, plan.inverse)
     if query_mask is not None:
         out = out * query_mask.to(device=out.device, dtype=out.dtype)[:, None, :, None]
-    return out
+        lse = lse.masked_fill(~query_mask.to(device=lse.device, dtype=torch.bool)[:, None, :], float("-inf"))
+    return (out, lse) if return_lse else out

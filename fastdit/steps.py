@@ -1,70 +1,71 @@
-"""Denoising-step tracking, so methods can run dense for the first steps of every pipeline call.
+"""Denoising-step tracking through the scheduler, at instance level and safe to deep-copy.
 
-With a pipeline, the scheduler is watched at instance level: ``set_timesteps`` starts a call
-(step 0, and the call's step count) and every ``step`` advances one denoising step, however many
-transformer calls a step makes (classifier-free guidance as a batch of two or as two calls both
-happen before ``scheduler.step``). Two transformers driven by one scheduler (Wan 2.2) share it.
+A tracked scheduler gets two instance attributes, ``set_timesteps`` and ``step``, that call its
+own methods and then report to the pipeline call running in this context
+(``fastdit.context``): ``set_timesteps`` starts a call (step 0, the schedule), every ``step``
+ends a round of transformer calls. The wrappers hold their scheduler and its bound method as
+attributes, so ``copy.deepcopy(scheduler)`` gives a copy whose wrappers drive the copy (SkyReels-V2
+diffusion forcing deep-copies the scheduler per latent frame), and they keep the signatures
+pipelines inspect (HunyuanVideo checks that ``set_timesteps`` accepts ``sigmas``).
 
-With a bare transformer there is no scheduler: a new step starts whenever the ``timestep``
-argument changes, and a new call when it goes up again (denoising runs from high noise to low).
-Fractional ``dense_steps`` then need the step count: ``Patch.set_num_steps(n)``.
+Several patches may track one scheduler (two pipelines sharing it): the wrappers are installed by
+the first and removed with the last (a reference count on the scheduler), whatever the order.
 """
 from __future__ import annotations
 
-import math
+import functools
+
+from fastdit.context import active_call, begin_pipeline_call
+
+_COUNT = "_fastdit_step_tracking"
+_TRACKED = ("set_timesteps", "step")
 
 
-class StepTracker:
-    """Step index within the current pipeline call and the call's number of steps."""
+class _TrackedMethod:
+    """``scheduler.<name>`` replacement: the scheduler's own method, then a report."""
 
-    def __init__(self):
-        self.reset()
+    def __init__(self, owner, name, original, instance_level=False):
+        self.owner = owner
+        self.name = name
+        self.instance_level = instance_level  # the original was itself an instance attribute
+        functools.update_wrapper(self, original)  # sets __wrapped__ (the bound original), keeps signatures
 
-    def reset(self, num_steps=None):
-        self.step = 0
-        self.num_steps = num_steps
-        self._scheduler_calls = 0
-        self._last_timestep = None
+    def __call__(self, *args, **kwargs):
+        result = self.__wrapped__(*args, **kwargs)
+        owner = self.owner
+        if self.name == "set_timesteps":
+            order = getattr(owner, "order", 1) or 1
+            timesteps = getattr(owner, "timesteps", None)
+            count = None if timesteps is None else len(timesteps) // order
+            begin_pipeline_call(count, order, timesteps)
+        else:
+            state = active_call()
+            if state is not None:
+                timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+                state.on_scheduler_step(timestep)
+        return result
 
-    # -- scheduler-driven -------------------------------------------------------------------
-    def begin_call(self, num_steps, order=1):
-        self.reset(num_steps)
-        self._order = max(int(order), 1)
 
-    def on_scheduler_step(self):
-        self._scheduler_calls += 1
-        self.step = self._scheduler_calls // getattr(self, "_order", 1)
+def track_scheduler(scheduler):
+    """Install step tracking on ``scheduler`` (reference counted); returns the undo function."""
+    count = scheduler.__dict__.get(_COUNT, 0)
+    if count == 0:
+        for name in _TRACKED:
+            setattr(scheduler, name, _TrackedMethod(scheduler, name, getattr(scheduler, name), name in scheduler.__dict__))
+    scheduler.__dict__[_COUNT] = count + 1
 
-    # -- transformer-driven (no scheduler) ----------------------------------------------------
-    def on_transformer_call(self, timestep):
-        if timestep is None:
+    def untrack():
+        remaining = scheduler.__dict__.get(_COUNT, 1) - 1
+        if remaining > 0:
+            scheduler.__dict__[_COUNT] = remaining
             return
-        if self._last_timestep is None:
-            self.step = 0
-        elif timestep > self._last_timestep:
-            self.step = 0  # noise went up again: a new pipeline call
-        elif timestep != self._last_timestep:
-            self.step += 1
-        self._last_timestep = timestep
+        scheduler.__dict__.pop(_COUNT, None)
+        for name in _TRACKED:
+            wrapper = scheduler.__dict__.get(name)
+            if isinstance(wrapper, _TrackedMethod) and wrapper.owner is scheduler:
+                if wrapper.instance_level:
+                    scheduler.__dict__[name] = wrapper.__wrapped__
+                else:
+                    del scheduler.__dict__[name]
 
-    def dense_threshold(self, dense_steps):
-        """Steps with index below this run dense."""
-        if isinstance(dense_steps, float):
-            if dense_steps == 0.0:
-                return 0.0
-            if self.num_steps is None:
-                raise RuntimeError(
-                    "dense_steps is a fraction but the number of denoising steps is unknown (a bare transformer "
-                    "was patched): pass an int count, or call patch.set_num_steps(n) before the run"
-                )
-            return dense_steps * self.num_steps
-        return dense_steps
-
-    def is_dense(self, dense_steps):
-        return self.step < self.dense_threshold(dense_steps)
-
-    def dense_step_count(self, dense_steps):
-        """How many steps of the current call run dense."""
-        threshold = self.dense_threshold(dense_steps)
-        count = math.ceil(threshold)
-        return count if self.num_steps is None else min(count, self.num_steps)
+    return untrack

@@ -306,6 +306,10 @@ register_adapter(Adapter(
     attention_pattern=r"blocks\.\d+\.attn1",
     text_position="none",
     pipelines=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"),
+    # Radial Attention's Wan settings (reference scripts: decay 0.2, sink, first 12 of 50 steps and
+    # the first layer dense; adjacent frames dense, as the current reference mask code does).
+    method_defaults={"radial": {"decay": 0.2, "sink": True, "adjacent": "dense", "dense_steps": 0.24,
+                                "dense_layers": 1}},
     notes="Wan 2.1 and 2.2. Self-attention `blocks.N.attn1` over video tokens; text and image context go "
           "through `attn2` (cross-attention, never patched). Grid: latents (B, C, F, H, W) / patch_size. "
           "Wan 2.2's `transformer` and `transformer_2` share one step counter.",
@@ -338,6 +342,9 @@ register_adapter(Adapter(
     attention_pattern=r"(transformer_blocks|single_transformer_blocks)\.\d+\.attn",
     text_position="suffix",
     pipelines=("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
+    # Radial Attention's HunyuanVideo settings (reference scripts).
+    method_defaults={"radial": {"decay": 0.95, "sink": False, "adjacent": "dense", "dense_steps": 0.24,
+                                "dense_layers": 0}},
     notes="Joint attention in double- and single-stream blocks, text after video; the text-padding "
           "mask the model passes is honoured (padded text keys are never attended). The text refiner's "
           "self-attention is not patched. Grid: latents (B, C, F, H, W) / (patch_size_t, patch_size, patch_size).",

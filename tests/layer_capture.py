@@ -1,12 +1,12 @@
 """Test helper: capture what each patched layer's sparse call received and returned.
 
-Sparse calls go through ``fastdit.patch.run_plan``; this wraps it (via pytest's monkeypatch) and
+Sparse calls go through ``run_plan`` (called from ``fastdit.methods.base``); this wraps it (via pytest's monkeypatch) and
 records ``(q, k, v, key_mask, scale, out)`` per call, so tests can compare each layer's output
 with the float64 dense reference under the mask the patch recorded.
 """
 import torch
 
-import fastdit.patch as patch_module
+import fastdit.methods.base as patch_module  # where methods call run_plan
 from fastdit.kernels import dense_reference
 
 
@@ -16,9 +16,10 @@ class LayerCapture:
         original = patch_module.run_plan
 
         def recording_run_plan(q, k, v, plan, key_mask=None, scale=None, **kwargs):
-            out = original(q, k, v, plan, key_mask=key_mask, scale=scale, **kwargs)
+            result = original(q, k, v, plan, key_mask=key_mask, scale=scale, **kwargs)
+            out = result[0] if isinstance(result, tuple) else result
             self.calls.append((q.detach().clone(), k.detach().clone(), v.detach().clone(), scale, out.detach().clone()))
-            return out
+            return result
 
         monkeypatch.setattr(patch_module, "run_plan", recording_run_plan)
 

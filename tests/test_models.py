@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import fastdit
-import fastdit.patch as patch_module
+import fastdit.methods.base as patch_module  # where methods call run_plan
 from fastdit.kernels import dense_reference
 from fastdit.methods import get_method
 from fastdit.pipelines import Adapter, UnsupportedModelError, adapters, find_adapter, register_adapter
@@ -113,10 +113,11 @@ class Recorder:
         original = patch_module.run_plan
 
         def recording(q, k, v, plan, key_mask=None, scale=None, **kwargs):
-            out = original(q, k, v, plan, key_mask=key_mask, scale=scale, **kwargs)
+            result = original(q, k, v, plan, key_mask=key_mask, scale=scale, **kwargs)
+            out = result[0] if isinstance(result, tuple) else result
             self.calls.append((self.current, q.detach().clone(), k.detach().clone(), v.detach().clone(), scale,
                                out.detach().clone()))
-            return out
+            return result
 
         monkeypatch.setattr(patch_module, "run_plan", recording)
 

@@ -203,10 +203,12 @@ def test_bad_method_backend_and_double_patch():
 
 
 def test_per_head_window_count_must_match_heads():
+    """Checked at patch time against the model's head count; nothing is left installed."""
     model = tiny_wan()
-    with fastdit.patch(model, "sta", tile=(1, 2, 2), window=[(1, 1, 1)] * 3, dense_steps=0):
-        with pytest.raises(ValueError, match="heads"):
-            run(model, wan_inputs(frames=2, height=8, width=8))
+    with pytest.raises(ValueError, match="3 triples.*2 heads"):
+        fastdit.patch(model, "sta", tile=(1, 2, 2), window=[(1, 1, 1)] * 3, dense_steps=0)
+    assert "_fastdit_patch" not in model.__dict__ and not model._forward_pre_hooks
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def test_unsupported_model_lists_families():

@@ -68,7 +68,7 @@ def test_cfg_batch_two_counts_steps_once(pipes):
         calls_per_step = 2 * layers  # conditional and unconditional passes, batch 2 each
         assert p.stats.dense_calls == calls_per_step
         assert p.stats.sparse_calls == 2 * calls_per_step
-        assert p.tracker.num_steps == 3
+        assert p.call_state.num_steps == 3
 
 
 @pytest.mark.parametrize("dense_steps, dense_count", [(0, 0), (2, 2), (0.5, 2), (0.25, 1), (0.3, 2)])

@@ -1,15 +1,41 @@
-"""What every attention method shares: its config base class and the method registry.
+"""The method protocol (version 2): what every attention method shares, and the method registry.
 
-A method is a config dataclass plus a function from a ``TokenLayout`` (and, for dynamic methods,
-the call's ``q`` and ``k``) to a ``BlockPlan``. Methods know nothing of diffusers: model families
-only change their defaults, through ``family_defaults``.
+A method is a config dataclass plus a ``Method`` subclass that implements what it needs of
+
+* ``prepare(layout, heads, device)`` - the static part of a plan (token permutation, static block
+  lists) for a token layout; cached per (layout, heads, device) in a bounded LRU cache;
+* ``select(ctx, q, k)`` - the block plan of one call; the default returns the prepared plan
+  (sliced to the call's heads). Dynamic methods choose blocks from ``q`` and ``k`` here, on the
+  tensors' device, in kernel order, with no host synchronisation;
+* ``attend(ctx, q, k, v)`` - the whole call; the default runs ``select``, the engine (which also
+  returns the log-sum-exp) and ``finalize``. Token methods override it and may change the number
+  of keys and queries inside the call;
+* ``finalize(ctx, out, lse)`` - a correction that needs the log-sum-exp (default: none);
+* ``attend_dense(ctx, q, k, v)`` - a dense step or dense layer (default: the model's own
+  attention); methods that cache dense results (refresh steps) override it.
+
+Per-call information comes in the ``AttentionContext`` (``fastdit/context.py``): layer, step and
+steps actually run, CFG branch, layout, key/query masks, head offset and count, and ``ctx.state``,
+a dict per (layer, branch) that is reset at the start of every pipeline call. A method instance
+holds only its resolved config and its plan cache, so one instance serves every thread.
+
+Methods know nothing of diffusers: model families change their defaults only through the
+adapters' ``method_defaults`` (``fastdit/pipelines/adapters.py``).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from dataclasses import dataclass
 
+from fastdit.plan import run_plan
+
 _REGISTRY = {}
+
+
+class OptionError(ValueError, TypeError):
+    """A bad method name or option (a ValueError, and a TypeError when the type is wrong)."""
 
 
 @dataclass
@@ -18,10 +44,12 @@ class MethodConfig:
 
     Attributes:
         dense_steps: denoising steps that run dense attention. An int counts steps; a float in
-            [0, 1) is a fraction of the pipeline call's steps. Steps are counted from 0 within each
-            pipeline call and step ``i`` runs dense iff ``i < dense_steps`` (for a fraction,
+            [0, 1) is a fraction of the steps the pipeline call actually runs (an img2img call at
+            strength 0.5 runs half the schedule). Steps are counted from 0 within each pipeline
+            call and step ``i`` runs dense iff ``i < dense_steps`` (for a fraction,
             ``i < dense_steps * num_steps``). None: the method's default for the model family.
-        dense_layers: the first N patched layers always run dense. None: the family default.
+        dense_layers: the first N patched layers of each transformer always run dense. None: the
+            family default.
     """
 
     dense_steps: int | float | None = None
@@ -43,64 +71,149 @@ class MethodConfig:
 
 
 class Method:
-    """Base class of attention methods. Subclasses set ``name`` and ``config_cls`` and implement
-    ``plan`` (None means: run the model's own dense attention)."""
+    """Base class of attention methods (see the module docstring for the protocol).
+
+    Subclasses set ``name``, ``config_cls`` and ``default_options`` (values for options left at
+    None, after the model family's defaults) and implement ``prepare`` and/or ``select``,
+    ``attend``, ``finalize``.
+    """
 
     name = ""
     config_cls = MethodConfig
-    #: True when the plan depends on q/k (rebuilt every call) rather than only on the layout.
-    dynamic = False
-    #: Family name -> option defaults, for options left at None.
-    family_defaults = {}
-    #: Defaults for any family not listed.
-    generic_defaults = {}
+    #: Defaults for options left at None when the model family gives none.
+    default_options = {}
+    #: Prepared plans kept per method instance (layouts change with resolution and frame count).
+    cache_size = 16
 
-    def make_config(self, config=None, **options):
+    def __init__(self, config=None, **options):
+        self.config = self.make_config(config, **options) if (config is None or options
+                                                              or not isinstance(config, self.config_cls)) else config
+        self._cache = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.plans_built = 0
+
+    # -- configuration (class level: usable before an instance exists) ------------------------
+    @classmethod
+    def make_config(cls, config=None, **options):
         """Build and validate the config from a config object and/or keyword options."""
-        if config is not None and not isinstance(config, self.config_cls):
-            raise ValueError(
-                f"method {self.name!r} takes a {self.config_cls.__name__}, got {type(config).__name__}"
-            )
-        valid = [f.name for f in dataclasses.fields(self.config_cls)]
+        if config is not None and not isinstance(config, cls.config_cls):
+            raise ValueError(f"method {cls.name!r} takes a {cls.config_cls.__name__}, got {type(config).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls.config_cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for method {self.name!r}; valid options: {valid}")
-        config = dataclasses.replace(config, **options) if config is not None else self.config_cls(**options)
+            raise ValueError(f"unknown option(s) {unknown} for method {cls.name!r}; valid options: {valid}")
+        config = dataclasses.replace(config, **options) if config is not None else cls.config_cls(**options)
         config.validate()
         return config
 
-    def resolve(self, config, family):
-        """Fill options left at None with the family's defaults (then the generic ones)."""
-        defaults = {**MethodConfig(dense_steps=0, dense_layers=0).__dict__, **self.generic_defaults,
-                    **self.family_defaults.get(family, {})}
+    @classmethod
+    def resolve(cls, config, adapter=None):
+        """Fill options left at None: the model family's defaults (``adapter.method_defaults``),
+        then the method's ``default_options``, then 0 for ``dense_steps`` / ``dense_layers``.
+        ``adapter`` may be an ``Adapter``, a family name (looked up) or None."""
+        family_defaults = {}
+        if isinstance(adapter, str):
+            from fastdit.pipelines import adapters as registered  # noqa: PLC0415 (pipelines sit beside patch)
+
+            adapter = next((a for a in registered() if a.family == adapter), None)
+        if adapter is not None:
+            family_defaults = dict(getattr(adapter, "method_defaults", {}).get(cls.name, {}))
+        defaults = {"dense_steps": 0, "dense_layers": 0, **cls.default_options, **family_defaults}
         filled = {name: value for name, value in defaults.items()
                   if hasattr(config, name) and getattr(config, name) is None}
         config = dataclasses.replace(config, **filled)
         config.validate()
         return config
 
-    def check_family(self, adapter, config):
+    @classmethod
+    def check_family(cls, adapter, config):
         """Raise ValueError when the method does not apply to the adapter's model family."""
 
-    def check_layout(self, layout, config):
-        """Raise ValueError when the method cannot run on this layout (e.g. radial on one frame)."""
+    def check_heads(self, num_heads):
+        """Raise ValueError when an option cannot be honoured on a layer of ``num_heads`` heads
+        (called at patch time with the model's head count)."""
 
-    def plan(self, layout, config, num_heads, device, q=None, k=None):
-        """The ``BlockPlan`` for ``layout``, or None to run the model's own dense attention."""
-        raise NotImplementedError
+    # -- the protocol --------------------------------------------------------------------------
+    def prepare(self, layout, heads, device):
+        """The static ``BlockPlan`` of ``layout`` for ``heads`` heads, or None (run dense)."""
+        return None
+
+    def prepared(self, layout, heads, device):
+        """``prepare`` through the bounded per-instance cache (keyed by layout, heads, device)."""
+        key = (layout, int(heads), str(device))
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        plan = self.prepare(layout, heads, device)
+        with self._lock:
+            self._cache[key] = plan
+            self.plans_built += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return plan
+
+    def select(self, ctx, q, k):
+        """The block plan of this call (default: the prepared plan, sliced to the call's heads)."""
+        total = ctx.total_heads or ctx.num_heads
+        plan = self.prepared(ctx.layout, total, q.device)
+        if plan is not None and (ctx.head_offset or ctx.num_heads != total):
+            plan = plan.select_heads(ctx.head_offset, ctx.num_heads)
+        return plan
+
+    def attend(self, ctx, q, k, v):
+        """The whole attention call (``q, k, v``: ``(B, H, S, D)`` in model token order)."""
+        plan = self.select(ctx, q, k)
+        if plan is None:  # a layout the method computes densely anyway (e.g. radial on one frame)
+            ctx.info["dense"] = True
+            return ctx.dense()
+        ctx.record(plan=plan)
+        out, lse = run_plan(q, k, v, plan, key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale,
+                            backend=ctx.backend, return_lse=True)
+        return self.finalize(ctx, out, lse)
+
+    def finalize(self, ctx, out, lse):
+        """Correct ``out`` using the log-sum-exp ``lse`` ``(B, H, S)`` of the computed keys."""
+        return out
+
+    def attend_dense(self, ctx, q, k, v):
+        """A dense step or dense layer: the model's own attention."""
+        return ctx.dense()
+
+    def is_dense_call(self, ctx):
+        """Dense layers and dense steps run the model's own attention."""
+        return ctx.local_layer < self.config.dense_layers or ctx.call.is_dense_step(self.config.dense_steps)
+
+    def __call__(self, ctx, q, k, v):
+        """One attention call: a dense layer / step, or the method."""
+        if self.is_dense_call(ctx):
+            ctx.info["dense"] = True
+            return self.attend_dense(ctx, q, k, v)
+        return self.attend(ctx, q, k, v)
+
+    def __repr__(self):
+        return f"<fastdit method {self.name} {self.config}>"
 
 
-def register_method(method):
-    """Register a ``Method`` instance under ``method.name`` (used by ``fastdit.patch``)."""
-    if not method.name:
+def register_method(cls):
+    """Register a ``Method`` subclass under ``cls.name`` (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise ValueError(f"register_method takes a Method subclass, got {cls!r}")
+    if not cls.name:
         raise ValueError("a method needs a name")
-    _REGISTRY[method.name] = method
-    return method
+    _REGISTRY[cls.name] = cls
+    return cls
 
 
 def get_method(name):
+    """The ``Method`` subclass registered as ``name`` (a class or instance passes through)."""
     if isinstance(name, Method):
+        return type(name)
+    if isinstance(name, type) and issubclass(name, Method):
         return name
+    if not isinstance(name, str):
+        raise OptionError(f"method must be a method name (str), got {type(name).__name__}: {name!r}; "
+                        f"available methods: {sorted(_REGISTRY)}")
     if name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; available methods: {sorted(_REGISTRY)}")
     return _REGISTRY[name]

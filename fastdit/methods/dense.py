@@ -15,12 +15,10 @@ class DenseConfig(MethodConfig):
     """Dense attention has no options beyond the shared ones (which change nothing here)."""
 
 
+@register_method
 class Dense(Method):
     name = "dense"
     config_cls = DenseConfig
 
-    def plan(self, layout, config, num_heads, device, q=None, k=None):
-        return None
-
-
-register_method(Dense())
+    def is_dense_call(self, ctx):
+        return True

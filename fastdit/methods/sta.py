@@ -139,21 +139,27 @@ def tile_permutation(layout, tile, text_block):
     return torch.cat([video, text]), n_t * n_h * n_w, n_text_blocks
 
 
+@register_method
 class SlidingTile(Method):
     name = "sta"
     config_cls = STAConfig
-    generic_defaults = {"dense_steps": 0.25, "dense_layers": 0}
+    default_options = {"dense_steps": 0.25, "dense_layers": 0}
 
-    def tile_for(self, layout, config):
-        if config.tile is not None:
-            return tuple(min(t, g) for t, g in zip(config.tile, layout.grid))
+    def tile_for(self, layout):
+        if self.config.tile is not None:
+            return tuple(min(t, g) for t, g in zip(self.config.tile, layout.grid))
         return choose_tile(layout.grid, DEFAULT_TILE)
 
-    def plan(self, layout, config, num_heads, device, q=None, k=None):
-        windows = _windows(config.window)
+    def check_heads(self, num_heads):
+        windows = _windows(self.config.window)
         if len(windows) not in (1, num_heads):
-            raise ValueError(f"window lists {len(windows)} triples but the layer has {num_heads} heads; give one or {num_heads}")
-        tile = self.tile_for(layout, config)
+            raise ValueError(f"window lists {len(windows)} triples but the model's attention layers have {num_heads} "
+                             f"heads; give one window or {num_heads}")
+
+    def prepare(self, layout, heads, device):
+        self.check_heads(heads)
+        windows = _windows(self.config.window)
+        tile = self.tile_for(layout)
         block = math.prod(tile)
         perm, n_video, n_text = tile_permutation(layout, tile, block)
         n_tiles = [-(-g // t) for g, t in zip(layout.grid, tile)]
@@ -191,6 +197,3 @@ class SlidingTile(Method):
             name=f"sta_t{'x'.join(map(str, tile))}_w{window_name}",
             info={"tile": tile, "tile_grid": tuple(n_tiles), "window": windows if len(windows) > 1 else windows[0]},
         )
-
-
-register_method(SlidingTile())

@@ -1,0 +1,119 @@
+"""What a patch computed, over all calls of all patched layers.
+
+``effective_density`` is the honest figure: computed / total (query block, key block) pairs over
+every attention call of the patched layers, each call weighted by its size
+(``batch * heads * query tokens * key tokens``), dense steps, dense layers and fallback calls
+counted as 1.0. ``sparse_density`` is the same over the calls that ran sparse only (the figure
+reports used to quote, which made a half-dense run look sparse). Fallback calls (calls the patch
+did not understand and ran with the model's own attention) are listed with their reasons.
+
+Dynamic methods report densities as device tensors; they are summed on the device and read once,
+when a figure is asked for, so counting never synchronises the GPU during a run.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class PatchStats:
+    """Counters over a patch's lifetime (``Patch.reset_stats`` starts them again).
+
+    Attributes:
+        dense_calls: calls that ran dense by design (the dense method, dense steps and layers,
+            layouts the method computes densely).
+        sparse_calls: calls that ran the method.
+        fallback_calls: calls the patch could not handle and ran with the model's own attention.
+        fallbacks: reason -> number of fallback calls.
+        plan_names: names of the plans used. padding_fraction: the largest padding of any plan.
+    """
+
+    def __init__(self, method=None):
+        self._lock = threading.Lock()
+        self._method = method
+        self._plans_at_start = getattr(method, "plans_built", 0)
+        self.dense_calls = 0
+        self.sparse_calls = 0
+        self.fallback_calls = 0
+        self.fallbacks = {}
+        self.plan_names = set()
+        self.padding_fraction = 0.0
+        self._work = 0.0  # sum of call sizes (dense work), all calls
+        self._computed = 0.0  # sum of size * density, all calls (float, or a device tensor)
+        self._sparse_work = 0.0
+        self._sparse_computed = 0.0
+
+    # -- counting ---------------------------------------------------------------------------
+    def count_dense(self, size):
+        with self._lock:
+            self.dense_calls += 1
+            self._work += size
+            self._computed = self._computed + size
+
+    def count_fallback(self, reason, size=0):
+        with self._lock:
+            self.fallback_calls += 1
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            self._work += size
+            self._computed = self._computed + size
+
+    def count_sparse(self, size, density, plan=None):
+        """``density``: a float or a 0-d device tensor (dynamic plans)."""
+        with self._lock:
+            self.sparse_calls += 1
+            self._work += size
+            self._sparse_work += size
+            self._computed = self._computed + size * density
+            self._sparse_computed = self._sparse_computed + size * density
+            if plan is not None:
+                self.plan_names.add(plan.name)
+                self.padding_fraction = max(self.padding_fraction, plan.padding_fraction)
+
+    # -- figures ------------------------------------------------------------------------------
+    @staticmethod
+    def _ratio(computed, work):
+        if not work:
+            return 1.0
+        value = computed.item() if isinstance(computed, torch.Tensor) else computed
+        return float(value) / work
+
+    @property
+    def effective_density(self):
+        """Computed / total block pairs over all calls (dense and fallback calls count as 1.0)."""
+        return self._ratio(self._computed, self._work)
+
+    @property
+    def sparse_density(self):
+        """Mean block density of the sparse calls alone (1.0 when none ran)."""
+        return self._ratio(self._sparse_computed, self._sparse_work)
+
+    @property
+    def mean_density(self):
+        """Old name of ``sparse_density``."""
+        return self.sparse_density
+
+    @property
+    def total_calls(self):
+        return self.dense_calls + self.sparse_calls + self.fallback_calls
+
+    @property
+    def plans_built(self):
+        return getattr(self._method, "plans_built", 0) - self._plans_at_start
+
+    def as_dict(self):
+        """The figures for reports (JSON-ready)."""
+        return {
+            "effective_density": self.effective_density,
+            "sparse_density": self.sparse_density if self.sparse_calls else None,
+            "dense_calls": self.dense_calls,
+            "sparse_calls": self.sparse_calls,
+            "fallback_calls": self.fallback_calls,
+            "fallbacks": dict(self.fallbacks),
+            "plans": sorted(self.plan_names),
+            "padding_fraction": self.padding_fraction,
+        }
+
+    def __repr__(self):
+        return (f"PatchStats(effective_density={self.effective_density:.3f}, sparse_calls={self.sparse_calls}, "
+                f"dense_calls={self.dense_calls}, fallback_calls={self.fallback_calls})")
