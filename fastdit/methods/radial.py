@@ -1,28 +1,45 @@
 """Radial attention: a static O(n log n) mask whose spatial band shrinks as temporal distance grows.
 
 After "Radial Attention: O(n log n) Sparse Attention with Energy Decay for Long Video Generation"
-(Li, Li, Cai, Xi, Yang et al., 2025; reference code github.com/mit-han-lab/radial-attention). The
-attention energy between two tokens decays with their spatial and temporal distance, so the mask
-keeps a band around the spatial diagonal of every frame pair whose width halves each time the
-temporal distance doubles.
+(Li, Li, Cai, Xi, Yang et al., 2025; reference code github.com/mit-han-lab/radial-attention, file
+``radial_attn/attn_mask.py``). The attention energy between two tokens decays with their spatial
+and temporal distance, so the mask keeps a band around the spatial diagonal of every frame pair
+whose width halves each time the temporal distance doubles.
 
-Token rule
-----------
+Token rule (the reference's)
+----------------------------
 Video tokens stay in the model's frame-major order (frame, row, column). A frame holds
-``s = H * W`` tokens and ``P`` is the smallest power of two ``>= s``; ``p`` is a token's index
-inside its frame. For a query in frame ``i`` and a key in frame ``j`` with ``d = |i - j|``:
+``s = H * W`` tokens; ``p`` is a token's index inside its frame. The band is measured against
+
+    P = 2 ** s.bit_length()      (``band_pow2``: the smallest power of two strictly above s),
+
+exactly as the reference does. ``P`` is ``next_pow2(s)`` when ``s`` is not a power of two and
+``2 * s`` when it is (square latent frames such as 16x16, 32x32, 64x64 tokens), so ``P / 2**g``
+(``g = d.bit_length()``) is about a whole frame at ``d = 1``, half a frame at ``d = 2..3``, a
+quarter at ``d = 4..7``, exactly so for power-of-two frames. (Rounding ``s`` itself up, the other
+reading, halves every band at power-of-two frame sizes: 67.9% instead of 87.7% of blocks at
+9x16x16 with the Wan settings.) For a query in frame ``i`` and a key in frame ``j`` with
+``d = |i - j|``:
 
 * ``d = 0``: attended (each frame is dense);
-* ``d = 1``: attended (``adjacent="dense"``, HunyuanVideo) or iff ``|p_q - p_k| <= s // 2``
-  (``adjacent="band"``, Wan, as the reference does);
+* ``d = 1``: attended (``adjacent="dense"``: the reference's current rule for Wan and
+  HunyuanVideo), or iff ``|p_q - p_k| <= s // 2`` (``adjacent="band"``: the rule of an older
+  reference revision for Wan, kept as an option);
 * ``d >= 2``: with ``g = d.bit_length()`` and ``L = P / 2**g``, attended iff
   ``|p_q - p_k| <= max(decay * L, block_size)``. When ``L < block_size`` the band cannot shrink
   below one block any more, so instead whole frame pairs are thinned: the pair is kept only if
   ``d % (block_size / L) == 0``. Either way the computed density halves whenever ``d`` doubles,
   and summed over the ``log2(T)`` distance groups the work is ``O(n log n)``;
-* attention sink (``sink=True``): every query attends all of frame 0;
+* attention sink (``sink=True``): every query attends all of frame 0, whatever the distance rule
+  says (the sink overrides band and thinning alike);
 * text tokens (joint attention, e.g. HunyuanVideo): video queries attend every valid text key,
   text queries attend every valid key.
+
+Two corners differ from the reference code, both outside its published settings (block 128,
+frames of thousands of tokens): the reference thins frame pairs below a hard-coded 128 tokens
+whatever its block size (fastdit: below ``block_size``, the same at the default 128), and it
+applies the thinning to ``d = 1`` too, which drops neighbouring frames whenever a frame is
+shorter than 128 tokens (fastdit keeps the ``adjacent`` rule there).
 
 Block plan
 ----------
@@ -44,16 +61,17 @@ with ``|p - r| <= w`` is a difference of ramp sums (``band_count``). HunyuanVide
 ``block_fill`` (default 1/3) is this module's stand-in for the reference's block "shrinking"
 heuristic (which keeps a block when over 60% of its touched key columns are more than 1/3 full).
 With 1/3 the video block masks of the two reference settings come out identical to the
-reference rule's: 26.3% of blocks for Wan2.1-14B at 69 frames 768x1280 (latent grid 18x48x80,
-decay 0.2; the issue quotes about 28.7%) and 27.5% for HunyuanVideo at 117 frames 768x1280
-(30x48x80, decay 0.95; 27.8% with its 256 text tokens counted). See ``docs/radial.md``.
+reference's: 28.7% of blocks for Wan2.1-14B at 69 frames 768x1280 (latent grid 18x48x80, decay
+0.2, sink, adjacent dense; 26.3% with the older ``adjacent="band"``) and 27.5% for HunyuanVideo at
+117 frames 768x1280 (30x48x80, decay 0.95; 27.8% with its 256 text tokens counted), and so do
+those of square 9x16x16 frames (87.7% with the Wan settings). See ``docs/radial.md``.
 
 Unlike the reference: any token count works (the last block is ragged or padded, padded keys are
 masked), plans are cached per layout (the patch rebuilds them when resolution or frame count
 changes), every family the patcher supports works (Wan T2V/I2V: ``attn1`` holds video tokens
-only), and text may sit before or after the video. A single frame has no temporal structure:
-``check_layout`` raises for one-frame calls (use the ``"dense"`` method), and image families are
-rejected by ``check_family``.
+only), and text may sit before or after the video. A single frame has no temporal structure: a
+one-frame call runs the model's own (dense) attention, and image families are rejected by
+``check_family``.
 """
 from __future__ import annotations
 
@@ -82,15 +100,17 @@ class RadialConfig(MethodConfig):
     """Options of radial attention.
 
     Attributes:
-        decay: band width factor for ``d >= 2``: the band is ``max(decay * P / 2**g, block_size)``.
-            Must be > 0. None: family default (Wan 0.2, HunyuanVideo 0.95, others 0.95).
+        decay: band width factor for ``d >= 2``: the band is ``max(decay * P / 2**g, block_size)``
+            with ``P = 2 ** s.bit_length()`` (``band_pow2``). Must be > 0. None: family default
+            (Wan 0.2, HunyuanVideo 0.95, others 0.95).
         block_size: kernel block (both query and key), 64 or 128. Also the band's minimum width
-            and the threshold of the frame-pair thinning (``L < block_size``).
+            and the threshold of the frame-pair thinning (``L < block_size``; the reference
+            code hard-codes 128 there, the same at the default).
         sink: every query attends all of frame 0. None: family default (Wan True, as the
             reference; HunyuanVideo False; others True).
-        adjacent: rule for neighbouring frames (``d = 1``): ``"band"`` (``|p_q - p_k| <= s // 2``,
-            the reference's Wan rule) or ``"dense"`` (the reference's HunyuanVideo rule).
-            None: family default (Wan "band", others "dense").
+        adjacent: rule for neighbouring frames (``d = 1``): ``"dense"`` (the reference's current
+            rule, Wan and HunyuanVideo alike) or ``"band"`` (``|p_q - p_k| <= s // 2``, the Wan
+            rule of an older reference revision). None: family default ("dense" everywhere).
         block_fill: a video block pair is computed when at least this fraction of its real token
             pairs is allowed by the token rule (and at least one is); pairs holding same-frame or
             sink tokens are always computed. In [0, 1]; 0 computes every block touching an
@@ -126,8 +146,15 @@ class RadialConfig(MethodConfig):
 
 
 def next_pow2(n):
-    """Smallest power of two ``>= n`` (``n >= 1``)."""
+    """Smallest power of two ``>= n`` (``n >= 1``). Not the band's ``P``: see ``band_pow2``."""
     return 1 << (int(n) - 1).bit_length()
+
+
+def band_pow2(frame_len):
+    """The band's ``P`` for frames of ``s = frame_len`` tokens: ``2 ** s.bit_length()``, the
+    smallest power of two strictly greater than ``s`` (``2 * s`` when ``s`` is a power of two,
+    ``next_pow2(s)`` otherwise), as the reference computes it (module docstring)."""
+    return 1 << int(frame_len).bit_length()
 
 
 def distance_widths(frames, frame_len, decay, block_size, adjacent):
@@ -135,14 +162,15 @@ def distance_widths(frames, frame_len, decay, block_size, adjacent):
 
     A key at in-frame offset ``|p_q - p_k| <= width[d]`` is allowed; ``-1`` drops the frame pair;
     ``frame_len`` (or more) keeps it whole. Integer widths: ``|dp| <= w`` iff ``|dp| <= floor(w)``.
+    ``P = band_pow2(frame_len)``; thinning applies from ``d = 2`` on (module docstring).
     """
-    s, P = frame_len, next_pow2(frame_len)
+    s, P = frame_len, band_pow2(frame_len)
     widths = []
     for d in range(frames):
         if d == 0:
             width = s
         elif d == 1:
-            width = s if adjacent == "dense" else s // 2
+            width = s // 2 if adjacent == "band" else s
         else:
             g = d.bit_length()
             L = P / 2 ** g
@@ -319,9 +347,19 @@ class Radial(Method):
 # Command line: a picture of the mask, the density table, the reference settings.
 # ---------------------------------------------------------------------------------------------
 
+#: The reference's published settings (its Wan2.1-14B and HunyuanVideo scripts, current mask code).
+#: The helpers below use them for these two families, whatever the patch defaults say.
+REFERENCE_SETTINGS = {
+    "wan": {"decay": 0.2, "sink": True, "adjacent": "dense", "block_size": 128},
+    "hunyuan_video": {"decay": 0.95, "sink": False, "adjacent": "dense", "block_size": 128},
+}
+
+
 def _config_for(family, **options):
+    """Resolved config for ``family``: ``options``, then the reference's settings for Wan and
+    HunyuanVideo (``REFERENCE_SETTINGS``), then the family defaults."""
     method = Radial()
-    options = {k: v for k, v in options.items() if v is not None}
+    options = {**REFERENCE_SETTINGS.get(family, {}), **{k: v for k, v in options.items() if v is not None}}
     return method.resolve(method.make_config(**options), family)
 
 
@@ -369,14 +407,15 @@ def format_table(rows, config, grid_hw, num_layers=40, num_steps=50):
 
 
 def reference_densities():
-    """Block densities at the paper's two reference settings (per sparse layer and step)."""
+    """Block densities at the paper's two reference settings (per sparse layer and step), with the
+    reference mask code's own video block densities as ``target``."""
     wan = _config_for("wan")
     hy = _config_for("hunyuan_video")
     wan_layout = TokenLayout((18, 48, 80))
     hy_layout = TokenLayout((30, 48, 80), text_len=256, text_position="suffix")
     out = {}
-    for name, layout, config, target in (("wan2.1-14b 69x768x1280", wan_layout, wan, 0.287),
-                                         ("hunyuan_video 117x768x1280", hy_layout, hy, 0.275)):
+    for name, layout, config, target in (("wan2.1-14b 69x768x1280", wan_layout, wan, 0.2871),
+                                         ("hunyuan_video 117x768x1280", hy_layout, hy, 0.2746)):
         mask, _, n_video = block_mask(layout, config)
         out[name] = {"density": float(mask.double().mean()), "video_density": float(mask[:n_video, :n_video].double().mean()),
                      "target": target, "layout": layout.describe()}
@@ -418,7 +457,8 @@ def main(argv=None):
     parser.add_argument("--height", type=int, default=30, help="latent tokens per frame, vertically")
     parser.add_argument("--width", type=int, default=52, help="latent tokens per frame, horizontally")
     parser.add_argument("--text", type=int, default=0, help="text tokens after the video (HunyuanVideo-style)")
-    parser.add_argument("--family", default="wan", help="family whose defaults to use (wan, hunyuan_video, other)")
+    parser.add_argument("--family", default="wan",
+                        help="wan / hunyuan_video: the reference's settings; other names: that family's defaults")
     parser.add_argument("--decay", type=float)
     parser.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES)
     parser.add_argument("--sink", action=argparse.BooleanOptionalAction, default=None)
