@@ -1,27 +1,32 @@
-"""The one interception point: ``scaled_dot_product_attention`` calls inside a patched module.
+"""Where fastdit meets the model: every attention call of a patched module, in one place.
 
-Diffusers has two attention styles: legacy processors call
-``torch.nn.functional.scaled_dot_product_attention`` directly; newer ones call
-``dispatch_attention_fn``, whose native backend calls the same function (fastdit pins the patched
-modules' processors to the native backend while patched). One mechanism catches both:
+All intercepted calls end in one custom op, ``fastdit::patched_attention`` (``torch.library``,
+with a fake implementation): ``torch.compile`` sees one opaque node per attention call, and
+everything else (the per-call context, the method, plan caches, the kernel, the statistics) runs
+inside the op, outside any traced graph. Per-call information reaches the op through
+``contextvars`` (``fastdit/context.py``), set by a forward pre-hook of the transformer that
+``torch.compile`` does not trace (``torch.compiler.disable``: at most one graph break per
+transformer call).
 
-* each patched attention module gets an instance-level ``forward`` (``AttentionForward``) that
-  calls the module's own forward inside ``with SDPAIntercept(...)``, a ``TorchFunctionMode``.
-  A ``with`` block, not hooks that push and pop: ``torch.compile`` traces it, and any exception
-  (``KeyboardInterrupt`` included) leaves the mode stack as it was;
-* the mode turns the SDPA call into one call of the custom op ``fastdit::patched_attention``
-  (``torch.library``, with a fake implementation), so ``torch.compile`` sees one opaque node per
-  attention call. Everything else (reading the per-call context, the method, plan caches, the
-  kernel, the statistics) runs inside the op, outside any traced graph;
-* per-call information reaches the op through ``contextvars`` (``fastdit/context.py``), set by a
-  forward pre-hook of the transformer that ``torch.compile`` does not trace
-  (``torch.compiler.disable``: one graph break per transformer call, none per layer).
+Diffusers has two attention styles, and each gets the route that costs ``torch.compile`` least:
 
-Why not a registered diffusers attention backend: diffusers' backend registry is keyed by a closed
-``Enum``, it is process-wide, and legacy processors never consult it.
+* processors that call ``dispatch_attention_fn(..., backend=self._attention_backend)`` (Wan,
+  HunyuanVideo, Flux, LTX, Cosmos, Qwen-Image, ...) get, on the processor instance, a backend of
+  fastdit's own (``BackendRoute``): a private member of diffusers' backend enum registered for that
+  one layer, whose function calls the op. No mode is active while the processor runs, so a
+  compiled model has **no graph break per layer**. The route is feature-tested once per process
+  (a diffusers that cannot dispatch to it gets the mode below);
+* legacy processors that call ``torch.nn.functional.scaled_dot_product_attention`` directly
+  (CogVideoX, Mochi, Allegro, PixArt, SD3) run inside ``with SDPAIntercept(...)``, a
+  ``TorchFunctionMode`` entered by the module's instance-level ``forward`` (``AttentionForward``).
+  A ``with`` block, not hooks that push and pop, so any exception (``KeyboardInterrupt``
+  included) leaves the mode stack as it was. ``torch.compile`` traces it, but an active mode makes
+  dynamo trace Python-level tensor methods (``Tensor.unflatten`` and friends), where it breaks the
+  graph: about 4 breaks per layer (measured in BENCHMARKS.md).
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import itertools
 import weakref
@@ -78,6 +83,7 @@ def patched_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """One intercepted attention call of patched layer ``layer`` of patch ``patch_id``."""
     call = {"query": query, "key": key, "value": value, "attn_mask": attn_mask, "dropout_p": dropout_p,
             "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
+    _SEEN.set(_SEEN.get() + 1)
     patch = _PATCHES.get(patch_id)
     if patch is None:  # removed since this graph was compiled: the model's own attention
         out = plain_sdpa(**call)
@@ -124,11 +130,18 @@ def _note_fallback(patch_id, layer, reason):
         patch.stats.count_fallback(reason)
 
 
+#: Attention calls that reached the op in this context (to notice calls that went around it).
+_SEEN = contextvars.ContextVar("fastdit_seen_calls", default=0)
+
+
 class AttentionForward:
     """Instance-level ``forward`` of one patched attention module: the module's own forward, run
-    with ``SDPAIntercept`` entered. ``remove()`` puts the previous ``forward`` back."""
+    with ``SDPAIntercept`` entered (``mode=True``) or as it is (the processor routes to fastdit's
+    backend). In eager mode it also notices a forward whose attention never reached fastdit (a
+    processor that went around both routes) and counts it as a fallback. ``remove()`` puts the
+    previous ``forward`` back."""
 
-    def __init__(self, module, patch_id, layer):
+    def __init__(self, module, patch_id, layer, mode=True):
         self.module_ref = weakref.ref(module)
         missing = object()
         self._previous = module.__dict__.get("forward", missing)
@@ -136,12 +149,26 @@ class AttentionForward:
         self.original = module.forward
         self.patch_id = patch_id
         self.layer = layer
+        self.mode = mode
         functools.update_wrapper(self, self.original)
         module.forward = self
 
     def __call__(self, *args, **kwargs):
-        with SDPAIntercept(self.patch_id, self.layer):
+        if torch.compiler.is_compiling():
+            if self.mode:
+                with SDPAIntercept(self.patch_id, self.layer):
+                    return self.original(*args, **kwargs)
             return self.original(*args, **kwargs)
+        seen = _SEEN.get()
+        if self.mode:
+            with SDPAIntercept(self.patch_id, self.layer):
+                result = self.original(*args, **kwargs)
+        else:
+            result = self.original(*args, **kwargs)
+        if _SEEN.get() == seen:
+            _note_fallback(self.patch_id, self.layer, "the layer's attention did not go through SDPA or fastdit's "
+                           "backend (another attention backend or a custom processor)")
+        return result
 
     def remove(self):
         module = self.module_ref()
@@ -151,3 +178,86 @@ class AttentionForward:
             del module.__dict__["forward"]
         else:
             module.forward = self._previous
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend route (processors that dispatch through diffusers' attention backends)
+# ---------------------------------------------------------------------------------------------
+
+def _backend_registry():
+    try:
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    except ImportError:
+        return None, None
+    return AttentionBackendName, _AttentionBackendRegistry
+
+
+def _route_function(patch_id, layer, native):
+    """The backend function of one layer: diffusers passes ``(B, S, H, D)`` tensors."""
+
+    def fastdit_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False, _parallel_config=None):
+        if _parallel_config is not None:  # context parallelism: diffusers' own native path
+            return native(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, _parallel_config=_parallel_config)
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            _note_fallback(patch_id, layer, "gradients requested (fastdit's attention is inference-only)")
+            out = plain_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        else:
+            out = torch.ops.fastdit.patched_attention(
+                q, k, v, attn_mask, float(dropout_p), bool(is_causal), None if scale is None else float(scale),
+                bool(enable_gqa), patch_id, layer,
+            )
+        return out.permute(0, 2, 1, 3)
+
+    return fastdit_attention
+
+
+class BackendRoute:
+    """A backend of fastdit's own for one patched layer, set on its processor instance.
+
+    Diffusers looks backends up by members of its ``AttentionBackendName`` enum; a private member
+    (an instance of the enum that is not one of its named members, so no user can select it by
+    name) keyed to this layer is registered with the layer's function and removed again by
+    ``remove()``. The processor's ``_attention_backend`` is set to it (and restored by the patch).
+    """
+
+    def __init__(self, patch_id, layer):
+        names, registry = _backend_registry()
+        value = f"fastdit_p{patch_id}_l{layer}"
+        member = str.__new__(names, value)
+        member._name_, member._value_ = value.upper(), value
+        native = registry._backends[names.NATIVE]
+        registry.register(member)(_route_function(patch_id, layer, native))
+        self.member = member
+
+    def remove(self):
+        _, registry = _backend_registry()
+        for table in (registry._backends, registry._constraints, registry._supported_arg_names):
+            table.pop(self.member, None)
+
+
+_ROUTE_WORKS = None
+
+
+def backend_route_available():
+    """Whether this diffusers dispatches to a private backend member (feature-tested once)."""
+    global _ROUTE_WORKS
+    if _ROUTE_WORKS is None:
+        _ROUTE_WORKS = False
+        names, registry = _backend_registry()
+        if names is not None:
+            try:
+                from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+                route = BackendRoute(0, -1)
+                try:
+                    x = torch.zeros(1, 2, 1, 4)
+                    out = dispatch_attention_fn(x, x, x, backend=route.member)
+                    _ROUTE_WORKS = tuple(out.shape) == (1, 2, 1, 4)
+                finally:
+                    route.remove()
+            except Exception:  # noqa: BLE001 - any failure means: use the mode instead
+                _ROUTE_WORKS = False
+    return _ROUTE_WORKS

@@ -1,10 +1,10 @@
 """``fastdit.patch``: replace the attention of a diffusers DiT pipeline in one line, reversibly.
 
-Everything is instance-level: an instance ``forward`` on each patched attention module (the
-module's own forward run inside the SDPA interception, ``fastdit/intercept.py``), a forward
-pre-hook on the transformer that publishes the call's latent grid and step to the attention calls
-(``fastdit/context.py``), the processors' ``_attention_backend`` pinned to ``"native"`` on those
-instances, and reference-counted step tracking on the scheduler (``fastdit/steps.py``). No class
+Everything is instance-level: on each patched attention module an instance ``forward`` and, for
+processors that dispatch through diffusers' backends, a backend of fastdit's own set on the
+processor instance (``fastdit/intercept.py``); a forward pre-hook on the transformer that publishes
+the call's latent grid and step to the attention calls (``fastdit/context.py``); and
+reference-counted step tracking on the scheduler (``fastdit/steps.py``). No class
 attribute changes and no upstream ``forward`` is copied; ``remove()`` undoes each of these.
 
 Per attention call (inside the custom op, outside any compiled graph): the layout (the video grid
@@ -33,7 +33,7 @@ from fastdit.context import (
     set_transformer_call,
     transformer_call,
 )
-from fastdit.intercept import AttentionForward, register_patch, unregister_patch
+from fastdit.intercept import AttentionForward, BackendRoute, backend_route_available, register_patch, unregister_patch
 from fastdit.layout import TokenLayout
 from fastdit.masks import key_mask_from_attn_mask
 from fastdit.methods.base import OptionError, get_method
@@ -109,8 +109,7 @@ class Patch:
             for local_index, (name, module) in enumerate(modules):
                 self.layers.append(f"{attr_name}.{name}" if multi else name)
                 self._layers.append(_Layer(self.layers[-1], local_index, weakref.ref(transformer)))
-                self._pin_native_backend(module)
-                self._undo.append(AttentionForward(module, self.id, len(self._layers) - 1).remove)
+                self._undo.append(self._intercept(module, len(self._layers) - 1))
             # The hook runs eagerly even inside torch.compile: it reads Python-side state (grid,
             # step) that the compiled graph must not bake in.
             hook = torch.compiler.disable(self._on_transformer_call)
@@ -118,18 +117,36 @@ class Patch:
         if self._scheduler is not None:
             self._undo.append(track_scheduler(self._scheduler))
 
-    def _pin_native_backend(self, module):
+    def _intercept(self, module, layer):
+        """Route the module's attention to fastdit (see ``fastdit/intercept.py``); returns the undo."""
         processor = getattr(module, "processor", None)
         if processor is None or not hasattr(processor, "_attention_backend"):
-            return  # legacy processor: calls SDPA directly
+            return AttentionForward(module, self.id, layer, mode=True).remove  # legacy: calls SDPA directly
+        if backend_route_available():
+            route = BackendRoute(self.id, layer)
+            self._pin_backend(processor, route.member)
+            forward = AttentionForward(module, self.id, layer, mode=False)
+        else:  # an older diffusers: the native backend calls SDPA, which the mode catches
+            route = None
+            self._pin_backend(processor, "native")
+            forward = AttentionForward(module, self.id, layer, mode=True)
+
+        def undo():
+            forward.remove()
+            if route is not None:
+                route.remove()
+
+        return undo
+
+    def _pin_backend(self, processor, value):
         missing = object()
-        entry = [processor, "native", processor.__dict__.get("_attention_backend", missing)]
-        processor._attention_backend = "native"
+        entry = [processor, value, processor.__dict__.get("_attention_backend", missing)]
+        processor._attention_backend = value
         self._pinned.append(entry)
 
         def restore(entry=entry, missing=missing):
             processor, ours, previous = entry
-            if processor.__dict__.get("_attention_backend", missing) != ours:
+            if processor.__dict__.get("_attention_backend", missing) is not ours:
                 return  # changed by someone else since: theirs stays
             if previous is missing:
                 processor.__dict__.pop("_attention_backend", None)
@@ -145,7 +162,7 @@ class Patch:
         for entry in self._pinned:
             processor, ours, _ = entry
             current = processor.__dict__.get("_attention_backend")
-            if current != ours:
+            if current is not ours:
                 entry[2] = current
                 processor._attention_backend = ours
                 self._warn_once(("backend", str(current)), f"the attention backend was set to {current!r} while "

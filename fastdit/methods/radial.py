@@ -297,26 +297,26 @@ def mask_to_indices(mask):
     return indices.to(torch.int32), counts.to(torch.int32)
 
 
+@register_method
 class Radial(Method):
     name = "radial"
     config_cls = RadialConfig
-    family_defaults = {
-        "wan": {"decay": 0.2, "sink": True, "adjacent": "band", "dense_steps": 0.24, "dense_layers": 1},
-        "hunyuan_video": {"decay": 0.95, "sink": False, "adjacent": "dense", "dense_steps": 0.24, "dense_layers": 0},
-    }
-    #: Other video families (CogVideoX, LTX, Mochi, ...): the conservative HunyuanVideo-like rule
-    #: (dense neighbouring frames, wide band) plus the sink, which costs one frame of keys and
-    #: anchors the conditioning frame of image-to-video models.
-    generic_defaults = {"decay": 0.95, "sink": True, "adjacent": "dense", "dense_steps": 0.24, "dense_layers": 0}
+    #: Families without defaults of their own (CogVideoX, LTX, Mochi, ...; Wan and HunyuanVideo set
+    #: theirs in their adapters): the conservative HunyuanVideo-like rule (dense neighbouring
+    #: frames, wide band) plus the sink, which costs one frame of keys and anchors the
+    #: conditioning frame of image-to-video models.
+    default_options = {"decay": 0.95, "sink": True, "adjacent": "dense", "dense_steps": 0.24, "dense_layers": 0}
 
-    def check_family(self, adapter, config):
+    @classmethod
+    def check_family(cls, adapter, config):
         if getattr(adapter, "video", True) is False:
             raise ValueError(
                 f"radial attention needs a video model (its mask decays with temporal distance); "
                 f"{adapter.family!r} is an image family. Use another method, e.g. 'sta' or 'dense'."
             )
 
-    def plan(self, layout, config, num_heads, device, q=None, k=None):
+    def prepare(self, layout, heads, device):
+        config = self.config
         if layout.frames < 2:
             # A single frame has no temporal distance to decay over: its radial mask is dense, so
             # the call runs the model's own attention (a video model asked for one frame).
@@ -337,7 +337,7 @@ class Radial(Method):
             kv_valid=None if perm is None else (perm >= 0)[None].to(device),
             padding_fraction=padding,
             name=f"radial_b{B}_decay{config.decay:g}_{config.adjacent}{sink}_fill{config.block_fill:g}",
-            info={"frames": layout.frames, "frame_len": layout.frame_len, "pow2_frame_len": next_pow2(layout.frame_len),
+            info={"frames": layout.frames, "frame_len": layout.frame_len, "pow2_frame_len": band_pow2(layout.frame_len),
                   "video_blocks": n_video, "video_density": video_density, "decay": config.decay,
                   "adjacent": config.adjacent, "sink": config.sink, "block_fill": config.block_fill},
         )
@@ -490,8 +490,6 @@ def main(argv=None):
           + (f" (drawn max-pooled by {factor})" if factor > 1 else "") + f" -> {args.out}")
     return 0
 
-
-register_method(Radial())
 
 if __name__ == "__main__":
     sys.exit(main())
