@@ -9,6 +9,11 @@ set only (FlashAttention-2 online softmax on the GPU); a query block with no val
 Backends: ``"triton"`` (``block_sparse_triton.py``; the GPU, or the Triton interpreter on the CPU
 with ``TRITON_INTERPRET=1``), ``"torch"`` (``block_sparse_torch.py``; any device) and ``"auto"``
 (Triton on CUDA when it imports, torch otherwise).
+
+``block_sparse_attention`` checks its arguments, validates the plan (``reference.validate_plan``,
+unless ``validate=False``) and runs the custom op ``fastdit::block_sparse_attention`` (``op.py``),
+so that eager and ``torch.compile`` calls run the same code and a compiled graph holds one opaque
+call.
 """
 from __future__ import annotations
 
@@ -17,20 +22,11 @@ import os
 
 import torch
 
-from .block_sparse_torch import block_sparse_attention_torch
-from .reference import validate_plan
+from .op import _triton_available, block_sparse_attention_op, check_block_plan
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 BACKENDS = ("auto", "triton", "torch")
-
-
-def _triton_available():
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def triton_interpreter_enabled():
@@ -39,7 +35,7 @@ def triton_interpreter_enabled():
 
 
 def debug_enabled():
-    """``FASTDIT_DEBUG=1``: validate every plan before running it (slow; for debugging)."""
+    """``FASTDIT_DEBUG=1``: validate every plan, even in calls made with ``validate=False``."""
     return os.environ.get("FASTDIT_DEBUG", "0").lower() in ("1", "true", "yes", "on")
 
 
@@ -123,26 +119,43 @@ def block_sparse_attention(
     kv_valid=None,
     return_lse=True,
     backend="auto",
+    *,
+    validate=True,
 ):
     """Attention in which each query block attends to a list of key/value blocks.
 
     Args:
         q: ``(B, H, N, D)``; k, v: ``(B, H, Nk, D)``. float16, bfloat16 or float32, one device.
-            Any strides. D up to 256 (non-powers of two are padded inside the kernel).
+            Any strides. D up to 256 (non-powers of two are padded inside the kernel). ``Nk = 0``
+            is allowed (every count must then be 0: output 0, ``lse = -inf``).
         kv_indices: int32 ``(B|1, H|1, ceil(N / block_m), max_blocks)``: key-block indices per
-            query block; the first ``kv_counts[b, h, m]`` entries are used, in any order, no
-            duplicates. Leading dims of size 1 broadcast over batch / heads.
-        kv_counts: int32 ``(B|1, H|1, ceil(N / block_m))``.
+            query block; the first ``kv_counts[b, h, m]`` entries are used, in any order, each in
+            ``[0, ceil(Nk / block_n))``. Duplicates within a row are rejected (``ValueError``),
+            not merged. Entries past the count are never read. Leading dims of size 1 broadcast
+            over batch / heads.
+        kv_counts: int32 ``(B|1, H|1, ceil(N / block_m))``, each in ``[0, max_blocks]``.
         block_m, block_n: query / key block sizes of the plan (any positive ints; N and Nk need
             not be multiples).
         scale: score scale, default ``1 / sqrt(D)``.
         kv_valid: optional bool ``(B|1, Nk)``; False keys are never attended.
         return_lse: when True return ``(out, lse)``, else ``out`` alone.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        validate: check the plan's values (counts in range, used indices in range, no
+            duplicates; see ``validate_plan``) and raise ``ValueError`` naming the first bad
+            entry. Vectorised, two host syncs on a GPU (so not inside CUDA-graph capture);
+            under ``torch.compile`` the check is an op of the graph (no graph break). Pass
+            ``validate=False`` only for plans validated when they were built (fastdit's own
+            plans): an invalid plan is then undefined behaviour (wrong values, or a crash of the
+            Triton kernel). ``FASTDIT_DEBUG=1`` validates every call regardless. Shapes, dtypes
+            and devices are always checked.
 
     Returns:
-        ``out`` ``(B, H, N, D)`` in q's dtype and, with ``return_lse``, ``lse`` float32
-        ``(B, H, N)``: ``log(sum_j exp(scale * q . k_j))`` over attended keys, ``-inf`` where none.
+        ``out`` ``(B, H, N, D)`` contiguous in q's dtype and, with ``return_lse``, ``lse``
+        float32 ``(B, H, N)``: ``log(sum_j exp(scale * q . k_j))`` over attended keys, ``-inf``
+        where none.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, backend or (with validation) plan values.
 
     Example::
 
@@ -150,23 +163,15 @@ def block_sparse_attention(
         idx = torch.arange(n_blocks, dtype=torch.int32).expand(1, 1, n_blocks, n_blocks).contiguous()
         cnt = torch.full((1, 1, n_blocks), n_blocks, dtype=torch.int32)
         out, lse = block_sparse_attention(q, k, v, idx, cnt)   # == dense attention
+
+    The computation is the custom op ``torch.ops.fastdit.block_sparse_attention`` (no autograd
+    formula: inference only).
     """
     _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid)
-    if debug_enabled():
-        problems = validate_plan(kv_indices, kv_counts, -(-k.shape[2] // block_n), -(-q.shape[2] // block_m))
-        if problems:
-            raise ValueError("invalid block plan (FASTDIT_DEBUG=1): " + "; ".join(problems))
     backend = _pick_backend(backend, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    batch, heads = q.shape[:2]
-    if backend == "triton":
-        from .block_sparse_triton import block_sparse_attention_triton
-
-        out, lse = block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid)
-    else:
-        shape = (batch, heads) + tuple(kv_indices.shape[2:])
-        out, lse = block_sparse_attention_torch(
-            q, k, v, kv_indices.long().expand(shape), kv_counts.long().expand(shape[:3]),
-            block_m, block_n, scale, kv_valid,
-        )
+    if validate or debug_enabled():
+        n_k = k.shape[2]
+        kv_counts = check_block_plan(kv_indices, kv_counts, -(-n_k // block_n), -(-q.shape[2] // block_m), n_k, block_n)
+    out, lse = block_sparse_attention_op(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid, backend)
     return (out, lse) if return_lse else out

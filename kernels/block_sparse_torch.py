@@ -54,6 +54,9 @@ def block_sparse_attention_torch(q, k, v, kv_indices, kv_counts, block_m, block_
     """
     batch, heads, n_q, dim = q.shape
     n_k = k.shape[2]
+    if n_k == 0 or batch * heads * n_q == 0:  # no key (or no query): every row is empty
+        out = torch.zeros(batch, heads, n_q, dim, dtype=q.dtype, device=q.device)
+        return out, torch.full((batch, heads, n_q), float("-inf"), dtype=torch.float32, device=q.device)
     n_kblocks = -(-n_k // block_n)
     n_tok = n_kblocks * block_n
     device = q.device

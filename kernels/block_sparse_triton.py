@@ -412,7 +412,8 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
     n_k = k.shape[2]
     out = torch.empty((batch, heads, n_q, dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    if out.numel() == 0 or n_k == 0:  # nothing to compute, or no key: every row is empty
+        out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
     n_qblocks = -(-n_q // block_m)

@@ -5,7 +5,7 @@ semantics the kernels must reproduce.
 
 * ``dense_reference``   -- float64 attention under a token-level boolean mask, with log-sum-exp.
 * ``plan_to_token_mask`` -- expands a block plan (``kv_indices`` / ``kv_counts``) to that mask.
-* ``validate_plan``      -- reports out-of-range and duplicate block indices.
+* ``validate_plan``      -- the plan rules: count range, index range, duplicates (vectorised).
 """
 from __future__ import annotations
 
@@ -61,12 +61,26 @@ def plan_to_token_mask(kv_indices, kv_counts, n_q, n_k, block_m=128, block_n=128
     return mask
 
 
-def validate_plan(kv_indices, kv_counts, n_kv_blocks, n_q_blocks=None):
-    """Check a block plan cheaply; return a list of problems (empty when the plan is valid).
+def _at(name, where):
+    return f"{name}[{', '.join(str(int(i)) for i in where)}]"
 
-    Reports: wrong dtypes or ranks, count/index shape mismatch, counts outside
-    ``[0, max_blocks]``, used indices outside ``[0, n_kv_blocks)``, and duplicate indices within a
-    row. Called by tests and in debug mode, never on the hot path.
+
+def validate_plan(kv_indices, kv_counts, n_kv_blocks, n_q_blocks=None, *, n_k=None, block_n=None):
+    """Check a block plan; return a list of problems (empty when the plan is valid).
+
+    The one place the plan rules live (``block_sparse_attention`` raises ``ValueError`` with these
+    messages). A plan is valid when:
+
+    * ``kv_indices`` / ``kv_counts`` are int32 or int64 tensors of rank 4 / 3 with
+      ``kv_counts.shape == kv_indices.shape[:3]`` (and ``n_q_blocks`` query blocks when given);
+    * every count is in ``[0, max_blocks]`` (``max_blocks = kv_indices.shape[-1]``);
+    * every *used* index (the first ``kv_counts[b, h, m]`` of row ``(b, h, m)``) is in
+      ``[0, n_kv_blocks)``; with no key block at all (``Nk = 0``) every count must be 0;
+    * no row lists a key block twice (duplicates are rejected, not merged).
+
+    Entries past a row's count are never read and may hold anything. ``n_k`` / ``block_n`` only
+    enrich the messages. Vectorised torch on the plan's device: two host syncs for a valid plan (the
+    count range, then one flag for all index rules); the messages of an invalid plan cost more.
     """
     problems = []
     if kv_indices.dtype not in (torch.int32, torch.int64) or kv_counts.dtype not in (torch.int32, torch.int64):
@@ -78,27 +92,69 @@ def validate_plan(kv_indices, kv_counts, n_kv_blocks, n_q_blocks=None):
     if tuple(kv_counts.shape) != tuple(kv_indices.shape[:3]):
         problems.append(f"kv_counts shape {tuple(kv_counts.shape)} != kv_indices.shape[:3] {tuple(kv_indices.shape[:3])}")
         return problems
+    if kv_indices.device != kv_counts.device:
+        problems.append(f"kv_indices is on {kv_indices.device} but kv_counts on {kv_counts.device}")
+        return problems
     if n_q_blocks is not None and kv_indices.shape[2] != n_q_blocks:
         problems.append(f"plan has {kv_indices.shape[2]} query blocks, expected {n_q_blocks}")
+    if kv_counts.numel() == 0:
+        return problems
+    n_kv_blocks = int(n_kv_blocks)
     max_blocks = kv_indices.shape[3]
-    counts = kv_counts.long()
-    bad_counts = (counts < 0) | (counts > max_blocks)
-    if bad_counts.any():
-        where = bad_counts.nonzero()[0].tolist()
-        problems.append(f"{int(bad_counts.sum())} counts outside [0, {max_blocks}], first at (b, h, m) = {tuple(where)}")
-    used = torch.arange(max_blocks, device=kv_indices.device) < counts.clamp(0, max_blocks).unsqueeze(-1)
-    idx = kv_indices.long()
-    out_of_range = used & ((idx < 0) | (idx >= n_kv_blocks))
-    if out_of_range.any():
-        where = out_of_range.nonzero()[0].tolist()
+    keys = "" if n_k is None else f" (Nk={n_k}" + ("" if block_n is None else f", block_n={block_n}") + ")"
+
+    # 1. counts: one sync for their range
+    lo, hi = (int(x) for x in torch.stack(torch.aminmax(kv_counts)).tolist())
+    if lo < 0:
+        neg = kv_counts < 0
+        where = neg.nonzero()[0]
         problems.append(
-            f"{int(out_of_range.sum())} indices outside [0, {n_kv_blocks}), first at (b, h, m, slot) = {tuple(where)}"
+            f"{_at('kv_counts', where)} = {int(kv_counts[tuple(where)])} is negative "
+            f"({int(neg.sum())} negative counts); counts must be in [0, max_blocks = {max_blocks}]"
         )
-    # Duplicates: sort used entries (unused ones get distinct sentinels) and compare neighbours.
-    sentinel = n_kv_blocks + 1 + torch.arange(max_blocks, device=idx.device)
-    keyed = torch.where(used, idx, sentinel).sort(dim=-1).values
-    dup = keyed[..., 1:] == keyed[..., :-1]
-    if dup.any():
-        where = dup.nonzero()[0].tolist()
-        problems.append(f"{int(dup.sum())} duplicate indices within rows, first in row (b, h, m) = {tuple(where[:3])}")
+    if hi > max_blocks:
+        over = kv_counts > max_blocks
+        where = over.nonzero()[0]
+        problems.append(
+            f"{_at('kv_counts', where)} = {int(kv_counts[tuple(where)])} exceeds max_blocks = {max_blocks} "
+            f"(kv_indices.shape[-1]); {int(over.sum())} counts outside [0, {max_blocks}]"
+        )
+    width = min(max(hi, 0), max_blocks)  # the used prefix of every row
+    if width == 0:
+        return problems
+    if n_kv_blocks <= 0:
+        where = (kv_counts > 0).nonzero()[0]
+        problems.append(
+            f"{_at('kv_counts', where)} = {int(kv_counts[tuple(where)])} but there are no keys{keys}: "
+            "no key block exists, so every count must be 0"
+        )
+        return problems
+
+    # 2. used indices: range and duplicates, one sync for both
+    idx = kv_indices[..., :width]
+    slot = torch.arange(width, device=idx.device, dtype=idx.dtype)
+    used = slot < kv_counts.unsqueeze(-1)
+    out_of_range = used & ((idx < 0) | (idx >= n_kv_blocks))
+    flags = [out_of_range.any()]
+    if width > 1:
+        # in-range used entries keep their value, the rest get distinct negative sentinels; sorted
+        # neighbours that are equal are duplicates
+        keyed, order = torch.where(used & ~out_of_range, idx, -1 - slot).sort(dim=-1)
+        dup = keyed[..., 1:] == keyed[..., :-1]
+        flags.append(dup.any())
+    bad_range, bad_dup = (torch.stack(flags).tolist() + [False])[:2]
+    if bad_range:
+        where = out_of_range.nonzero()[0]
+        problems.append(
+            f"{_at('kv_indices', where)} = {int(idx[tuple(where)])} is out of range: outside [0, {n_kv_blocks}), "
+            f"the {n_kv_blocks} key blocks{keys}; {int(out_of_range.sum())} used indices out of range"
+        )
+    if bad_dup:
+        where = dup.nonzero()[0]
+        row = tuple(int(i) for i in where[:3])
+        s0, s1 = sorted(int(order[row + (int(where[3]) + d,)]) for d in (0, 1))
+        problems.append(
+            f"{_at('kv_indices', row)} lists key block {int(keyed[tuple(where)])} twice (slots {s0} and {s1}): "
+            f"duplicate key-block indices within a row are rejected; {int(dup.sum())} duplicates in all"
+        )
     return problems

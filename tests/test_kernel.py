@@ -1,5 +1,6 @@
 """Block-sparse attention engine: both backends against the float64 reference, plus plan helpers
-and input validation.
+and input validation (shapes, dtypes, and plan values: every bad plan is a ValueError naming the
+argument and entry, on both backends; the custom-op / torch.compile side is in test_kernel_op.py).
 
 The Triton backend runs on CUDA, or on the CPU under the Triton interpreter: the interpreter must
 be switched on before triton is first imported (``TRITON_INTERPRET=1 python -m pytest ...``);
@@ -242,23 +243,45 @@ def test_validate_plan():
     idx, cnt = make_plan(gen, 2, 3, 5, 6)
     assert validate_plan(idx, cnt, 6, 5) == []  # junk in unused slots is fine
     assert validate_plan(idx.int(), cnt.int(), 6) == []
+    assert validate_plan(idx.int(), cnt.long(), 6) == []  # mixed widths
 
     bad = idx.clone()
     bad[0, 0, 0, 0] = 6  # == n_kv_blocks: out of range
-    problems = validate_plan(bad, cnt, 6)
-    assert any("outside" in p for p in problems)
+    problems = validate_plan(bad, cnt, 6, n_k=70, block_n=12)
+    assert problems == [
+        "kv_indices[0, 0, 0, 0] = 6 is out of range: outside [0, 6), the 6 key blocks (Nk=70, block_n=12); "
+        "1 used indices out of range"
+    ]
 
     bad = idx.clone()
     bad[1, 2, 0, 0] = -1
-    assert any("outside" in p for p in validate_plan(bad, cnt, 6))
+    bad[1, 2, 0, 1] = 10**6
+    (problem,) = validate_plan(bad, cnt, 6)
+    assert problem.startswith("kv_indices[1, 2, 0, 0] = -1 is out of range") and "2 used indices" in problem
 
     dup = idx.clone()
-    dup[0, 1, 0, 1] = dup[0, 1, 0, 0]  # row 0 has the max count (>= 2)
-    assert any("duplicate" in p for p in validate_plan(dup, cnt, 6))
+    dup[0, 1, 0, 3] = dup[0, 1, 0, 1]  # row 0 has the max count (>= 4)
+    (problem,) = validate_plan(dup, cnt, 6)
+    assert problem.startswith(f"kv_indices[0, 1, 0] lists key block {int(dup[0, 1, 0, 1])} twice (slots 1 and 3)")
+    assert "duplicate" in problem
 
     big = cnt.clone()
-    big[0, 0, 0] = idx.shape[-1] + 1
-    assert any("counts outside" in p for p in validate_plan(idx, big, 6))
+    big[0, 0, 2] = idx.shape[-1] + 1
+    problems = validate_plan(idx, big, 6)  # the row's junk slots are now used, and out of range
+    assert problems[0].startswith(f"kv_counts[0, 0, 2] = {idx.shape[-1] + 1} exceeds max_blocks = {idx.shape[-1]}")
+
+    neg = cnt.clone()
+    neg[1, 1, 3] = -2
+    (problem,) = validate_plan(idx, neg, 6)
+    assert problem.startswith("kv_counts[1, 1, 3] = -2 is negative")
+
+    # no key block at all: only all-zero counts are valid
+    assert validate_plan(idx, torch.zeros_like(cnt), 0) == []
+    (problem,) = validate_plan(idx, cnt, 0, n_k=0, block_n=8)
+    assert "kv_counts[0, 0, 0]" in problem and "no keys (Nk=0" in problem
+
+    # several problems at once are all reported
+    assert len(validate_plan(bad, neg, 6)) == 2
 
     assert validate_plan(idx, cnt, 6, n_q_blocks=4)  # wrong number of query blocks
     assert validate_plan(idx.float(), cnt, 6)  # not integer
@@ -381,3 +404,199 @@ def test_autotune_prune(block_m, block_n, dim, dtype, monkeypatch):
         assert c.kwargs["BLOCK_M"] >= 16 and c.kwargs["BLOCK_N"] >= 16
     if block_m >= 128 and dtype != torch.float32 and dim <= 128:
         assert any(c.kwargs["BLOCK_M"] == 128 for c in kept), "128-row query tiles must stay candidates"
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad plans: values (validated by default, on both backends)
+# -------------------------------------------------------------------------------------------------
+
+JUNK = 10**6  # in slots past the count: never read, never reported
+
+
+def _plan_inputs(n_k=50, seed=5):
+    """q (1, 2, 40, 16), k / v (1, 2, n_k, 16), blocks of 16: 3 query blocks, 4 key blocks when
+    n_k = 50 (the last one partial). A sparse per-head plan with junk past the counts."""
+    gen = _gen(seed)
+    q = torch.randn(1, 2, 40, 16, generator=gen)
+    k = torch.randn(1, 2, n_k, 16, generator=gen)
+    v = torch.randn(1, 2, n_k, 16, generator=gen)
+    idx = torch.tensor(
+        [[[[2, 0, JUNK, JUNK], [1, 3, JUNK, JUNK], [3, JUNK, JUNK, JUNK]],
+          [[0, 1, 3, JUNK], [JUNK, JUNK, JUNK, JUNK], [2, 0, JUNK, JUNK]]]],
+        dtype=torch.int32,
+    )
+    cnt = torch.tensor([[[2, 2, 1], [3, 0, 2]]], dtype=torch.int32)
+    return q, k, v, idx, cnt
+
+
+def _bad_index(value):
+    def make(q, k, v, idx, cnt):
+        idx = idx.clone()
+        idx[0, 1, 2, 1] = value  # a used slot (count 2)
+        return q, k, v, idx, cnt
+    return make
+
+
+def _bad_count(value):
+    def make(q, k, v, idx, cnt):
+        cnt = cnt.clone()
+        cnt[0, 0, 1] = value
+        return q, k, v, idx, cnt
+    return make
+
+
+def _duplicate(q, k, v, idx, cnt):
+    idx = idx.clone()
+    idx[0, 1, 0, 2] = 0  # row (0, 1, 0) lists 0, 1, 0
+    return q, k, v, idx, cnt
+
+
+def _no_keys(q, k, v, idx, cnt):
+    return q, k[:, :, :0], v[:, :, :0], idx, cnt
+
+
+BAD_PLANS = {
+    # name: (make, message pattern: the argument and entry named)
+    "index_eq_n_blocks": (_bad_index(4), r"kv_indices\[0, 1, 2, 1\] = 4 is out of range: outside \[0, 4\), the 4 key blocks \(Nk=50"),
+    "index_neg": (_bad_index(-1), r"kv_indices\[0, 1, 2, 1\] = -1 is out of range"),
+    "index_huge": (_bad_index(10**6), r"kv_indices\[0, 1, 2, 1\] = 1000000 is out of range"),
+    "count_over_width": (_bad_count(5), r"kv_counts\[0, 0, 1\] = 5 exceeds max_blocks = 4"),
+    "count_neg": (_bad_count(-1), r"kv_counts\[0, 0, 1\] = -1 is negative"),
+    "duplicate": (_duplicate, r"kv_indices\[0, 1, 0\] lists key block 0 twice \(slots 0 and 2\).*duplicate"),
+    "no_keys_nonzero_count": (_no_keys, r"kv_counts\[0, 0, 0\] = 2 but there are no keys \(Nk=0"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(BAD_PLANS))
+def test_bad_plan_raises(name, backend):
+    make, pattern = BAD_PLANS[name]
+    q, k, v, idx, cnt = _to(DEVICE, *make(*_plan_inputs()))
+    with pytest.raises(ValueError, match="invalid block plan: .*" + pattern):
+        block_sparse_attention(q, k, v, idx, cnt, 16, 16, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_shared_plan_raises(backend):
+    """A plan broadcast over batch and heads (the shared-plan path of both backends)."""
+    q, k, v, idx, cnt = _to(DEVICE, *_plan_inputs())
+    idx, cnt = idx[:, 1:].clone(), cnt[:, 1:]
+    idx[0, 0, 0, 1] = 4
+    with pytest.raises(ValueError, match=r"kv_indices\[0, 0, 0, 1\] = 4 is out of range"):
+        block_sparse_attention(q, k, v, idx, cnt, 16, 16, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_debug_env_validates_even_without_validate(backend, monkeypatch):
+    q, k, v, idx, cnt = _to(DEVICE, *_duplicate(*_plan_inputs()))
+    # validate=False skips the plan check: the duplicate is counted twice (undefined, but no error)
+    out = block_sparse_attention(q, k, v, idx, cnt, 16, 16, backend=backend, validate=False, return_lse=False)
+    assert out.shape == q.shape
+    monkeypatch.setenv("FASTDIT_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"kv_indices\[0, 1, 0\] lists key block 0 twice"):
+        block_sparse_attention(q, k, v, idx, cnt, 16, 16, backend=backend, validate=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("validate", [True, False])
+def test_no_keys(backend, validate):
+    """Nk = 0 with all counts 0: output 0 and lse -inf, the reference's answer for empty rows."""
+    q, k, v, idx, cnt = _to(DEVICE, *_no_keys(*_plan_inputs()))
+    cnt = torch.zeros_like(cnt)
+    out, lse = block_sparse_attention(q, k, v, idx, cnt, 16, 16, backend=backend, validate=validate)
+    ref, ref_lse = dense_reference(q.cpu(), k.cpu(), v.cpu())
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
+    assert torch.equal(out.cpu().double(), ref) and (out == 0).all()
+    assert torch.equal(lse.cpu().double(), ref_lse) and torch.isneginf(lse).all()
+
+
+_SUBPROCESS_CASES = r"""
+import sys, torch
+from fastdit.kernels import block_sparse_attention
+backend = sys.argv[1]
+dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+q = torch.randn(1, 2, 40, 16, device=dev)
+k = torch.randn(1, 2, 50, 16, device=dev)
+empty = k[:, :, :0]
+idx = torch.tensor([[[[0, 1], [1, 3], [3, 2]]]], dtype=torch.int32, device=dev)
+cnt = torch.tensor([[[2, 2, 1]]], dtype=torch.int32, device=dev)
+# no keys but counts >= 1: validated -> ValueError; unvalidated -> no crash, empty rows
+try:
+    block_sparse_attention(q, empty, empty, idx, cnt, 16, 16, backend=backend)
+    print("no error")
+except ValueError as e:
+    print("ValueError", "kv_counts[" in str(e))
+out, lse = block_sparse_attention(q, empty, empty, idx, cnt, 16, 16, backend=backend, validate=False)
+print("empty", bool((out == 0).all()), bool(torch.isneginf(lse).all()))
+# the backend functions themselves (below the op) are safe too
+if backend == "triton":
+    from fastdit.kernels.block_sparse_triton import block_sparse_attention_triton as direct
+else:
+    from fastdit.kernels.block_sparse_torch import block_sparse_attention_torch
+    def direct(q, k, v, idx, cnt, *rest):
+        return block_sparse_attention_torch(q, k, v, idx.long().expand(1, 2, 3, 2), cnt.long().expand(1, 2, 3), *rest)
+out, lse = direct(q, empty, empty, idx, cnt, 16, 16, 0.25, None)
+print("empty", bool((out == 0).all()), bool(torch.isneginf(lse).all()))
+# the cases that crashed the Triton kernel: now ValueErrors before any launch
+for i, c in (((0, 0, 1, 0), 4), ((0, 0, 1, 0), -1), ((0, 0, 1, 0), 10**6)):
+    bad = idx.clone(); bad[i] = c
+    try:
+        block_sparse_attention(q, k, k, bad, cnt, 16, 16, backend=backend)
+        print("no error")
+    except ValueError as e:
+        print("ValueError", "kv_indices[0, 0, 1, 0]" in str(e))
+wide = cnt.clone(); wide[0, 0, 0] = 3
+try:
+    block_sparse_attention(q, k, k, idx, wide, 16, 16, backend=backend)
+    print("no error")
+except ValueError as e:
+    print("ValueError", "kv_counts[0, 0, 0]" in str(e))
+print("done")
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_former_crashes_in_subprocess(backend, tmp_path):
+    """Inputs that used to kill the process (SIGFPE / SIGSEGV) now raise or return empty rows; run
+    in a child so that a regression fails this test instead of the test session."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "cases.py"
+    script.write_text(_SUBPROCESS_CASES)
+    env = dict(os.environ)
+    if backend == "triton" and not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    res = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, f"rc {res.returncode}: {res.stderr[-2000:]}"
+    assert res.stdout.split("\n")[:-1] == ["ValueError True"] + ["empty True True"] * 2 + ["ValueError True"] * 4 + ["done"]
+
+
+def _backend_direct(backend, q, k, v, idx, cnt, bm, bn, scale, kv_valid):
+    """The engine as it ran before validation and the custom op: the backend function itself."""
+    if backend == "triton":
+        from fastdit.kernels.block_sparse_triton import block_sparse_attention_triton
+
+        return block_sparse_attention_triton(q, k, v, idx, cnt, bm, bn, scale, kv_valid)
+    from fastdit.kernels.block_sparse_torch import block_sparse_attention_torch
+
+    shape = q.shape[:2] + idx.shape[2:]
+    return block_sparse_attention_torch(q, k, v, idx.long().expand(shape), cnt.long().expand(shape[:3]),
+                                        bm, bn, scale, kv_valid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["d72_f32_perhead_npow2_kvvalid", "d64_bf16_even", "d128_f16_shared"])
+def test_valid_plans_unchanged(name, backend):
+    """Validation and the custom op change no bit of a valid plan's result."""
+    q, k, v, idx, cnt, bm, bn, kv_valid = _to(DEVICE, *_make_case(name))
+    assert validate_plan(idx, cnt, -(-k.shape[2] // bn), -(-q.shape[2] // bm)) == []
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = _backend_direct(backend, q, k, v, idx, cnt, bm, bn, scale, kv_valid)
+    for validate in (True, False):
+        out, lse = block_sparse_attention(q, k, v, idx, cnt, bm, bn, kv_valid=kv_valid, backend=backend,
+                                          validate=validate)
+        assert out.is_contiguous() and lse.is_contiguous()
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _check(out, lse, q, k, v, idx, cnt, bm, bn, kv_valid)
