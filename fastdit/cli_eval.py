@@ -8,14 +8,13 @@ command resumes (finished samples are kept). See ``fastdit.eval.runner`` for wha
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 DEFAULT_METRICS = "psnr,ssim,vbench"
 
 
 def add_eval_arguments(parser):
-    from fastdit.cli import add_generation_arguments
+    from fastdit.cli import add_generation_arguments, positive_int
 
     add_generation_arguments(parser)
     parser.add_argument("--methods", default="dense,sta", help="comma-separated methods; dense always runs, first")
@@ -32,7 +31,7 @@ def add_eval_arguments(parser):
                         help="comma-separated, from psnr, ssim, lpips, fid, clip, vbench (default %(default)s)")
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--out", default="fastdit_eval", help="output folder (samples/, results.json, results.md, plots/)")
-    parser.add_argument("--fps", type=int, default=16)
+    parser.add_argument("--fps", type=positive_int, default=16)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -42,7 +41,7 @@ def add_eval_arguments(parser):
     parser.add_argument("--fid-weights", default=None,
                         help="pt_inception-2015-12-05-6726825d.pth or its folder (default $FASTDIT_FID_WEIGHTS or "
                              "~/.cache/fastdit/fid)")
-    parser.add_argument("--fid-frames", type=int, default=16, help="evenly spaced frames per video that enter FID")
+    parser.add_argument("--fid-frames", type=positive_int, default=16, help="evenly spaced frames per video that enter FID")
     parser.add_argument("--clip-model", default=None,
                         help="local HF-format CLIP folder or a cached hub id (default $FASTDIT_CLIP_MODEL or "
                              "openai/clip-vit-large-patch14 from the HF cache)")
@@ -56,32 +55,41 @@ def add_eval_arguments(parser):
 
 
 def parse_seeds(text):
+    from fastdit.cli import CLIError
+
     seeds = []
     for part in (p.strip() for p in str(text).split(",")):
         if not part:
             continue
         try:
             lo, dash, hi = part.partition("-")
-            seeds.extend(range(int(lo), int(hi) + 1) if dash else [int(part)])
+            lo, hi = (int(lo), int(hi)) if dash else (int(part), int(part))
         except ValueError:
-            raise SystemExit(f"fastdit eval: --seeds expects integers or ranges like 0,1 or 0-4, got {text!r}") from None
+            raise CLIError(f"argument --seeds: expects integers >= 0 or ranges like 0,1 or 0-4, got {text!r}") from None
+        if hi < lo or hi >= 1 << 64:
+            raise CLIError(f"argument --seeds: {part!r} is an empty range or a seed over 2**64 - 1; e.g. 0,1 or 0-4")
+        if hi - lo >= 100_000:
+            raise CLIError(f"argument --seeds: {part!r} is {hi - lo + 1} seeds; at most 100000 per range")
+        seeds.extend(range(lo, hi + 1))
     return seeds
 
 
 def parse_grid(entries, methods):
-    from fastdit.cli import parse_value
+    from fastdit.cli import CLIError, check_method_options, parse_value
 
     grid = {}
     for entry in entries or []:
         key, sep, values = entry.partition("=")
         method, dot, option = key.partition(".")
         if not sep or not dot or not option or not values.strip():
-            raise SystemExit(f"fastdit eval: --grid expects METHOD.OPTION=V1,V2,..., got {entry!r}")
+            raise CLIError(f"argument --grid: expects METHOD.OPTION=V1,V2,..., got {entry!r}")
         if method not in methods:
-            raise SystemExit(f"fastdit eval: --grid {entry!r} names method {method!r}, which is not in --methods "
-                             f"{','.join(methods)}")
+            raise CLIError(f"argument --grid: {entry!r} names method {method!r}, which is not in --methods "
+                           f"{','.join(methods)}")
         parts = values.split(";") if ";" in values else values.split(",")
         grid.setdefault(method, {})[option] = [parse_value(v) for v in parts if v.strip()]
+        for part, value in zip([v for v in parts if v.strip()], grid[method][option]):
+            check_method_options(method, {option: value}, f"--grid {method}.{option}={part.strip()}")
     return grid
 
 
@@ -89,7 +97,7 @@ def config_from_args(args):
     """An ``EvalConfig`` from parsed arguments (SystemExit with a clear message on bad input)."""
     import os
 
-    from fastdit.cli import parse_options
+    from fastdit.cli import CLIError, check_generation_arguments, check_method_options, parse_options
     from fastdit.eval.runner import EvalConfig, EvalError, load_prompts
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -98,15 +106,22 @@ def config_from_args(args):
 
     unknown = [m for m in methods if m not in fastdit.methods()]
     if unknown:
-        raise SystemExit(f"fastdit eval: unknown method(s) {', '.join(unknown)}; available: {', '.join(fastdit.methods())}")
+        raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
+                       f"{', '.join(fastdit.methods())}")
     options = parse_options(args.set, methods)
     grid = parse_grid(args.grid, methods)
+    for method, values in grid.items():
+        for option, choices in values.items():
+            for value in choices:
+                check_method_options(method, {**options.get(method, {}), option: value},
+                                     f"--grid {method}.{option}={value!r} with --set {method}.*")
     from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
 
     try:
         is_tiny = tiny_name(args.model) is not None
     except ModelNotFoundError as error:
-        raise SystemExit(f"fastdit eval: {error}") from None
+        raise CLIError(f"argument --model: {error}") from None
+    check_generation_arguments(args)
     if is_tiny:
         from fastdit.compare import TINY_METHOD_OPTIONS
 
@@ -116,7 +131,7 @@ def config_from_args(args):
     try:
         prompts = load_prompts(args.prompts)
     except EvalError as error:
-        raise SystemExit(f"fastdit eval: {error}") from None
+        raise CLIError(f"argument --prompts: {error}") from None
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
@@ -137,6 +152,7 @@ def cmd_eval(args):
     import torch
     from accelerate import PartialState
 
+    from fastdit.cli import CLIError
     from fastdit.eval.runner import EvalError, run_eval
 
     cfg = config_from_args(args)
@@ -145,7 +161,7 @@ def cmd_eval(args):
     try:
         run_eval(cfg, state)
     except EvalError as error:
-        raise SystemExit(f"fastdit eval: {error}") from None
+        raise CLIError(str(error), exit_code=1) from None
     return 0
 
 
@@ -159,14 +175,18 @@ def add_eval_parser(subparsers):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m fastdit.eval", description=__doc__.splitlines()[0])
+    from fastdit.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m fastdit.eval", description=__doc__.splitlines()[0])
     add_eval_arguments(parser)
     return parser
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    return cmd_eval(args)
+    from fastdit.cli import run_command
+
+    return run_command(lambda argv: run_command(cmd_eval, build_parser().parse_args(argv), "fastdit eval"), argv,
+                       "fastdit eval")
 
 
 if __name__ == "__main__":

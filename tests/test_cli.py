@@ -45,15 +45,167 @@ def test_missing_model_is_a_message_not_a_traceback(tmp_path):
     assert "no such folder" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["compare", "--methods", "dense,bogus"], "unknown method"),
-    (["compare", "--set", "sta.tile"], "METHOD.OPTION=VALUE"),
-    (["compare", "--methods", "dense", "--set", "sta.tile=1,2,2"], "not in --methods"),
-    (["compare", "--model", "tiny-nothing"], "built-in tiny models"),
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a pipeline is loaded or built."""
+    import fastdit.pipelines.loading as loading
+    import fastdit.pipelines.tiny as tiny
+    from fastdit.eval import runner
+
+    def fail(*args, **kwargs):
+        pytest.fail("a model was loaded despite the bad arguments")
+
+    monkeypatch.setattr(loading, "load_pipeline", fail)
+    monkeypatch.setattr(tiny, "tiny", fail)
+    monkeypatch.setattr(runner, "_load_pipe", fail)
+
+
+def one_line_error(capsys, info, code=2):
+    """The single stderr line of a CLI error that exited with ``code`` (and printed no traceback)."""
+    assert info.value.code == code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return lines[0]
+
+
+BAD_SHARED = [  # (arguments, option named, words of the message): compare and eval both
+    (["--set", "sta.tile=0,0,0"], "--set sta.tile=0,0,0", "three positive ints"),
+    (["--set", "sta.windw=3,3,3"], "--set sta.windw=3,3,3", "valid options"),
+    (["--set", "sta.window=2,2,2"], "--set sta.window=2,2,2", "odd and positive"),
+    (["--set", "sta.tile"], "--set", "METHOD.OPTION=VALUE"),
+    (["--steps", "0"], "--steps", "integer >= 1"),
+    (["--steps", "-1"], "--steps", "integer >= 1"),
+    (["--frames", "0"], "--frames", "integer >= 1"),
+    (["--frames", "-9"], "--frames", "integer >= 1"),
+    (["--height", "0"], "--height", "integer >= 1"),
+    (["--width", "-16"], "--width", "integer >= 1"),
+    (["--height", "1000000"], "--height", "at most 1048576 fit"),
+    (["--frames", "100000"], "--frames", "at most 1048576 fit"),
+    (["--width", "1000000", "--frames", "5"], "--width", "--width <= 262144 here"),
+    (["--width", "100000", "--frames", "4001"], "--frames", "--frames <= 17 here"),
+    (["--fps", "0"], "--fps", "integer >= 1"),
+    (["--device", "nodevice"], "--device", "not a torch device"),
+    (["--methods", "dense,bogus"], "--methods", "unknown method"),
+    (["--methods", "dense", "--set", "sta.tile=1,2,2"], "--set", "not in --methods"),
+    (["--model", "tiny-nothing"], "--model", "built-in tiny models"),
+]
+
+
+@pytest.mark.parametrize("command", ["compare", "eval"])
+@pytest.mark.parametrize("argv, option, message", BAD_SHARED)
+def test_bad_arguments_are_one_line_before_loading(command, argv, option, message, tmp_path, capsys, no_model):
+    with pytest.raises(SystemExit) as info:
+        main([command, *argv, "--out", str(tmp_path / "out")])
+    line = one_line_error(capsys, info)
+    assert line.startswith(f"fastdit {command}: error: argument {option}") and message in line, line
+
+
+@pytest.mark.parametrize("command", ["compare", "eval"])
+def test_out_that_is_a_file(command, tmp_path, capsys, no_model):
+    existing = tmp_path / "report.txt"
+    existing.write_text("not a folder")
+    for out, message in ((existing, "is an existing file"), (existing / "below", "is a file, so the folder")):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--out", str(out)])
+        line = one_line_error(capsys, info)
+        assert line.startswith(f"fastdit {command}: error: argument --out: {existing}") and message in line, line
+
+
+def test_absurd_size_names_the_limit(tmp_path, capsys, no_model):
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--height", "1000000", "--out", str(tmp_path)])
+    line = one_line_error(capsys, info)
+    assert line == ("fastdit compare: error: argument --height: 1000000 is too large: 29 frames of 1000000x768 make "
+                    "8x62500x48 = 24000000 latent tokens (16 pixels, 4 frames per token); at most 1048576 fit "
+                    "(FASTDIT_MAX_TOKENS); --height <= 43680 here")
+
+
+@pytest.mark.parametrize("argv, option, message", [
+    (["--grid", "sta.window=3,3,3;2,2,2"], "--grid sta.window=2,2,2", "odd and positive"),
+    (["--grid", "sta.windw=1,3"], "--grid sta.windw=1", "valid options"),
+    (["--grid", "sta.dense_steps=0,1.5"], "--grid sta.dense_steps=1.5", "[0, 1)"),
+    (["--grid", "sta.tile"], "--grid", "METHOD.OPTION=V1,V2"),
+    (["--seeds", "0-x"], "--seeds", "ranges like"),
+    (["--seeds", "4-1"], "--seeds", "empty range"),
+    (["--fid-frames", "0"], "--fid-frames", "integer >= 1"),
+    (["--prompts", "no_such_prompts.txt"], "--prompts", "does not exist"),
 ])
-def test_bad_arguments(argv, message, tmp_path):
-    with pytest.raises(SystemExit, match=message):
-        main(argv + ["--out", str(tmp_path)])
+def test_bad_eval_arguments(argv, option, message, tmp_path, capsys, no_model):
+    with pytest.raises(SystemExit) as info:
+        main(["eval", *argv, "--out", str(tmp_path / "out")])
+    line = one_line_error(capsys, info)
+    assert line.startswith(f"fastdit eval: error: argument {option}") and message in line, line
+
+
+def test_eval_entry_point_reports_one_line(tmp_path, capsys, no_model):
+    from fastdit.cli_eval import main as eval_main
+
+    with pytest.raises(SystemExit) as info:
+        eval_main(["--set", "sta.tile=0,0,0", "--out", str(tmp_path)])
+    assert "three positive ints" in str(info.value)  # the message stays on the exception for callers
+    assert one_line_error(capsys, info).startswith("fastdit eval: error: argument --set sta.tile=0,0,0")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--set", "sta.tile=0,0,0"], "--set sta.tile=0,0,0"),
+    (["--steps", "0"], "--steps"),
+    (["--height", "1000000"], "--height"),
+])
+def test_errors_in_a_subprocess_are_one_line(argv, option, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "fastdit.cli", "compare", *argv, "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fastdit compare: error: argument {option}"), result.stderr
+    assert result.stdout == "" and not (tmp_path / "report.json").exists()
+
+
+def test_size_checked_again_once_loaded():
+    """Sizes of a real model: a lower bound before loading, the exact latent grid once loaded."""
+    from types import SimpleNamespace
+
+    from fastdit.cli import call_arguments, check_requested_size
+
+    class Pipe:  # a Wan-like pipeline: VAE 8x spatial, 4x temporal, patch (1, 2, 2), 81 frames by default
+        vae_scale_factor_spatial, vae_scale_factor_temporal = 8, 4
+        transformer = SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2)))
+
+        def __call__(self, prompt=None, height=480, width=832, num_frames=81, num_inference_steps=50,
+                     guidance_scale=5.0):
+            raise AssertionError("not called")
+
+    check_requested_size("org/model", None, 8192, 8192)  # 1 x 256 x 256 tokens at least: may fit
+    assert call_arguments(Pipe(), "org/model", height=720, width=1280)["height"] == 720
+    with pytest.raises(SystemExit, match=r"argument --height: 8192 is too large: 81 frames of 8192x8192 make "
+                                         r"21x512x512 = 5505024 latent tokens .* --height <= 1552 here"):
+        call_arguments(Pipe(), "org/model", height=8192, width=8192)
+
+
+def test_unexpected_errors_are_one_line_unless_debugging(tmp_path, capsys, monkeypatch):
+    import fastdit.pipelines.loading as loading
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(loading, "load_pipeline", broken)
+    monkeypatch.delenv("FASTDIT_DEBUG", raising=False)
+    argv = ["compare", "--steps", "1", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert one_line_error(capsys, info, code=1) == "fastdit: error: RuntimeError: boom (FASTDIT_DEBUG=1 shows the traceback)"
+    monkeypatch.setenv("FASTDIT_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="boom"):
+        main(argv)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loading, "load_pipeline", interrupted)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert one_line_error(capsys, info, code=130) == "fastdit compare: interrupted"
 
 
 def test_option_parsing():
