@@ -343,6 +343,10 @@ def cmd_compare(args):
     for row in report["runs"]:
         if row.get("padding_fraction") is not None:
             print(f"{row['method']}: plans {', '.join(row.get('plans', []))}; padding {100 * row['padding_fraction']:.1f}% of tokens")
+        for reason, count in (row.get("fallbacks") or {}).items():
+            print(f"{row['method']}: {count} fallback call(s) ran the model's own attention: {reason}")
+    print("density: computed / total attention blocks over all calls of the patched layers (dense steps, dense "
+          "layers and fallbacks count as 1); sparse-only: the same over the sparse calls alone")
     print(f"\nvideos and report.json in {args.out}")
     return 0
 

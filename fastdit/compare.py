@@ -46,6 +46,8 @@ class Generation:
     frames: np.ndarray
     latency_s: float
     peak_memory_mb: float | None = None
+    #: effective density: computed / total block pairs over ALL attention calls of the patched
+    #: layers (dense steps, dense layers and fallbacks count as 1.0); see ``fastdit.PatchStats``.
     density: float | None = None
     padding_fraction: float | None = None
     patch: object = None
@@ -91,11 +93,11 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
         frames = pipeline_frames(output) if call_kwargs["output_type"] == "np" else None
         result = Generation(method, options, frames, latency, peak)
         if patch is not None:
-            result.density = patch.stats.mean_density
-            result.padding_fraction = patch.stats.padding_fraction
+            stats = patch.stats.as_dict()
+            result.density = stats.pop("effective_density")
+            result.padding_fraction = stats.pop("padding_fraction")
             result.options = {**_public_options(patch.config)}
-            result.extra = {"dense_calls": patch.stats.dense_calls, "sparse_calls": patch.stats.sparse_calls,
-                            "plans": sorted(patch.stats.plan_names)}
+            result.extra = stats  # sparse_density, dense/sparse/fallback calls, fallbacks, plans
     finally:
         if patch is not None and not keep_patch:
             patch.remove()
@@ -115,8 +117,12 @@ def fidelity(frames, reference):
 
 
 def format_table(rows):
-    """Plain-text table of compare rows (dicts with method, latency_s, speedup, psnr_db, ssim)."""
-    header = ["method", "latency (s)", "speedup", "PSNR (dB)", "SSIM", "density", "padding"]
+    """Plain-text table of compare rows (dicts with method, latency_s, speedup, psnr_db, ssim).
+
+    ``density`` is the effective density (all attention calls of the patched layers, dense steps
+    and fallbacks included); ``fallbacks`` counts calls the patch ran with the model's own
+    attention because it could not express them."""
+    header = ["method", "latency (s)", "speedup", "PSNR (dB)", "SSIM", "density", "sparse-only", "fallbacks", "padding"]
     lines = []
     for row in rows:
         psnr_db = row.get("psnr_db")
@@ -127,6 +133,8 @@ def format_table(rows):
             "-" if psnr_db is None else ("inf" if math.isinf(psnr_db) else f"{psnr_db:.2f}"),
             "-" if row.get("ssim") is None else f"{row['ssim']:.4f}",
             "-" if row.get("density") is None else f"{row['density']:.3f}",
+            "-" if row.get("sparse_density") is None else f"{row['sparse_density']:.3f}",
+            "-" if row.get("fallback_calls") is None else str(row["fallback_calls"]),
             "-" if row.get("padding_fraction") is None else f"{100 * row['padding_fraction']:.1f}%",
         ])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]

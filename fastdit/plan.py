@@ -101,6 +101,15 @@ class BlockPlan:
         key_cols = cols[self.kv_indices.long().clamp(0, cols.numel() - 1)] * used
         return (key_cols.sum(-1) * rows).sum(-1)
 
+    def validate(self):
+        """Raise ValueError when the plan breaks the engine's contract (indices, counts, sizes)."""
+        from fastdit.kernels import validate_plan
+
+        problems = validate_plan(self.kv_indices, self.kv_counts, self.num_kv_blocks, -(-self.kernel_len // self.block_m))
+        if problems:
+            raise ValueError(f"invalid block plan {self.name!r}: " + "; ".join(problems))
+        return self
+
     def select_heads(self, offset, count):
         """This plan for heads ``offset .. offset + count`` of the layer (context parallelism
         splits heads across ranks); a plan shared by all heads is returned as it is."""
@@ -152,6 +161,7 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mas
     out, lse = block_sparse_attention(
         q, k, v, plan.kv_indices, plan.kv_counts, plan.block_m, plan.block_n,
         scale=scale, kv_valid=plan.kernel_kv_valid(key_mask), return_lse=True, backend=backend,
+        validate=False,  # methods' plans are validated when built (Method.prepared); FASTDIT_DEBUG=1 checks every call
     )
     if plan.inverse is not None:
         out = out.index_select(2, plan.inverse)

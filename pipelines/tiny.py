@@ -483,18 +483,6 @@ def _seeded_model(factory, seed: int, key: str):
     return model.eval()  # fp32 already (default dtype); .to() would warn about fp32 modules
 
 
-def _ensure_wan_i2v_ftfy() -> None:
-    """diffusers' Wan I2V ``basic_clean`` calls ``ftfy.fix_text`` unconditionally (unlike Wan T2V, which
-    checks ``is_ftfy_available()``), so without the optional ``ftfy`` package every prompt raises
-    ``NameError``.  Install an identity stand-in for that module global only when ftfy is missing."""
-    import types
-
-    import diffusers.pipelines.wan.pipeline_wan_i2v as wan_i2v
-
-    if getattr(wan_i2v, "ftfy", None) is None:
-        wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
-
-
 def tiny(name: str, seed: int = 0, **overrides):
     """Build the tiny pipeline ``name`` (one of :data:`TINY_MODELS`), fp32 on CPU.
 
@@ -531,8 +519,6 @@ def tiny(name: str, seed: int = 0, **overrides):
                                transformer=transformer, scheduler=scheduler)
 
         from transformers import CLIPVisionConfig, CLIPVisionModel
-
-        _ensure_wan_i2v_ftfy()
 
         try:  # transformers >= 5 without torchvision: the PIL backend, without the fallback warning
             from transformers import CLIPImageProcessorPil as _ImageProcessor

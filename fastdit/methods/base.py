@@ -146,6 +146,8 @@ class Method:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         plan = self.prepare(layout, heads, device)
+        if plan is not None:
+            plan.validate()  # once per plan: calls then skip the engine's per-call validation
         with self._lock:
             self._cache[key] = plan
             self.plans_built += 1
