@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -62,19 +64,23 @@ class STAConfig(MethodConfig):
                 raise ValueError(f"window must be three odd positive ints (wt, wh, ww) or a list of them, got {self.window!r}")
             if any(w <= 0 or w % 2 == 0 for w in window):
                 raise ValueError(f"window entries must be odd and positive (a window is centred on its tile), got {window}")
-        if isinstance(self.window, list):
-            self.window = [tuple(w) for w in self.window]
-        else:
-            self.window = tuple(self.window)
+        windows = _windows(self.window)
+        # one window as a tuple (any sequence of three ints is accepted), per-head windows as a list
+        self.window = windows if _is_per_head(self.window) else windows[0]
+
+
+def _is_per_head(window):
+    return isinstance(window, Sequence) and len(window) > 0 and all(isinstance(w, Sequence) for w in window)
 
 
 def _windows(window):
-    """The list of window triples: one shared window, or one per head."""
-    if isinstance(window, (tuple, list)) and len(window) > 0 and all(isinstance(w, (tuple, list)) for w in window):
-        return [tuple(w) for w in window]
-    if isinstance(window, (tuple, list)):
-        return [tuple(window)]
-    raise ValueError(f"window must be a triple of odd ints or a list of triples, got {window!r}")
+    """The list of window triples: one shared window, or one per head (any sequences of ints)."""
+    if _is_per_head(window):
+        return [tuple(int(x) if isinstance(x, Integral) and not isinstance(x, bool) else x for x in w) for w in window]
+    if isinstance(window, Sequence) and not isinstance(window, str):
+        return [tuple(int(x) if isinstance(x, Integral) and not isinstance(x, bool) else x for x in window)]
+    raise ValueError(f"window must be three odd ints (wt, wh, ww) or a list of such triples, one per head; "
+                     f"got {window!r}")
 
 
 def padding_fraction(grid, tile):
