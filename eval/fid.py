@@ -57,6 +57,7 @@ __all__ = [
     "frechet_distance",
     "fid",
     "reference_stats",
+    "resolve_fid_weights",
 ]
 
 
@@ -229,7 +230,10 @@ class FIDInceptionV3(nn.Module):
         return F.adaptive_avg_pool2d(x, 1).flatten(1)
 
 
-def _resolve_weights(weights: Optional[PathLike]) -> Path:
+def resolve_fid_weights(weights: Optional[PathLike]) -> Path:
+    """The FID Inception weights file: ``weights`` (a file or its folder), else
+    ``$FASTDIT_FID_WEIGHTS``, else ``~/.cache/fastdit/fid`` or torch hub's checkpoints. Raises
+    ``FileNotFoundError`` naming the file and where it was looked for."""
     if weights is not None:
         candidates = [Path(weights).expanduser()]
     elif os.environ.get("FASTDIT_FID_WEIGHTS"):
@@ -253,7 +257,7 @@ _MODEL_CACHE = {}
 
 def load_inception(weights: Optional[PathLike] = None, device: Union[str, torch.device] = "cpu") -> FIDInceptionV3:
     """The FID Inception network with weights from a local file (cached per path)."""
-    path = _resolve_weights(weights)
+    path = resolve_fid_weights(weights)
     key = str(path.resolve())
     if key not in _MODEL_CACHE:
         model = FIDInceptionV3()

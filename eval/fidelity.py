@@ -36,6 +36,8 @@ __all__ = [
     "lpips_distance",
     "LPIPS",
     "load_lpips",
+    "LPIPS_NETS",
+    "resolve_lpips_files",
     "FIDELITY_METRICS",
 ]
 
@@ -164,7 +166,7 @@ for _cin, _cout, _n in [(3, 64, 2), (64, 128, 2), (128, 256, 3), (256, 512, 3), 
         _VGG_CFG += [(_cin if _i == 0 else _cout, _cout, 3, 1, 1), "R"]
 _VGG_SLICES = [4, 9, 16, 23, 30]
 
-_LPIPS_NETS = {
+LPIPS_NETS = {
     # net: (features config, slice ends, channels, torchvision backbone file name)
     "alex": (_ALEX_CFG, _ALEX_SLICES, (64, 192, 384, 256, 256), "alexnet-owt-7be5be79.pth"),
     "vgg": (_VGG_CFG, _VGG_SLICES, (64, 128, 256, 512, 512), "vgg16-397923af.pth"),
@@ -206,10 +208,10 @@ class LPIPS(nn.Module):
 
     def __init__(self, net: str = "alex"):
         super().__init__()
-        if net not in _LPIPS_NETS:
-            raise ValueError(f"LPIPS net must be one of {sorted(_LPIPS_NETS)}, got {net!r}")
+        if net not in LPIPS_NETS:
+            raise ValueError(f"LPIPS net must be one of {sorted(LPIPS_NETS)}, got {net!r}")
         self.net_name = net
-        cfg, self.slice_ends, chns, _ = _LPIPS_NETS[net]
+        cfg, self.slice_ends, chns, _ = LPIPS_NETS[net]
         # AlexNet pools 3x3 stride 2, VGG 2x2 stride 2. torchvision's indices are kept in
         # `features` so backbone state dicts load as they are.
         self.features = _features(cfg, (3, 2) if net == "alex" else (2, 2))
@@ -263,7 +265,7 @@ def _lpips_default_dir() -> Path:
     return Path("~/.cache/fastdit/lpips").expanduser()
 
 
-def _resolve_lpips_files(net: str, weights: Optional[Union[PathLike, Sequence[PathLike]]]) -> Tuple[Path, Path]:
+def resolve_lpips_files(net: str, weights: Optional[Union[PathLike, Sequence[PathLike]]]) -> Tuple[Path, Path]:
     """Find (backbone file, linear-head file) for ``net``.
 
     ``weights`` may be a directory holding both files, the linear-head file itself (the backbone
@@ -271,7 +273,7 @@ def _resolve_lpips_files(net: str, weights: Optional[Union[PathLike, Sequence[Pa
     ``$FASTDIT_LPIPS_WEIGHTS`` or ``~/.cache/fastdit/lpips``. Except for an explicit pair, the
     backbone is also looked up in torch hub's checkpoint cache, where torchvision stores it.
     """
-    backbone_name = _LPIPS_NETS[net][3]
+    backbone_name = LPIPS_NETS[net][3]
     lin_name = f"{net}.pth"
     hub = Path(torch.hub.get_dir()) / "checkpoints"
     if weights is not None and not isinstance(weights, (str, os.PathLike)):
@@ -308,9 +310,9 @@ _LPIPS_CACHE: Dict[Tuple[str, str, str], LPIPS] = {}
 
 def load_lpips(net: str = "alex", weights=None, device: Union[str, torch.device] = "cpu") -> LPIPS:
     """Build an :class:`LPIPS` network and load its weights from local files (cached per path)."""
-    if net not in _LPIPS_NETS:
-        raise ValueError(f"LPIPS net must be one of {sorted(_LPIPS_NETS)}, got {net!r}")
-    backbone, lins = _resolve_lpips_files(net, weights)
+    if net not in LPIPS_NETS:
+        raise ValueError(f"LPIPS net must be one of {sorted(LPIPS_NETS)}, got {net!r}")
+    backbone, lins = resolve_lpips_files(net, weights)
     key = (net, str(backbone), str(lins))
     if key not in _LPIPS_CACHE:
         model = LPIPS(net)
@@ -328,8 +330,8 @@ def lpips_distance(a: ArrayLike, b: ArrayLike, net: str = "alex", weights=None,
     Frames are scaled from [0, 1] to [-1, 1] (as ``lpips.LPIPS(normalize=True)`` does); grayscale
     frames are repeated to 3 channels. ``weights``: see :func:`load_lpips`.
     """
-    if net not in _LPIPS_NETS:
-        raise ValueError(f"LPIPS net must be one of {sorted(_LPIPS_NETS)}, got {net!r}")
+    if net not in LPIPS_NETS:
+        raise ValueError(f"LPIPS net must be one of {sorted(LPIPS_NETS)}, got {net!r}")
     x, y = _pair(a, b)
     if x.shape[-1] not in (1, 3):
         raise ValueError(f"lpips needs 1 or 3 channels, got shape {tuple(x.shape)}")

@@ -55,6 +55,7 @@ __all__ = [
     "vbench_scores",
     "temporal_flickering",
     "read_video_frames",
+    "resolve_vbench_python",
 ]
 
 # --- VBench scripts/constant.py -------------------------------------------------------------
@@ -167,7 +168,9 @@ def write_vbench_videos(videos: Sequence, prompts: Sequence[str], out_dir: PathL
 
 # --- running VBench -------------------------------------------------------------------------
 
-def _vbench_python(python: Optional[PathLike]) -> str:
+def resolve_vbench_python(python: Optional[PathLike]) -> str:
+    """The path of VBench's interpreter: ``python`` (a path or a name on PATH), else
+    ``$FASTDIT_VBENCH_PYTHON``. Raises ``FileNotFoundError`` when neither gives one that exists."""
     exe = str(python) if python is not None else os.environ.get("FASTDIT_VBENCH_PYTHON")
     if not exe:
         raise FileNotFoundError(
@@ -205,7 +208,7 @@ def run_vbench(videos_dir: PathLike, dimensions: Iterable[str], python: Optional
         raise ValueError("no dimensions given")
     if mode == "custom" and set(dims) & _STANDARD_ONLY:
         raise ValueError(f"VBench cannot evaluate {sorted(set(dims) & _STANDARD_ONLY)} on custom prompts")
-    exe = _vbench_python(python)
+    exe = resolve_vbench_python(python)
     probe = subprocess.run([exe, "-c", "import os, vbench; print(os.path.dirname(vbench.__file__))"],
                            capture_output=True, text=True, env=None if env is None else {**os.environ, **env})
     if probe.returncode != 0:

@@ -5,10 +5,16 @@
 
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/plots/*.png``; re-running the same
 command resumes (finished samples are kept). See ``fastdit.eval.runner`` for what is measured.
+
+This module only reads and checks the arguments; the run itself is ``fastdit.eval`` (the library,
+which never imports the command line).
 """
 from __future__ import annotations
 
 import sys
+
+__all__ = ["DEFAULT_METRICS", "add_eval_arguments", "add_eval_parser", "build_parser", "cmd_eval", "config_from_args",
+           "main", "parse_grid", "parse_seeds", "size_check"]
 
 DEFAULT_METRICS = "psnr,ssim,vbench"
 
@@ -55,6 +61,7 @@ def add_eval_arguments(parser):
 
 
 def parse_seeds(text):
+    """``"0,1"`` / ``"0-4"`` -> a list of seeds."""
     from fastdit.cli import CLIError
 
     seeds = []
@@ -75,7 +82,9 @@ def parse_seeds(text):
 
 
 def parse_grid(entries, methods):
-    from fastdit.cli import CLIError, check_method_options, parse_value
+    """``["sta.dense_steps=0,0.25", ...]`` -> ``{"sta": {"dense_steps": [0, 0.25]}}`` (values checked)."""
+    from fastdit.cli import CLIError, check_method_options
+    from fastdit.options import parse_value
 
     grid = {}
     for entry in entries or []:
@@ -97,13 +106,15 @@ def config_from_args(args):
     """An ``EvalConfig`` from parsed arguments (SystemExit with a clear message on bad input)."""
     import os
 
+    import fastdit
     from fastdit.cli import CLIError, check_generation_arguments, check_method_options, parse_options
-    from fastdit.eval.runner import EvalConfig, EvalError, load_prompts
+    from fastdit.eval.config import EvalConfig, EvalError
+    from fastdit.eval.prompts import load_prompts
+    from fastdit.eval.settings import tiny_method_presets
+    from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = ["dense"] + [m for m in methods if m != "dense"]
-    import fastdit
-
     unknown = [m for m in methods if m not in fastdit.methods()]
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
@@ -115,29 +126,21 @@ def config_from_args(args):
             for value in choices:
                 check_method_options(method, {**options.get(method, {}), option: value},
                                      f"--grid {method}.{option}={value!r} with --set {method}.*")
-    from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
-
     try:
-        is_tiny = tiny_name(args.model) is not None
+        tiny_name(args.model)
     except ModelNotFoundError as error:
         raise CLIError(f"argument --model: {error}") from None
     check_generation_arguments(args)
-    if is_tiny:
-        from fastdit.compare import TINY_METHOD_OPTIONS
-
-        for method, preset in TINY_METHOD_OPTIONS.items():
-            if method in methods:
-                options[method] = {**preset, **options.get(method, {})}
     try:
         prompts = load_prompts(args.prompts)
     except EvalError as error:
         raise CLIError(f"argument --prompts: {error}") from None
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
     return EvalConfig(
-        out=args.out, model=args.model, methods=methods, options=options, grid=grid, prompts=prompts,
-        prompts_file=args.prompts, seeds=parse_seeds(args.seeds), metrics=metrics,
+        out=args.out, model=args.model, methods=methods, options=tiny_method_presets(args.model, methods, options),
+        grid=grid, prompts=prompts, prompts_file=args.prompts, seeds=parse_seeds(args.seeds),
+        metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
         call={k: v for k, v in call.items() if v is not None}, device=args.device, dtype=args.dtype,
         backend=args.backend, fps=args.fps, warmup=not args.no_warmup, progress=not args.no_progress,
         lpips_net=args.lpips_net, lpips_weights=args.lpips_weights, fid_weights=args.fid_weights,
@@ -148,18 +151,23 @@ def config_from_args(args):
     )
 
 
-def cmd_eval(args):
-    import torch
-    from accelerate import PartialState
+def size_check(cfg):
+    """``check_call`` for ``run_eval``: the command line's size limits on the loaded pipeline's call."""
+    from fastdit.cli import check_loaded_size
 
+    requested = {"frames": cfg.call.get("frames"), "height": cfg.call.get("height"), "width": cfg.call.get("width")}
+    return lambda pipe, call_kwargs: check_loaded_size(pipe, call_kwargs, requested)
+
+
+def cmd_eval(args):
     from fastdit.cli import CLIError
-    from fastdit.eval.runner import EvalError, run_eval
+    from fastdit.eval.config import EvalError
+    from fastdit.eval.processes import make_state
+    from fastdit.eval.runner import run_eval
 
     cfg = config_from_args(args)
-    cpu = (args.device or "").startswith("cpu") or not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)
     try:
-        run_eval(cfg, state)
+        run_eval(cfg, make_state(args.device), check_call=size_check(cfg))
     except EvalError as error:
         raise CLIError(str(error), exit_code=1) from None
     return 0

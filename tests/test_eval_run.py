@@ -13,7 +13,10 @@ import sys
 import pytest
 
 from fastdit.cli_eval import main as eval_main
-from fastdit.eval import runner
+from fastdit.eval import generation, report
+from fastdit.eval.config import SCHEMA, TIMING_FIELDS, EvalConfig, EvalError
+from fastdit.eval.prompts import Prompt, load_prompts, shipped_prompt_file
+from fastdit.eval.settings import build_settings
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS
 
 SIZE = TINY_TEST_DEFAULTS["wan"]
@@ -37,13 +40,13 @@ def prompts(tmp_path_factory):
 class Counter:
     def __init__(self, monkeypatch):
         self.calls = []
-        real = runner.timed_generate
+        real = generation.timed_generate
 
         def counted(pipe, sample, *args, **kwargs):
             self.calls.append(sample.key)
             return real(pipe, sample, *args, **kwargs)
 
-        monkeypatch.setattr(runner, "timed_generate", counted)
+        monkeypatch.setattr(generation, "timed_generate", counted)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_run_writes_results_table_and_plots(first_run):
     out, calls = first_run
     assert len(calls) == 4  # 2 settings x 2 prompts x 1 seed
     results = _load(out)
-    assert results["schema"] == runner.SCHEMA
+    assert results["schema"] == SCHEMA
     assert [s["setting"] for s in results["settings"]] == ["dense", "sta"]
     assert len(results["samples"]) == 4
     dense, sta = results["settings"]
@@ -108,7 +111,7 @@ def test_resume_regenerates_only_missing(first_run, prompts, tmp_path, monkeypat
 def _strip(value):
     """Drop the fields that depend on timing and the machine."""
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in runner.TIMING_FIELDS}
+        return {k: _strip(v) for k, v in value.items() if k not in TIMING_FIELDS}
     if isinstance(value, list):
         return [_strip(v) for v in value]
     return value
@@ -155,7 +158,7 @@ def test_two_processes_match_one(first_run, prompts, tmp_path):
 ])
 def test_bad_input_fails_before_generating(change, message, prompts, tmp_path, monkeypatch):
     counter = Counter(monkeypatch)
-    monkeypatch.setattr(runner, "_load_pipe", lambda *a: pytest.fail("pipeline loaded despite bad input"))
+    monkeypatch.setattr(generation, "load_pipe", lambda *a: pytest.fail("pipeline loaded despite bad input"))
     argv = _args(tmp_path / "bad", prompts)
     for flag, value in zip(change[::2], change[1::2]):
         if flag in argv:
@@ -194,24 +197,24 @@ def test_missing_prompt_file_and_model(tmp_path, prompts):
 
 
 def test_shipped_prompt_files():
-    vbench = runner.load_prompts("vbench")
+    vbench = load_prompts("vbench")
     assert len(vbench) >= 10 and all(p.dimension for p in vbench)
     assert any("temporal_flickering" in p.dimension for p in vbench)
-    coco = runner.load_prompts("coco")
+    coco = load_prompts("coco")
     assert len(coco) >= 3 and all(not p.dimension and p.text.endswith(".") for p in coco)
-    strings = runner.load_prompts(runner.shipped_prompt_file("vbench"))
+    strings = load_prompts(shipped_prompt_file("vbench"))
     assert [p.text for p in strings] == [p.text for p in vbench]
 
 
 def test_grid_makes_one_setting_per_value():
-    cfg = runner.EvalConfig(out="unused", methods=["dense", "sta"], options={"sta": {"tile": (1, 2, 2)}},
-                            grid={"sta": {"dense_steps": [0, 0.25]}}, prompts=[runner.Prompt("a")], seeds=[0])
-    settings = runner.build_settings(cfg)
+    cfg = EvalConfig(out="unused", methods=["dense", "sta"], options={"sta": {"tile": (1, 2, 2)}},
+                     grid={"sta": {"dense_steps": [0, 0.25]}}, prompts=[Prompt("a")], seeds=[0])
+    settings = build_settings(cfg)
     assert [s.name for s in settings] == ["dense", "sta[dense_steps=0]", "sta[dense_steps=0.25]"]
     assert settings[2].options == {"tile": (1, 2, 2), "dense_steps": 0.25}
     assert len({s.slug for s in settings}) == 3
-    with pytest.raises(runner.EvalError, match="window"):
-        runner.build_settings(runner.EvalConfig(out="x", methods=["sta"], options={"sta": {"window": (2, 2, 2)}}))
+    with pytest.raises(EvalError, match="window"):
+        build_settings(EvalConfig(out="x", methods=["sta"], options={"sta": {"window": (2, 2, 2)}}))
 
 
 def test_different_sizes_are_a_clear_error(first_run, prompts, tmp_path):
@@ -230,8 +233,8 @@ def test_different_sizes_are_a_clear_error(first_run, prompts, tmp_path):
 
 def test_pareto_front():
     points = [(1.0, 30.0), (2.0, 25.0), (1.5, 20.0), (3.0, 10.0)]
-    assert runner._pareto(points, higher_is_better=True) == [0, 1, 3]
-    assert runner._pareto([(1.0, 10.0), (2.0, 20.0), (1.5, 5.0)], higher_is_better=False) == [2, 1]
+    assert report.pareto_front(points, higher_is_better=True) == [0, 1, 3]
+    assert report.pareto_front([(1.0, 10.0), (2.0, 20.0), (1.5, 5.0)], higher_is_better=False) == [2, 1]
 
 
 FAKE_VBENCH = '''#!{python}
@@ -289,3 +292,83 @@ def test_metrics_added_later_without_regenerating(first_run, prompts, tmp_path, 
         assert setting["vbench_quality"] is not None
     assert not any("vbench-python" in note for note in after["notes"])
     assert os.path.isfile(run / "plots" / "speedup_vs_lpips.png")
+
+
+def test_tiny_call_size_is_compare_size():
+    """The library keeps its own copy of the tiny call size (it must not import the command line)."""
+    from fastdit.cli import COMPARE_TINY_SIZE
+
+    assert generation.TINY_CALL_SIZE == COMPARE_TINY_SIZE
+
+
+def test_library_does_not_import_the_command_line():
+    code = ("import sys, fastdit.eval.runner, fastdit.eval.report, fastdit.eval.aggregate; "
+            "print(sorted(m for m in sys.modules if m in ('fastdit.cli', 'fastdit.cli_eval')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_density_counts_dense_steps(prompts, tmp_path):
+    """With dense steps the effective density (all calls) lies strictly between the sparse-only
+    density and 1; without them the two agree. Both, and the fallbacks, are in results.md."""
+    out = tmp_path / "density"
+    one_prompt = tmp_path / "one.txt"
+    one_prompt.write_text(prompts.read_text().splitlines()[1] + "\n")
+    assert eval_main(_args(out, one_prompt, metrics="psnr", extra=["--grid", "sta.dense_steps=0,1", "--no-plots",
+                                                                   "--no-warmup"])) == 0
+    results = _load(out)
+    dense, no_dense_steps, one_dense_step = results["settings"]
+    assert dense["density"] is None and dense["sparse_density"] is None and dense["fallback_calls"] is None
+    assert no_dense_steps["dense_calls"] == 0 and no_dense_steps["sparse_calls"] > 0
+    assert no_dense_steps["density"] == pytest.approx(no_dense_steps["sparse_density"])
+    assert one_dense_step["dense_calls"] > 0 and one_dense_step["sparse_calls"] > 0
+    assert one_dense_step["sparse_density"] < one_dense_step["density"] < 1
+    assert one_dense_step["sparse_density"] == pytest.approx(no_dense_steps["sparse_density"])
+    for setting in (no_dense_steps, one_dense_step):
+        assert setting["fallback_calls"] == 0 and setting["fallbacks"] == {}
+    row = next(r for r in results["samples"] if r["setting"] == one_dense_step["setting"])
+    assert row["density"] == pytest.approx(one_dense_step["density"])
+    assert "all calls" in results["density_definition"]
+    table = open(os.path.join(out, "results.md")).read()
+    header = table.splitlines()[2]
+    assert "density (all calls)" in header and "sparse-only" in header and "fallbacks" in header
+    assert f"| {one_dense_step['density']:.3f} | {one_dense_step['sparse_density']:.3f} | 0 |" in table
+    assert "dense steps, dense layers and fallback calls counted as fully computed" in table
+
+
+@pytest.mark.filterwarnings("ignore:fastdit.*float64 attention:UserWarning")
+def test_fallbacks_reach_results(prompts, tmp_path):
+    """A float64 pipeline: fastdit runs every attention call with the model's own attention and
+    counts it as a fallback with its reason; results.json and results.md report them."""
+    from fastdit.eval.runner import run_eval
+
+    cfg = EvalConfig(out=str(tmp_path / "f64"), model="tiny-wan", methods=["dense", "sta"],
+                     options={"sta": {"tile": (1, 2, 2), "dense_steps": 0}}, prompts=[Prompt("A boat on a lake.")],
+                     seeds=[0], metrics=["psnr"], dtype="float64", device="cpu", warmup=False, progress=False,
+                     plots=False, call={"frames": SIZE["num_frames"], "height": SIZE["height"],
+                                        "width": SIZE["width"], "steps": SIZE["num_inference_steps"]})
+    run_eval(cfg)
+    results = _load(cfg.out)
+    sta = results["settings"][1]
+    assert sta["fallback_calls"] > 0 and sta["sparse_calls"] == 0
+    assert sta["fallbacks"] == {next(iter(sta["fallbacks"])): sta["fallback_calls"]}
+    assert "float64" in next(iter(sta["fallbacks"]))
+    assert sta["density"] == pytest.approx(1.0) and sta["sparse_density"] is None
+    assert results["samples"][1]["fallbacks"] == sta["fallbacks"]
+    table = open(os.path.join(cfg.out, "results.md")).read()
+    assert f"- fallbacks of `sta`: {sta['fallback_calls']} call(s): {next(iter(sta['fallbacks']))}" in table
+
+
+def test_records_from_before_effective_density_are_regenerated(first_run, prompts, tmp_path, monkeypatch):
+    """An old record (density counted the sparse calls only, no sparse_density) is not reused."""
+    out, _ = first_run
+    run = tmp_path / "old"
+    shutil.copytree(out, run)
+    path = run / "samples" / "sta" / "0_0.json"
+    record = json.loads(path.read_text())
+    record["extra"].pop("sparse_density")
+    path.write_text(json.dumps(record))
+    counter = Counter(monkeypatch)
+    assert eval_main(_args(run, prompts, extra=["--no-plots"])) == 0
+    assert counter.calls == [("sta", 0, 0)]
