@@ -21,20 +21,15 @@ from fastdit.video import pipeline_frames, write_video
 #: Method options for the embedded tiny models, whose latent grid (8 x 32 x 48 tokens in
 #: `fastdit compare`) is far smaller than a real video's: tiles of 4x4x8 tokens keep sliding-tile
 #: attention sparse (a 2 x 8 x 6 tile grid, 3x3x3 window, about 19% of blocks) where the
-#: published 6x8x8 tiles would cover most of the grid.
-TINY_METHOD_OPTIONS = {"sta": {"tile": (4, 4, 8), "window": (3, 3, 3)}}
+#: published 6x8x8 tiles would cover most of the grid. ``fit_tile`` fits the tile to every grid
+#: where the plan is built (17 frames give 5 latent frames, which 4-frame tiles would pad by 60%),
+#: so compare, eval and the app all get the same fitted tiles.
+TINY_METHOD_OPTIONS = {"sta": {"tile": (4, 4, 8), "window": (3, 3, 3), "fit_tile": True}}
 
 
-def tiny_method_options(pipe, call_kwargs):
-    """``TINY_METHOD_OPTIONS`` fitted to the call's latent grid: the sliding-tile tile is chosen
-    around 4x4x8 with padding under 10% (``choose_tile``), so other sizes are not padded heavily
-    (17 frames give 5 latent frames, which 4-frame tiles would pad by 60%)."""
-    from fastdit.methods.sta import choose_tile
-    from fastdit.pipelines.loading import latent_grid
-
-    grid = latent_grid(pipe, call_kwargs)
-    sta = TINY_METHOD_OPTIONS["sta"]
-    return {**TINY_METHOD_OPTIONS, "sta": {**sta, "tile": choose_tile(grid, sta["tile"])}}
+def tiny_method_options(pipe=None, call_kwargs=None):
+    """``TINY_METHOD_OPTIONS`` (a copy); the arguments are accepted for older callers."""
+    return {method: dict(options) for method, options in TINY_METHOD_OPTIONS.items()}
 
 
 @dataclass

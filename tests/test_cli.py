@@ -50,14 +50,14 @@ def no_model(monkeypatch):
     """Fail the test if a pipeline is loaded or built."""
     import fastdit.pipelines.loading as loading
     import fastdit.pipelines.tiny as tiny
-    from fastdit.eval import runner
+    from fastdit.eval import generation
 
     def fail(*args, **kwargs):
         pytest.fail("a model was loaded despite the bad arguments")
 
     monkeypatch.setattr(loading, "load_pipeline", fail)
     monkeypatch.setattr(tiny, "tiny", fail)
-    monkeypatch.setattr(runner, "_load_pipe", fail)
+    monkeypatch.setattr(generation, "load_pipe", fail)
 
 
 def one_line_error(capsys, info, code=2):

@@ -27,11 +27,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastdit.plan import run_plan
 
 _REGISTRY = {}
+
+
+def option(default, help, *, range=None, choices=None, widget=None, **kwargs):
+    """A config field with the metadata the CLI, the app and the docs show: ``help`` text, a
+    ``range`` ``(low, high)`` for numbers, ``choices`` for strings, and a ``widget`` kind
+    (``"number"``, ``"slider"``, ``"triple"``, ``"checkbox"``, ``"dropdown"``, ``"text"``). A new
+    method's options then appear everywhere without editing the CLI or the app."""
+    metadata = {"help": help, "range": range, "choices": choices, "widget": widget}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 class OptionError(ValueError, TypeError):
@@ -52,8 +63,11 @@ class MethodConfig:
             family default.
     """
 
-    dense_steps: int | float | None = None
-    dense_layers: int | None = None
+    dense_steps: int | float | None = option(
+        None, "denoising steps that run dense first: an int count, or a fraction in [0, 1) of the steps the call runs",
+        range=(0, None), widget="number")
+    dense_layers: int | None = option(None, "the first N patched layers of each transformer always run dense",
+                                      range=(0, None), widget="number")
 
     def validate(self):
         steps = self.dense_steps

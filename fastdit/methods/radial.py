@@ -85,7 +85,7 @@ import torch
 from fastdit.layout import TokenLayout
 from fastdit.plan import BlockPlan
 
-from .base import Method, MethodConfig, register_method
+from .base import Method, MethodConfig, option, register_method
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
 ADJACENT_RULES = ("band", "dense")
@@ -119,11 +119,16 @@ class RadialConfig(MethodConfig):
         dense_layers: see ``MethodConfig``. Default Wan 1, others 0 (the reference scripts).
     """
 
-    decay: float | None = None
-    block_size: int = 128
-    sink: bool | None = None
-    adjacent: str | None = None
-    block_fill: float = DEFAULT_BLOCK_FILL
+    decay: float | None = option(None, "band width factor for frames 2+ apart (> 0); empty: the family's default",
+                                 range=(0.0, None), widget="number")
+    block_size: int = option(128, "kernel block size (query and key)", choices=SUPPORTED_BLOCK_SIZES,
+                             widget="dropdown")
+    sink: bool | None = option(None, "every query attends all of frame 0; empty: the family's default",
+                               widget="checkbox")
+    adjacent: str | None = option(None, "neighbouring frames: dense (reference) or a half-frame band",
+                                  choices=ADJACENT_RULES, widget="dropdown")
+    block_fill: float = option(DEFAULT_BLOCK_FILL, "a block pair is computed when this fraction of its token "
+                               "pairs is allowed", range=(0.0, 1.0), widget="slider")
 
     def validate(self):
         super().validate()

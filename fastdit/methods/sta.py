@@ -27,7 +27,7 @@ import torch
 
 from fastdit.plan import BlockPlan
 
-from .base import Method, MethodConfig, register_method
+from .base import Method, MethodConfig, option, register_method
 
 #: Published tile (tokens) of STA for HunyuanVideo / Wan: 6x8x8 = 384 tokens.
 DEFAULT_TILE = (6, 8, 8)
@@ -44,15 +44,24 @@ class STAConfig(MethodConfig):
             around the published 6x8x8, keeping padding under 10%. A tile dimension larger than
             the grid is clamped to it (the tile then spans that axis).
         window: ``(wt, wh, ww)`` tiles, odd entries; or a list of such triples, one per head.
+        fit_tile: treat ``tile`` as a target fitted to each call's grid (``choose_tile`` around
+            it, padding under 10%) instead of using it exactly; the tiny models' preset does, so
+            every entry point (compare, eval, the app) fits it the same way, where the plan is built.
         dense_steps: see ``MethodConfig``; default 0.25 (the first quarter of steps dense).
         dense_layers: see ``MethodConfig``; default 0.
     """
 
-    tile: tuple | None = None
-    window: tuple | list = DEFAULT_WINDOW
+    tile: tuple | None = option(None, "tokens per tile (tt, th, tw); empty: chosen per resolution around 6x8x8",
+                                widget="triple")
+    window: tuple | list = option(DEFAULT_WINDOW, "tiles attended around each query tile (wt, wh, ww), odd; "
+                                  "or one triple per head", widget="triple")
+    fit_tile: bool = option(False, "fit the tile to each grid (padding under 10%) instead of using it exactly",
+                            widget="checkbox")
 
     def validate(self):
         super().validate()
+        if not isinstance(self.fit_tile, bool):
+            raise ValueError(f"fit_tile must be True or False, got {self.fit_tile!r}")
         if self.tile is not None:
             if not isinstance(self.tile, (tuple, list)) or len(self.tile) != 3 or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in self.tile
@@ -152,9 +161,11 @@ class SlidingTile(Method):
     default_options = {"dense_steps": 0.25, "dense_layers": 0}
 
     def tile_for(self, layout):
-        if self.config.tile is not None:
-            return tuple(min(t, g) for t, g in zip(self.config.tile, layout.grid))
-        return choose_tile(layout.grid, DEFAULT_TILE)
+        if self.config.tile is None:
+            return choose_tile(layout.grid, DEFAULT_TILE)
+        if self.config.fit_tile:
+            return choose_tile(layout.grid, self.config.tile)
+        return tuple(min(t, g) for t, g in zip(self.config.tile, layout.grid))
 
     def check_heads(self, num_heads):
         windows = _windows(self.config.window)
