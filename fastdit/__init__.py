@@ -12,8 +12,7 @@ from .context import AttentionContext
 from .functional import attention
 from .layout import TokenLayout
 from .methods import DenseConfig, Method, MethodConfig, RadialConfig, STAConfig
-from . import patch  # a callable module: fastdit.patch(pipe, "sta", ...)
-from .patch import AlreadyPatchedError, Patch
+from .patching import AlreadyPatchedError, Patch, patch
 from .stats import PatchStats
 from .plan import BlockPlan, run_plan
 

@@ -1,4 +1,4 @@
-"""``fastdit.patch``: replace the attention of a diffusers DiT pipeline in one line, reversibly.
+"""``fastdit.patch`` (defined here, exported by the package): replace the attention of a diffusers DiT pipeline in one line, reversibly.
 
 Everything is instance-level: on each patched attention module an instance ``forward`` and, for
 processors that dispatch through diffusers' backends, a backend of fastdit's own set on the
@@ -450,17 +450,3 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
         result.remove()
         raise
     return result
-
-
-class _CallableModule(type(math)):
-    """``fastdit.patch`` is both this module and the ``patch`` function: calling the module patches,
-    while ``fastdit.patch.Patch`` and friends stay reachable (the package attribute would otherwise
-    shadow one with the other)."""
-
-    def __call__(self, *args, **kwargs):
-        return patch(*args, **kwargs)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule
