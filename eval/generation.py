@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from fastdit.compare import COMPARE_TINY_SIZE
 from fastdit.eval.config import EvalError
 from fastdit.eval.processes import Log, process_device, process_rank, several, shard
 from fastdit.eval.settings import fingerprint
@@ -26,9 +27,9 @@ __all__ = ["TINY_CALL_SIZE", "call_kwargs", "generate_samples", "load_pipe", "sa
            "warmup"]
 
 #: The tiny built-ins' call size in ``fastdit eval`` when no size is given: that of ``fastdit
-#: compare`` (29 frames at 512x768, an 8 x 32 x 48 latent token grid, 8 steps; the command line's
-#: ``COMPARE_TINY_SIZE``, which a test keeps equal to this).
-TINY_CALL_SIZE = {"num_frames": 29, "height": 512, "width": 768, "num_inference_steps": 8}
+#: compare`` (29 frames at 512x768, an 8 x 32 x 48 latent token grid, 8 steps): one constant,
+#: ``fastdit.compare.COMPARE_TINY_SIZE``.
+TINY_CALL_SIZE = COMPARE_TINY_SIZE
 
 
 def load_pipe(cfg, device):

@@ -8,6 +8,7 @@
 ``fastdit.methods()`` lists the methods; each has a config dataclass (``fastdit.STAConfig``, ...).
 """
 from . import methods
+from . import pipelines  # noqa: F401 - registers the model families' method defaults
 from .context import AttentionContext
 from .functional import attention
 from .layout import TokenLayout

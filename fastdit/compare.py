@@ -6,7 +6,6 @@ the patch again, so runs never see each other's state.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 import fastdit
+from fastdit.jsonutil import dump_json
 from fastdit.video import pipeline_frames, write_video
 
 #: Method options for the embedded tiny models, whose latent grid (8 x 32 x 48 tokens in
@@ -27,9 +27,12 @@ from fastdit.video import pipeline_frames, write_video
 TINY_METHOD_OPTIONS = {"sta": {"tile": (4, 4, 8), "window": (3, 3, 3), "fit_tile": True}}
 
 
-def tiny_method_options(pipe=None, call_kwargs=None):
-    """``TINY_METHOD_OPTIONS`` (a copy); the arguments are accepted for older callers."""
-    return {method: dict(options) for method, options in TINY_METHOD_OPTIONS.items()}
+
+#: `fastdit compare` on a tiny model: 29 frames at 512x768 -> an 8 x 32 x 48 latent token grid
+#: (12288 tokens), 8 steps (the first 2 dense by sliding-tile's default). Attention dominates the
+#: transformer there, and 8 steps keep the VAE decode (about a quarter of a dense run) from
+#: hiding the speedup on a 2-core CPU.
+COMPARE_TINY_SIZE = {"num_frames": 29, "height": 512, "width": 768, "num_inference_steps": 8}
 
 
 @dataclass
@@ -178,16 +181,5 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
     report = {"model": model_name, "device": str(device), "prompt": prompt, "seed": seed,
               "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, (int, float, str, bool))},
               "versions": {"fastdit": fastdit.__version__, "torch": torch.__version__}, "runs": runs}
-    with open(os.path.join(out_dir, "report.json"), "w") as f:
-        json.dump(report, f, indent=2, default=_json_default)
+    dump_json(os.path.join(out_dir, "report.json"), report)  # inf PSNR -> null, tuples -> lists
     return report
-
-
-def _json_default(value):
-    if isinstance(value, float) and math.isinf(value):
-        return None
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    if isinstance(value, (set, tuple)):
-        return list(value)
-    return str(value)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastdit.methods.base import set_family_defaults_source
+
 _ADAPTERS = []
 
 
@@ -195,6 +197,14 @@ def adapters():
 def supported_families():
     """Families fastdit can patch (adapters without an ``unsupported`` reason)."""
     return [a.family for a in _ADAPTERS if not a.unsupported]
+
+
+def adapter_for_family(family):
+    """The registered adapter of ``family`` (None when there is none)."""
+    return next((a for a in _ADAPTERS if a.family == family), None)
+
+
+set_family_defaults_source(adapter_for_family)
 
 
 class UnsupportedModelError(ValueError):

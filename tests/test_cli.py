@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastdit.cli import main, parse_options, parse_value
+from fastdit.cli import main
+from fastdit.cli_common import parse_options, parse_value
 
 
 def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
@@ -166,7 +167,7 @@ def test_size_checked_again_once_loaded():
     """Sizes of a real model: a lower bound before loading, the exact latent grid once loaded."""
     from types import SimpleNamespace
 
-    from fastdit.cli import call_arguments, check_requested_size
+    from fastdit.cli_common import call_arguments, check_requested_size
 
     class Pipe:  # a Wan-like pipeline: VAE 8x spatial, 4x temporal, patch (1, 2, 2), 81 frames by default
         vae_scale_factor_spatial, vae_scale_factor_temporal = 8, 4

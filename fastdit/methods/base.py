@@ -45,6 +45,16 @@ def option(default, help, *, range=None, choices=None, widget=None, **kwargs):
     return field(default=default, metadata=metadata, **kwargs)
 
 
+#: ``family name -> adapter or None``, registered by ``fastdit.pipelines`` (methods know no models:
+#: the dependency points from the model adapters down to the methods, not the other way).
+_FAMILY_SOURCE = []
+
+
+def set_family_defaults_source(lookup):
+    """Register ``lookup(family) -> object with method_defaults | None`` (done by fastdit.pipelines)."""
+    _FAMILY_SOURCE[:] = [lookup]
+
+
 class OptionError(ValueError, TypeError):
     """A bad method name or option (a ValueError, and a TypeError when the type is wrong)."""
 
@@ -124,12 +134,11 @@ class Method:
     def resolve(cls, config, adapter=None):
         """Fill options left at None: the model family's defaults (``adapter.method_defaults``),
         then the method's ``default_options``, then 0 for ``dense_steps`` / ``dense_layers``.
-        ``adapter`` may be an ``Adapter``, a family name (looked up) or None."""
+        ``adapter`` may be an object with ``method_defaults`` (an ``Adapter``), a family name
+        (looked up through the registered family source, see ``set_family_defaults_source``) or None."""
         family_defaults = {}
         if isinstance(adapter, str):
-            from fastdit.pipelines import adapters as registered  # noqa: PLC0415 (pipelines sit beside patch)
-
-            adapter = next((a for a in registered() if a.family == adapter), None)
+            adapter = _FAMILY_SOURCE[0](adapter) if _FAMILY_SOURCE else None
         if adapter is not None:
             family_defaults = dict(getattr(adapter, "method_defaults", {}).get(cls.name, {}))
         defaults = {"dense_steps": 0, "dense_layers": 0, **cls.default_options, **family_defaults}

@@ -1,0 +1,121 @@
+"""The house has one direction: every fastdit module imports only its own layer or the ones below,
+and no import circle exists anywhere (module level or inside functions).
+
+Layers, bottom to top (docs/architecture.md draws them):
+  0 kernels                       fastdit.kernels.*
+  1 data types                    layout, plan, context, stats, masks, jsonutil
+  2 methods                       fastdit.methods.*
+  3 patch and model adapters      patching, intercept, steps, functional, pipelines.*
+  4 libraries with entry points   compare, video, support, options, eval.*, app.*
+  5 command line                  cli, cli_eval, cli_common, python -m fastdit.eval
+"""
+import ast
+import importlib.util
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import fastdit
+
+LAYERS = [
+    ("fastdit.kernels",),
+    ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.masks", "fastdit.jsonutil"),
+    ("fastdit.methods",),
+    ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines"),
+    ("fastdit.compare", "fastdit.video", "fastdit.support", "fastdit.options", "fastdit.eval", "fastdit.app"),
+    ("fastdit.cli", "fastdit.cli_eval", "fastdit.cli_common", "fastdit.eval.__main__"),
+]
+
+
+def layer_of(module):
+    """The layer of the longest prefix that names ``module`` (``fastdit.eval.__main__`` is an entry point)."""
+    best, best_len = None, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best
+
+
+def all_modules():
+    """Every module of fastdit, including the subpackages installed from other folders
+    (``kernels/``, ``pipelines/``, ``eval/`` become ``fastdit.kernels`` and friends)."""
+    found = {"fastdit": Path(fastdit.__file__)}
+    packages = ["fastdit", "fastdit.kernels", "fastdit.pipelines", "fastdit.eval"]
+    for package in packages:
+        module = importlib.import_module(package)
+        found[package] = Path(module.__file__)
+        for info in pkgutil.walk_packages(module.__path__, package + "."):
+            spec = importlib.util.find_spec(info.name)
+            if spec is not None and spec.origin and spec.origin.endswith(".py"):
+                found[info.name] = Path(spec.origin)
+    return found
+
+
+def imports_of(name, path, modules):
+    """fastdit modules imported anywhere in ``path`` (resolved to the deepest known module)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            candidates = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in modules:
+                candidate = candidate.rpartition(".")[0]
+            if candidate.startswith("fastdit") and candidate != name:
+                targets.add(candidate)
+                break
+    return targets
+
+
+MODULES = all_modules()
+GRAPH = {name: imports_of(name, path, MODULES) for name, path in MODULES.items()}
+
+
+def test_every_module_has_a_layer():
+    missing = [name for name in MODULES if name != "fastdit" and layer_of(name) is None]
+    assert not missing, f"add these modules to a layer in tests/test_layers.py and docs/architecture.md: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n != "fastdit"))
+def test_imports_point_down(name):
+    mine = layer_of(name)
+    upward = sorted(t for t in GRAPH[name] if t != "fastdit" and layer_of(t) is not None and layer_of(t) > mine)
+    assert not upward, f"{name} (layer {mine}) imports higher layers: {upward}"
+    if mine <= 3:
+        assert "fastdit" not in GRAPH[name], f"{name} imports the fastdit package root (import what you need directly)"
+
+
+def test_no_import_circle():
+    # Package __init__ modules re-export their children; an edge from a child to its own package's
+    # __init__ is how Python imports work, not a circle of the code's design.
+    def edges(name):
+        return {t for t in GRAPH[name] if not name.startswith(t + ".")}
+
+    state, stack = {}, []
+
+    def visit(name):
+        state[name] = "open"
+        stack.append(name)
+        for target in sorted(edges(name)):
+            if state.get(target) == "open":
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[name] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name)
