@@ -72,6 +72,13 @@ def cmd_methods(args):
     return 0
 
 
+def cmd_support(args):
+    from fastdit.support import support_table_markdown
+
+    print(support_table_markdown())
+    return 0
+
+
 def build_parser():
     parser = ArgumentParser(prog="fastdit", description="Sparse attention for diffusers DiT pipelines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +98,9 @@ def build_parser():
 
     methods = sub.add_parser("methods", help="list the available attention methods")
     methods.set_defaults(func=cmd_methods)
+
+    support = sub.add_parser("support", help="print the model family x method support table (Markdown)")
+    support.set_defaults(func=cmd_support)
 
     from fastdit.app import add_app_parser
     from fastdit.cli_eval import add_eval_parser

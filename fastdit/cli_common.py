@@ -77,6 +77,9 @@ def run_command(func, args, prog):
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except BrokenPipeError:  # output piped into `head` and closed: not an error
+        sys.stderr.close()
+        raise SystemExit(0) from None
     except Exception as error:  # noqa: BLE001 - the CLI's last line of defence
         if debug_mode():
             raise
