@@ -1,12 +1,18 @@
-"""The Gradio app, driven like a user would: launched in-process on a free localhost port and called
-with ``gradio_client``; plus one headless-browser test of the page (Debian's ``chromium``).
+"""The Gradio app: driven like a user would (launched in-process on a free localhost port, called with
+``gradio_client``), its service layer called directly, and one headless-browser test of the page
+(Debian's ``chromium``).
 
-Runs at the tiny test size (9 frames at 80x112, 2 steps: a 3 x 5 x 7 latent grid).
+Runs at the tiny test size (9 frames at 80x112, 2 steps: a 3 x 5 x 7 latent grid). The sparse
+sliding-tile setting is one frame per tile (1x5x7 tokens), ``window=1,1,1`` and no dense steps: each
+of the three tiles attends itself only (a third of the block pairs), so it really differs from
+dense. (The tiny preset, 4x4x8 tiles fitted to the grid, covers this small grid with one tile.)
 """
+import ast
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -14,15 +20,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# The repository's ``kernels/`` is installed as ``fastdit.kernels``; with the repository root on
+# sys.path (``python -m pytest`` from it) it would also be importable as a top-level ``kernels``,
+# which transformers takes for Hugging Face's ``kernels`` library and imports from the app's worker
+# thread, registering fastdit's custom ops a second time and breaking them (see app.py).
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+
 gr = pytest.importorskip("gradio", reason="the app needs gradio (pip install 'fastdit[app]')")
 gradio_client = pytest.importorskip("gradio_client", reason="the app tests need gradio_client")
 
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS  # noqa: E402
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
+APP_DIR = ROOT / "fastdit" / "app"
 TEST_SIZE = {k: TINY_TEST_DEFAULTS["wan"][k] for k in ("num_frames", "height", "width", "num_inference_steps")}
 SMALL = dict(model="tiny-wan", frames=TEST_SIZE["num_frames"], height=TEST_SIZE["height"],
              width=TEST_SIZE["width"], steps=TEST_SIZE["num_inference_steps"], seed=0)
+SPARSE_STA = dict(method="sta", sta_tile="1,5,7", sta_window="1,1,1", sta_dense_steps="0")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -37,7 +52,7 @@ def app():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # an unknown hub id must fail fast, not try the network
     from fastdit.app import build_app
 
-    demo = build_app("tiny-wan")
+    demo = build_app("tiny-wan", concurrency=2)  # two runs at once: different models overlap
     demo.queue(default_concurrency_limit=1)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -55,76 +70,96 @@ def compare(client, **kwargs):
 
 
 def unpack(result):
-    dense, method, _cards, mask, mask_caption, notes, table, _scatter, metrics = result
+    dense, method, cards, mask, mask_caption, notes, table, _scatter, metrics = result
     path = lambda v: v["video"] if isinstance(v, dict) and "video" in v else (v["value"] if isinstance(v, dict) else v)  # noqa: E731
-    return path(dense), path(method), mask, mask_caption, notes, table, metrics
+    return dict(dense=path(dense), method=path(method), cards=cards, mask=mask, caption=mask_caption, notes=notes,
+                table=table, metrics=metrics)
+
+
+def request(**overrides):
+    from fastdit.app import RunRequest
+
+    fields = dict(model="tiny-wan", prompt="a fox", seed=5, steps=SMALL["steps"], frames=SMALL["frames"],
+                  height=SMALL["height"], width=SMALL["width"], method="sta",
+                  options={"tile": "1,5,7", "window": "1,1,1", "dense_steps": "0"})
+    return RunRequest(**{**fields, **overrides})
+
+
+def assert_unpatched_and_free(runner):
+    import fastdit
+
+    for entry in runner.pipes.entries():
+        assert not entry.lock.locked()
+        fastdit.patch(entry.pipe, "dense").remove()  # AlreadyPatchedError if a run left its patch
 
 
 def assert_h264_mp4(path, frames, height, width):
-    import imageio.v3 as iio
+    import imageio.v2 as imageio
 
     assert path and os.path.isfile(path) and path.endswith(".mp4"), path
     head = open(path, "rb").read()
     assert head[4:8] == b"ftyp", "not an mp4"
     assert b"avc1" in head, "not H.264 (no avc1 sample entry)"
-    video = iio.imread(path, plugin="pyav") if _has_pyav() else np.stack(list(_ffmpeg_frames(path)))
+    reader = imageio.get_reader(path, format="ffmpeg")
+    try:
+        video = np.stack([frame for frame in reader.iter_data()])
+    finally:
+        reader.close()
     assert video.shape[0] == frames and video.shape[1:3] == (height, width), video.shape
 
 
-def _has_pyav():
-    try:
-        import av  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
-def _ffmpeg_frames(path):
-    import imageio.v2 as imageio
-
-    reader = imageio.get_reader(path, format="ffmpeg")
-    try:
-        yield from reader
-    finally:
-        reader.close()
-
-
-def test_compare_returns_videos_numbers_and_mask(client):
-    dense, method, mask, caption, _notes, table, metrics = unpack(compare(client, method="sta", mask_layer=1, mask_head=1))
-    for path in (dense, method):
+def test_sparse_compare_differs_from_dense_and_reports_its_density(client):
+    out = unpack(compare(client, **SPARSE_STA, mask_layer=1, mask_head=1))
+    for path in (out["dense"], out["method"]):
         assert_h264_mp4(path, SMALL["frames"], SMALL["height"], SMALL["width"])
+    metrics = out["metrics"]
     assert metrics["method"] == "sta" and metrics["size"] == "9x80x112" and metrics["steps"] == 2
-    for key in ("dense_latency_s", "method_latency_s", "speedup", "ssim"):
+    assert metrics["options"]["tile"] == [1, 5, 7] and metrics["options"]["window"] == [1, 1, 1]
+    assert metrics["options"]["dense_steps"] == 0
+    assert metrics["dense_digest"] != metrics["method_digest"]  # the method changed the output
+    assert isinstance(metrics["psnr_db"], float) and 10 < metrics["psnr_db"] < 200, metrics["psnr_db"]
+    assert 0 < metrics["ssim"] < 1
+    assert metrics["effective_density"] == pytest.approx(1 / 3)  # each of the three tiles attends itself only
+    assert metrics["sparse_calls"] > 0 and metrics["dense_calls"] == 0
+    assert metrics["fallback_calls"] == 0 and metrics["fallbacks"] == {}
+    for key in ("dense_latency_s", "method_latency_s", "speedup"):
         assert isinstance(metrics[key], float) and metrics[key] > 0, (key, metrics[key])
-    assert metrics["psnr_db"] == "inf" or metrics["psnr_db"] > 20  # tiny test grid: the window covers it all
-    assert abs(metrics["speedup"] - metrics["dense_latency_s"] / metrics["method_latency_s"]) < 1e-6
-    assert metrics["options"]["tile"] == [4, 4, 8]  # the tiny preset
+    assert metrics["speedup"] == pytest.approx(metrics["dense_latency_s"] / metrics["method_latency_s"], rel=1e-9)
+    assert "effective density" in out["cards"] and "33.3%" in out["cards"] and "fallbacks" in out["cards"]
     from PIL import Image
 
-    assert mask and os.path.isfile(mask)
-    with Image.open(mask) as image:
+    assert out["mask"] and os.path.isfile(out["mask"])
+    with Image.open(out["mask"]) as image:
         assert image.format == "PNG" and max(image.size) <= 512 and image.size[0] == image.size[1]
         assert image.size[0] >= 105  # 105 video tokens drawn at >= 1 px each
-    assert "layer 1" in caption and "head 1" in caption
-    assert table["headers"][:3] == ["#", "model", "method"] and len(table["data"]) >= 1
+    assert "layer 1" in out["caption"] and "head 1" in out["caption"] and "sta_" in out["caption"]
+    headers, row = out["table"]["headers"], out["table"]["data"][-1]
+    assert headers[:3] == ["#", "model", "method"]
+    assert row[headers.index("effective density")] == 0.333 and row[headers.index("fallbacks")] == "0"
 
 
-def test_method_options_and_session_table(client):
-    # A fresh session: radial with its own options, then sta with a custom window; the table grows.
+def test_session_table_and_dense_reuse(client):
+    # A fresh session: radial with its own options, then sta reusing the dense run; the table grows.
     fresh = gradio_client.Client(client.src, verbose=False)
-    first = unpack(compare(fresh, method="radial", radial_decay="0.5", radial_dense_steps="0"))[-1]
+    first = unpack(compare(fresh, method="radial", radial_decay="0.5", radial_dense_steps="0"))["metrics"]
     assert first["method"] == "radial" and first["options"]["decay"] == 0.5 and first["options"]["dense_steps"] == 0
-    assert "dense run reused" in " ".join(first["notes"]) or first["dense_latency_s"] > 0
-    _d, _m, _mask, _c, _n, table, second = unpack(compare(fresh, method="sta", sta_window="1,1,1", sta_dense_steps="0"))
-    assert second["options"]["window"] == [1, 1, 1]
-    assert second["density"] < 1.0  # a 1x1x1 window on a 3x5x7 grid with 4x4x8 tiles skips tile pairs
+    assert first["dense_reused"] is False
+    second_out = unpack(compare(fresh, **SPARSE_STA, reuse_dense=True))
+    second = second_out["metrics"]
+    assert second["dense_reused"] is True and any("dense run reused" in note for note in second["notes"])
+    assert second["dense_digest"] == first["dense_digest"] and second["dense_latency_s"] == first["dense_latency_s"]
+    table = second_out["table"]
     assert [row[2] for row in table["data"]] == ["radial", "sta"]
+    column = table["headers"].index("effective density")
+    assert [row[column] for row in table["data"]] == [round(first["effective_density"], 3), 0.333]
 
 
 def test_size_not_allowed_is_rounded_with_a_note(client):
-    *_rest, notes, _table, metrics = unpack(compare(client, height=90, width=100, frames=10))
-    assert metrics["size"] == "9x96x96", metrics["size"]
-    assert "height 90 -> 96" in notes and "frames 10 -> 9" in notes
+    out = unpack(compare(client, method="sta", height=90, width=100, frames=10))
+    assert out["metrics"]["size"] == "9x96x96", out["metrics"]["size"]
+    options = out["metrics"]["options"]  # the tiny preset, shown in the option boxes
+    assert options["tile"] == [4, 4, 8] and options["window"] == [3, 3, 3] and options["fit_tile"] is True
+    assert "height 90 -> 96" in out["notes"] and "frames 10 -> 9" in out["notes"]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -133,110 +168,287 @@ def test_size_not_allowed_is_rounded_with_a_note(client):
     (dict(height=2048, width=2048, frames=121), "video tokens"),
     (dict(height=100000), "too large"),
     (dict(method="sta", sta_window="2,2,2"), "odd"),
+    (dict(method="sta", sta_window="1,1,1; 3,3,3; 1,1,1"), "3 triples but the model's attention layers have 2 heads"),
+    (dict(seed=2**70), r"seed must be a whole number from 0 to 4294967295"),
+    (dict(seed=-1), r"seed must be a whole number from 0 to 4294967295"),
 ])
-def test_bad_input_is_a_gradio_error_and_the_app_keeps_working(client, bad, message):
+def test_bad_input_is_a_gradio_error(app, client, bad, message):
     with pytest.raises(gradio_client.exceptions.AppError, match=message):
         compare(client, **bad)
-    # the next run works (and the pipeline is unpatched: dense equals a fresh dense run)
-    metrics = unpack(compare(client, method="sta"))[-1]
-    assert metrics["method"] == "sta" and metrics["speedup"] > 0
+    assert_unpatched_and_free(app[0].runner)
 
 
-def test_runs_do_not_leak_patches_between_sessions(app):
-    """Two clients with different methods at once: each gets its own method, the pipeline ends unpatched."""
+def test_largest_seed_runs(client):
+    assert unpack(compare(client, seed=2**32 - 1))["metrics"]["seed"] == 2**32 - 1
+
+
+def test_failed_and_stopped_runs_leave_the_model_unpatched(app):
+    """A run that fails at patch time, one that fails mid-generation and one that is stopped while
+    the method runs (the pipeline patched): the next run starts from the unpatched model, so its
+    dense frames equal a fresh pipeline's bit for bit (and the method's frames too)."""
+    from fastdit.app import AppError, RunCancelled, Runner
+
+    runner = app[0].runner
+    with pytest.raises(AppError, match="3 triples"):  # per-head windows that do not match the 2 heads
+        runner.compare(request(options={"window": "1,1,1; 3,3,3; 1,1,1", "dense_steps": "0"}))
+    assert_unpatched_and_free(runner)
+
+    def failing(fraction, desc=""):
+        if desc.startswith("sta: step 1"):
+            raise RuntimeError("boom in the middle of the method run")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        runner.compare(request(), progress=failing)
+    assert_unpatched_and_free(runner)
+
+    cancel, seen = threading.Event(), []
+
+    def stop_during_method(fraction, desc=""):
+        seen.append(desc)
+        if desc.startswith("sta: step 1"):
+            cancel.set()  # as the Stop button does, mid-run, while the pipeline is patched
+
+    with pytest.raises(RunCancelled):
+        runner.compare(request(), progress=stop_during_method, cancel=cancel)
+    assert "sta: step 1/2" in seen and "sta: step 2/2" not in seen, seen
+    assert_unpatched_and_free(runner)
+
+    after = runner.compare(request())
+    fresh = Runner().compare(request())
+    assert np.array_equal(after.dense_frames, fresh.dense_frames)
+    assert np.array_equal(after.method_frames, fresh.method_frames)
+    assert not np.array_equal(after.method_frames, after.dense_frames)
+    assert after.metrics["effective_density"] == pytest.approx(1 / 3)
+
+
+def test_stop_button_cancels_the_sessions_run():
+    from fastdit.app import Runner
+
+    runner = Runner()
+    assert runner.cancel("nobody") is False
+    with runner.run_scope("s1") as first:
+        with runner.run_scope("s2") as second:
+            assert runner.cancel("s1") is True
+            assert first.is_set() and not second.is_set()
+    assert runner.cancel("s1") is False  # finished runs are forgotten
+
+
+def test_two_models_at_once_overlap_and_each_equals_its_run_alone(app):
+    """Two clients, two different models, at the same time: the runs overlap (their recorded start
+    and end times), each gives the frames of its run alone, and both pipelines end unpatched."""
     demo, url = app
-    results, errors = {}, []
+    jobs = {"tiny-wan": dict(model="tiny-wan", **SPARSE_STA),
+            "tiny-hunyuan-video": dict(model="tiny-hunyuan-video", **SPARSE_STA, seed=3)}
+    alone = {name: unpack(compare(gradio_client.Client(url, verbose=False), **job))["metrics"]
+             for name, job in jobs.items()}  # also loads and warms both pipelines
+    together, errors = {}, []
+    barrier = threading.Barrier(len(jobs))
 
-    def worker(method):
+    def worker(name):
         try:
-            results[method] = unpack(compare(gradio_client.Client(url, verbose=False), method=method,
-                                             reuse_dense=False))[-1]
+            own_client = gradio_client.Client(url, verbose=False)
+            barrier.wait(timeout=60)
+            together[name] = unpack(compare(own_client, **jobs[name]))["metrics"]
         except Exception as error:  # noqa: BLE001
             errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(m,)) for m in ("sta", "radial")]
+    threads = [threading.Thread(target=worker, args=(name,)) for name in jobs]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    assert results["sta"]["method"] == "sta" and "tile" in results["sta"]["options"]
-    assert results["radial"]["method"] == "radial" and "decay" in results["radial"]["options"]
+    a, b = together["tiny-wan"], together["tiny-hunyuan-video"]
+    assert a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"], (a, b)  # they overlapped
+    for name in jobs:
+        assert together[name]["model"] == name
+        for key in ("dense_digest", "method_digest", "effective_density", "psnr_db", "options"):
+            assert together[name][key] == alone[name][key], (name, key)
+        assert together[name]["dense_digest"] != together[name]["method_digest"]
+    assert_unpatched_and_free(demo.runner)
+
+
+def test_fallbacks_are_counted_and_shown():
+    """float64 attention is not handled by the kernels: every call falls back, and the app says so."""
+    from fastdit.app import Runner
+    from fastdit.app.views import history_frame, metrics_html
+
+    out = Runner(dtype="float64").compare(request())
+    metrics = out.metrics
+    assert metrics["fallback_calls"] > 0 and metrics["sparse_calls"] == 0
+    assert metrics["effective_density"] == 1.0 and metrics["sparse_density"] is None
+    (reason, count), = metrics["fallbacks"].items()
+    assert "float64" in reason and count == metrics["fallback_calls"]
+    assert np.array_equal(out.method_frames, out.dense_frames)
+    assert any("fallbacks" in note and "float64" in note for note in out.notes)
+    assert "float64" in metrics_html(metrics)
+    cell = history_frame([{**metrics, "run": 1}])["fallbacks"][0]
+    assert cell.startswith(f"{count}: ") and "float64" in cell
+
+
+def test_seed_bounds():
+    from fastdit.app import MAX_SEED, AppError, check_seed
+
+    assert MAX_SEED == 2**32 - 1
+    assert check_seed(None) == 0 and check_seed(7.0) == 7 and check_seed("12") == 12 and check_seed(MAX_SEED) == MAX_SEED
+    for bad in (2**70, MAX_SEED + 1, -1, 1.5, float("inf"), True, "x"):
+        with pytest.raises(AppError, match="seed must be a whole number from 0 to 4294967295"):
+            check_seed(bad)
+
+
+def test_method_options_come_from_the_config_dataclasses():
+    import dataclasses
+
     import fastdit
-
-    for entry in demo.runner.pipes._entries.values():
-        assert not entry["lock"].locked()
-        fastdit.patch(entry["pipe"], "dense").remove()  # AlreadyPatchedError if a run left its patch
-
-
-def test_cancel_stops_the_run_and_releases_the_pipeline(app):
-    """The step callback raises when Stop was pressed; the patch is removed and the lock released."""
-    demo, _url = app
-    from fastdit.app import RunCancelled
-
-    runner = demo.runner
-    cancel = threading.Event()
-    seen = []
-
-    def progress(fraction, desc=""):
-        seen.append(desc)
-        if "dense: step 1" in desc:
-            cancel.set()  # as the Stop button does, mid-run
-
-    with pytest.raises(RunCancelled):
-        runner.compare("tiny-wan", "a fox", "", 5, 2, 5.0, 9, 80, 112, "sta", {}, reuse_dense=False,
-                       progress=progress, cancel=cancel)
-    assert any("dense: step 1/2" in d for d in seen), seen
-    entry = next(iter(runner.pipes._entries.values()))
-    assert not entry["lock"].locked()
-    out = runner.compare("tiny-wan", "a fox", "", 5, 2, 5.0, 9, 80, 112, "sta", {}, reuse_dense=False)
-    assert out["metrics"]["method"] == "sta"
-
-
-def test_method_widgets_come_from_the_config_dataclasses():
-    import fastdit
-    from fastdit.app import option_specs, parse_option
+    from fastdit.app import option_specs, parse_option, parse_options
 
     for method in fastdit.methods():
-        names = [name for name, *_ in option_specs(method)]
-        assert "dense_steps" in names
-    kinds = {name: kind for name, kind, *_ in option_specs("sta")}
-    assert kinds["tile"] == "triple" and kinds["dense_steps"] == "steps"
-    assert parse_option("triple", "6, 8, 8", None) == (6, 8, 8)
-    assert parse_option("triple", "1,3,3; 3,3,3", None) == [(1, 3, 3), (3, 3, 3)]
-    assert parse_option("triple", "", None) is None
-    assert parse_option("steps", 2.0, None) == 2 and parse_option("steps", 0.25, None) == 0.25
-    assert parse_option("bool", "model default", None) is None and parse_option("bool", "off", None) is False
+        config_cls = fastdit.methods.get_method(method).config_cls
+        specs = option_specs(method)
+        fields = dataclasses.fields(config_cls)
+        assert [s.name for s in specs] == [f.name for f in fields]
+        assert [s.default for s in specs] == [f.default for f in fields]
+        assert all(s.help for s in specs), [s.name for s in specs if not s.help]  # from the docstrings
+    kinds = {s.name: s for s in option_specs("sta")}
+    assert kinds["tile"].kind == "tuple" and kinds["window"].kind == "tuple" and kinds["dense_steps"].kind == "number"
+    assert kinds["dense_layers"].kind == "int"
+    radial = {s.name: s for s in option_specs("radial")}
+    assert radial["sink"].kind == "bool" and radial["sink"].optional and radial["block_size"].default == 128
+    assert "wan 0.2" in radial["decay"].default_text()  # the model families' defaults
+    tile, window, steps = kinds["tile"], kinds["window"], kinds["dense_steps"]
+    assert parse_option(tile, "6, 8, 8") == (6, 8, 8) and parse_option(tile, "") is None
+    assert parse_option(window, "1,3,3; 3,3,3") == [(1, 3, 3), (3, 3, 3)] and parse_option(window, "") == (3, 3, 3)
+    assert parse_option(steps, 2) == 2 and parse_option(steps, "2") == 2 and parse_option(steps, "0.25") == 0.25
+    assert parse_option(radial["sink"], "model default") is None and parse_option(radial["sink"], "off") is False
+    assert parse_options("sta", {"window": "1,1,1", "tile": None}) == {"window": (1, 1, 1), "tile": None}
+    from fastdit.app import AppError
+
+    with pytest.raises(AppError, match="unknown option"):
+        parse_options("sta", {"decay": "1"})
+    with pytest.raises(AppError, match="dense_layers"):
+        parse_option(kinds["dense_layers"], "1.5")
 
 
-def test_mask_picture_pools_large_masks(tmp_path):
+def test_field_metadata_drives_the_widgets():
+    from dataclasses import dataclass, field
+    from typing import Literal
+
+    from fastdit import Method, MethodConfig
+    from fastdit.app import AppError, option_specs, parse_option
+    from fastdit.methods.base import option
+    from fastdit.app.ui import option_widget
+
+    @dataclass
+    class ToyConfig(MethodConfig):
+        """Toy.
+
+        Attributes:
+            strength: how strong. From the docstring.
+        """
+
+        strength: float = field(default=0.5, metadata={"range": (0.0, 1.0), "widget": "slider"})
+        rule: Literal["a", "b"] = "a"
+        budget: int = field(default=4, metadata={"help": "blocks per row", "label": "budget (blocks)",
+                                                 "range": (1, None)})
+        flag: bool = option(False, "a flag", widget="checkbox")  # the methods' helper: None entries
+        size: int = option(128, "block size", choices=(64, 128), widget="dropdown")
+
+    class Toy(Method):
+        name = "toy"
+        config_cls = ToyConfig
+
+    specs = {s.name: s for s in option_specs(Toy)}
+    strength, rule, budget = specs["strength"], specs["rule"], specs["budget"]
+    assert strength.help == "how strong. From the docstring." and strength.range == (0.0, 1.0)
+    assert rule.kind == "choice" and rule.choices == ("a", "b") and rule.api_name == "toy_rule"
+    assert budget.help == "blocks per row" and budget.label == "budget (blocks)"
+    assert parse_option(budget, "3") == 3 and parse_option(rule, "b") == "b"
+    assert specs["flag"].kind == "bool" and specs["flag"].help == "a flag" and specs["flag"].range is None
+    assert specs["size"].kind == "choice" and parse_option(specs["size"], "64") == 64
+    with pytest.raises(AppError, match="outside"):
+        parse_option(strength, "1.5")
+    with pytest.raises(AppError, match="outside"):
+        parse_option(budget, 0)
+    with pytest.raises(AppError, match="choose one of a, b"):
+        parse_option(rule, "c")
+    with gr.Blocks():
+        slider = option_widget(strength, 0.5)
+        dropdown = option_widget(rule, "a")
+        checkbox = option_widget(specs["flag"], True)
+    assert isinstance(slider, gr.Slider) and (slider.minimum, slider.maximum) == (0.0, 1.0)
+    assert isinstance(dropdown, gr.Dropdown) and isinstance(checkbox, gr.Checkbox) and checkbox.value is True
+
+
+def test_mask_picture_is_patch_mask_pooled(tmp_path, monkeypatch):
+    """The picture is ``Patch.mask`` max-pooled (here a stand-in patch over a real plan: 967 tokens,
+    2 tokens per pixel), and sequences above the limit are not drawn."""
     import torch
+    from PIL import Image
 
-    from fastdit.app import mask_picture, pooled_mask
+    import fastdit
+    from fastdit.app import AppError, draw_patch_mask, pooled_mask
 
+    layout = fastdit.TokenLayout((4, 12, 20), text_len=7, text_position="suffix")
+    method = fastdit.methods.get_method("sta")
+    plan = method(method.resolve(method.make_config(tile=(2, 3, 4), window=(1, 1, 3)), "generic")).prepare(layout, 2, "cpu")
+    calls = []
+
+    class StandIn:  # the public Patch API that the app uses
+        layers = ["blocks.0.attn1"]
+
+        def layer_index(self, layer):
+            return layer % 1
+
+        def last_layout(self, layer):
+            return layout
+
+        def last_plan(self, layer):
+            return plan
+
+        def mask(self, layer, head=0):
+            calls.append(head)
+            return plan.token_mask(head)
+
+    path, caption = draw_patch_mask(StandIn(), -1, 1, str(tmp_path / "m.png"))
+    assert calls == [1] and "2x2 tokens per pixel" in caption and "video | text" in caption
+    expected, factor = pooled_mask(plan.token_mask(1))
+    assert factor == 2 and expected.shape == (484, 484)
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    assert pixels.shape == (484, 484, 3)  # one pixel per cell
+    dark = (pixels == (49, 70, 160)).all(-1)  # attended
+    light = (pixels == (240, 243, 250)).all(-1)
+    lines = ~dark & ~light  # frame starts (grey) and the video | text boundary (orange)
+    assert 0 < lines.mean() < 0.05 and (dark == expected)[~lines].all()
     mask = torch.zeros(1500, 1500, dtype=torch.bool)
     mask[:10, :10] = True
     pooled, factor = pooled_mask(mask)
     assert factor == 3 and pooled.shape == (500, 500) and pooled[:4, :4].all() and not pooled[4:, 4:].any()
-    path = mask_picture(pooled, factor, str(tmp_path / "m.png"), boundaries=[1000])
-    from PIL import Image
-
-    with Image.open(path) as image:
-        assert image.size == (500, 500)
+    monkeypatch.setenv("FASTDIT_APP_MASK_TOKENS", "900")
+    with pytest.raises(AppError, match="not drawn"):
+        draw_patch_mask(StandIn(), 0, 0, str(tmp_path / "big.png"))
 
 
-def test_pooled_plan_mask_matches_the_token_mask():
-    import fastdit
-    from fastdit.app import pooled_mask, pooled_plan_mask
-
-    layout = fastdit.TokenLayout((4, 6, 10), text_len=7, text_position="suffix")
-    method = fastdit.methods.get_method("sta")
-    config = method.resolve(method.make_config(tile=(2, 3, 4), window=(1, 1, 3)), "generic")
-    plan = method.plan(layout, config, 2, "cpu")
-    for size in (512, 50):
-        exact, factor = pooled_mask(plan.token_mask(1), size)
-        fast, factor2 = pooled_plan_mask(plan, 1, size)
-        assert factor == factor2 and (exact == fast).all()
+def test_package_layout():
+    """Small modules, gradio only in the UI, no CLI import, no other module's private names."""
+    for path in APP_DIR.glob("*.py"):
+        source = path.read_text()
+        assert len(source.splitlines()) <= 500, path
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                assert not any(n == "fastdit.cli" or n.startswith("fastdit.cli.") for n in names), path
+                if path.name != "ui.py":
+                    assert "gradio" not in names, path
+                if isinstance(node, ast.ImportFrom):
+                    assert not [a.name for a in node.names if a.name.startswith("_")], (path, node.lineno)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                assert isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"), (path, node.attr, node.lineno)
+    code = ("import sys, fastdit.app, fastdit.app.service, fastdit.app.views; "
+            "assert 'gradio' not in sys.modules; print(sorted(fastdit.app.__all__))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI: apt-get install -y chromium)")
@@ -253,7 +465,7 @@ def test_browser_renders_the_page(app):
                              capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
-    for element in ("fd-prompt", "fd-method", "fd-compare", "fd-dense-video", "fd-method-video", "fd-metrics"):
+    for element in ("fd-prompt", "fd-method", "fd-compare", "fd-dense-video", "fd-method-video", "fd-metrics", "fd-seed"):
         assert f'id="{element}"' in html, f"{element} missing from the rendered page"
     assert "Compare" in html and "fastdit" in html
     with tempfile.TemporaryDirectory() as profile:
@@ -269,6 +481,7 @@ def test_cli_subcommand_parses():
 
     parser = argparse.ArgumentParser(prog="fastdit")
     add_app_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["app", "--host", "0.0.0.0", "--port", "7861", "--model", "tiny-wan", "--max-tokens", "4096"])
+    args = parser.parse_args(["app", "--host", "0.0.0.0", "--port", "7861", "--model", "tiny-wan", "--max-tokens", "4096",
+                              "--concurrency", "2"])
     assert args.func is cmd_app and args.port == 7861 and args.host == "0.0.0.0" and not args.share
-    assert args.max_tokens == 4096
+    assert args.max_tokens == 4096 and args.concurrency == 2

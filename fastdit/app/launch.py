@@ -1,0 +1,53 @@
+"""``fastdit app`` and ``python app.py``: command-line arguments and launching the page."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from .models import MAX_TOKENS
+
+__all__ = ["add_app_parser", "cmd_app", "main"]
+
+DESCRIPTION = "The fastdit Gradio app: dense and accelerated generation side by side."
+
+
+def _add_arguments(parser):
+    parser.add_argument("--host", default=None, help="server address (default 127.0.0.1; 0.0.0.0 to serve the network)")
+    parser.add_argument("--port", type=int, default=None, help="server port (default 7860, or the next free one)")
+    parser.add_argument("--share", action="store_true", help="create a public gradio.live link (off by default)")
+    parser.add_argument("--model", default="tiny-wan", help="the model selected when the page opens")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"largest latent token count a run may take (default CPU {MAX_TOKENS['cpu']}, "
+                             f"GPU {MAX_TOKENS['cuda']})")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="comparisons that may run at once (runs on one model always take turns; default 1)")
+
+
+def cmd_app(args):
+    from .ui import build_app
+
+    demo = build_app(args.model, device=args.device, dtype=args.dtype, max_tokens=args.max_tokens,
+                     concurrency=getattr(args, "concurrency", 1))
+    demo.queue(default_concurrency_limit=1)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share)
+    return 0
+
+
+def add_app_parser(subparsers):
+    """Add ``fastdit app`` to the CLI's subparsers."""
+    parser = subparsers.add_parser("app", help="the Gradio app: dense and accelerated side by side",
+                                   description=DESCRIPTION)
+    _add_arguments(parser)
+    parser.set_defaults(func=cmd_app)
+    return parser
+
+
+def main(argv=None):
+    """``python app.py [--host ...] [--port ...]``."""
+    parser = argparse.ArgumentParser(prog="fastdit app", description=DESCRIPTION)
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    return cmd_app(args)

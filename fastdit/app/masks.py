@@ -1,0 +1,102 @@
+"""Pictures of attention masks.
+
+One path: the token mask a patched layer used in its latest call (``Patch.mask(layer, head)``, which
+builds it with ``BlockPlan.token_mask``), max-pooled to at most ``MASK_PIXELS`` cells a side and
+drawn as a PNG (attended = dark), with frame starts as grey lines and the video | text boundary as
+orange lines. The mask is ``S x S`` booleans, so sequences above ``MASK_TOKEN_LIMIT`` tokens are not
+drawn (``FASTDIT_APP_MASK_TOKENS`` raises the limit).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .errors import AppError
+
+__all__ = ["MASK_PIXELS", "MASK_TOKEN_LIMIT", "draw_patch_mask", "mask_picture", "mask_token_limit", "pooled_mask"]
+
+#: Largest sequence drawn: its S x S mask is 1 GiB of booleans (Wan 2.1 at 480p x 81 frames is 32,760).
+MASK_TOKEN_LIMIT = 32768
+MASK_PIXELS = 512
+
+
+def mask_token_limit():
+    env = os.environ.get("FASTDIT_APP_MASK_TOKENS")
+    return int(env) if env else MASK_TOKEN_LIMIT
+
+
+def pooled_mask(mask, size=MASK_PIXELS):
+    """Max-pool an ``(S, S)`` boolean mask to at most ``size`` cells a side: ``(array, factor)``,
+    ``factor`` tokens per cell (a cell is True when any of its token pairs is attended)."""
+    import torch
+
+    mask = torch.as_tensor(mask, dtype=torch.bool)
+    seq = mask.shape[0]
+    factor = max(1, -(-seq // size))
+    if factor == 1:
+        return mask.cpu().numpy().astype(bool), 1
+    cells = -(-seq // factor)
+    padded = torch.zeros(cells * factor, cells * factor, dtype=torch.bool, device=mask.device)
+    padded[:seq, :seq] = mask
+    pooled = padded.view(cells, factor, cells, factor).any(dim=3).any(dim=1)
+    return pooled.cpu().numpy(), factor
+
+
+def mask_picture(pooled, factor, path, boundaries=(), size=MASK_PIXELS, frames=()):
+    """Draw a pooled mask (attended = dark) as a PNG of at most ``size`` px: ``boundaries`` (token
+    indices, e.g. video | text) as orange lines, ``frames`` (frame starts) as thin grey lines."""
+    from PIL import Image, ImageDraw
+
+    cells = pooled.shape[0]
+    scale = max(1, size // max(cells, 1))
+    light, dark = np.array([240, 243, 250], np.uint8), np.array([49, 70, 160], np.uint8)
+    rgb = np.where(pooled[..., None], dark, light).astype(np.uint8)
+    image = Image.fromarray(rgb).resize((cells * scale, cells * scale), Image.NEAREST)
+    draw = ImageDraw.Draw(image)
+    for tokens, colour, width in ((frames, (140, 140, 140), 1), (boundaries, (245, 130, 32), 2)):
+        for token in tokens:
+            x = int(round(token / factor * scale))
+            if 0 < x < image.width:
+                draw.line([(x, 0), (x, image.height)], fill=colour, width=width)
+                draw.line([(0, x), (image.width, x)], fill=colour, width=width)
+    image.save(path)
+    return path
+
+
+def draw_patch_mask(patch, layer, head, path):
+    """The picture of ``layer``'s mask for ``head`` in its latest call, from a live patch applied
+    with ``record_masks=True``. Returns ``(path, caption)``; ``AppError`` when it cannot be drawn."""
+    try:
+        index = patch.layer_index(int(layer))
+        layout = patch.last_layout(index)
+        plan = patch.last_plan(index)
+    except (ValueError, RuntimeError) as error:
+        raise AppError(str(error)) from None
+    seq = layout.seq_len
+    limit = mask_token_limit()
+    if seq > limit:
+        raise AppError(f"not drawn: {seq:,} tokens make a {seq:,} x {seq:,} mask, more than the {limit:,}-token limit "
+                       "(FASTDIT_APP_MASK_TOKENS raises it)")
+    try:
+        mask = patch.mask(index, int(head))
+    except (ValueError, RuntimeError) as error:
+        raise AppError(str(error)) from None
+    pooled, factor = pooled_mask(mask)
+    del mask
+    boundaries = []
+    if layout.text_len:
+        boundaries = [b for b in (layout.video_start, layout.video_start + layout.video_len) if 0 < b < seq]
+    frame_starts = []
+    if 1 < layout.frames <= 64 and layout.frame_len / factor * (MASK_PIXELS / pooled.shape[0]) >= 6:
+        frame_starts = [layout.video_start + k * layout.frame_len for k in range(1, layout.frames)]
+    mask_picture(pooled, factor, path, boundaries, frames=frame_starts)
+    kind = "dense (a dense step or layer, or a layout the method runs densely)" if plan is None else plan.name
+    caption = (f"layer {index} ({patch.layers[index]}), head {int(head)}, last step: {kind}; "
+               f"{layout.describe()}, {factor}x{factor} tokens per pixel, {100 * float(pooled.mean()):.0f}% of cells "
+               "attended")
+    if frame_starts:
+        caption += "; grey lines: frames"
+    if boundaries:
+        caption += "; orange lines: video | text tokens"
+    return path, caption
