@@ -24,7 +24,6 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 ArrayLike = Union[np.ndarray, torch.Tensor]
 PathLike = Union[str, os.PathLike]
@@ -46,17 +45,24 @@ __all__ = [
 # input handling
 # ----------------------------------------------------------------------------
 
-def as_frames(x: ArrayLike, name: str = "input") -> torch.Tensor:
-    """Return ``x`` as a float64 tensor of shape ``(F, H, W, C)`` in [0, 1].
+#: Elements (pixels x channels) of one chunk that PSNR and SSIM convert to float64 and work on at
+#: a time. The metrics are per frame, so processing a video in chunks of frames gives the same
+#: numbers while the memory stays bounded by the chunk instead of growing with the video: a
+#: whole 29 x 512 x 768 x 3 video is 274 MB per float64 copy and SSIM needs over a dozen such
+#: maps. 2^21 elements are 16 MiB per float64 map (one 512 x 768 RGB frame is 1.2 M elements).
+CHUNK_ELEMENTS = 1 << 21
 
-    ``uint8`` input is divided by 255. ``(H, W)`` becomes ``(1, H, W, 1)`` and
-    ``(H, W, C)`` becomes ``(1, H, W, C)``.
+
+def _frames_native(x: ArrayLike, name: str = "input") -> torch.Tensor:
+    """``x`` as an ``(F, H, W, C)`` tensor in its own dtype (no float64 copy), range-checked.
+
+    The range check runs on the native dtype: min and max of a float array are exact in any
+    float dtype, so the check (and its message) is the one :func:`as_frames` always made.
     """
     t = x.detach().cpu() if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
     if t.dtype == torch.uint8:
-        t = t.to(torch.float64) / 255.0
+        pass
     elif t.is_floating_point():
-        t = t.to(torch.float64)
         if t.numel() and (float(t.min()) < -0.5 or float(t.max()) > 1.5):
             raise ValueError(
                 f"{name}: float values must be in [0, 1], got range "
@@ -73,12 +79,42 @@ def as_frames(x: ArrayLike, name: str = "input") -> torch.Tensor:
     return t
 
 
-def _pair(a: ArrayLike, b: ArrayLike) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Both inputs as (F, H, W, C) float64; different shapes raise ValueError naming both."""
+def _unit_float64(t: torch.Tensor) -> torch.Tensor:
+    """float64 copy in [0, 1]: ``uint8`` divided by 255, floats converted."""
+    if t.dtype == torch.uint8:
+        return t.to(torch.float64) / 255.0
+    return t.to(torch.float64)
+
+
+def as_frames(x: ArrayLike, name: str = "input") -> torch.Tensor:
+    """Return ``x`` as a float64 tensor of shape ``(F, H, W, C)`` in [0, 1].
+
+    ``uint8`` input is divided by 255. ``(H, W)`` becomes ``(1, H, W, 1)`` and
+    ``(H, W, C)`` becomes ``(1, H, W, C)``.
+    """
+    return _unit_float64(_frames_native(x, name))
+
+
+def _pair_native(a: ArrayLike, b: ArrayLike) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both inputs as (F, H, W, C) in their own dtypes; different shapes raise ValueError naming both."""
     shape_a, shape_b = tuple(a.shape), tuple(b.shape)
     if shape_a != shape_b:
         raise ValueError(f"inputs must have the same shape, got {shape_a} and {shape_b}")
-    return as_frames(a, "a"), as_frames(b, "b")
+    return _frames_native(a, "a"), _frames_native(b, "b")
+
+
+def _pair(a: ArrayLike, b: ArrayLike) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both inputs as (F, H, W, C) float64; different shapes raise ValueError naming both."""
+    x, y = _pair_native(a, b)
+    return _unit_float64(x), _unit_float64(y)
+
+
+def _frame_chunks(x: torch.Tensor, y: torch.Tensor, max_elements: int):
+    """Yield float64 ``(x[i:j], y[i:j])`` over frames, about ``max_elements`` elements each (>= 1 frame)."""
+    per_frame = max(1, x[0].numel()) if x.shape[0] else 1
+    step = max(1, int(max_elements) // per_frame)
+    for i in range(0, x.shape[0], step):
+        yield _unit_float64(x[i:i + step]), _unit_float64(y[i:i + step])
 
 
 # ----------------------------------------------------------------------------
@@ -90,9 +126,14 @@ def psnr(a: ArrayLike, b: ArrayLike) -> float:
 
     ``PSNR = 10 log10(1 / MSE)`` with the MSE over all pixels and channels of one
     frame. Identical frames give ``inf`` and the average then is ``inf`` too.
+
+    The MSE of a frame depends on that frame only, so it is computed a chunk of
+    :data:`CHUNK_ELEMENTS` elements at a time: float64 copies of a chunk, not of the
+    whole video (whose float64 difference and square alone would be 4x its float32 size).
     """
-    x, y = _pair(a, b)
-    mse = ((x - y) ** 2).mean(dim=(1, 2, 3))
+    x, y = _pair_native(a, b)
+    mse = torch.cat([((xc - yc) ** 2).mean(dim=(1, 2, 3)) for xc, yc in _frame_chunks(x, y, CHUNK_ELEMENTS)]
+                    or [torch.zeros(0, dtype=torch.float64)])
     with np.errstate(divide="ignore"):
         per_frame = 10.0 * np.log10(1.0 / mse.numpy())
     return float(per_frame.mean())
@@ -110,7 +151,48 @@ def _gaussian_kernel(sigma: float = 1.5, truncate: float = 3.5) -> torch.Tensor:
     return k / k.sum()
 
 
-def ssim(a: ArrayLike, b: ArrayLike, sigma: float = 1.5, k1: float = 0.01, k2: float = 0.03) -> float:
+def _valid_filter(m: torch.Tensor, taps: Sequence[float], dim: int) -> torch.Tensor:
+    """Valid 1-D correlation of ``m`` with ``taps`` along ``dim``, as a weighted sum of shifted slices.
+
+    ``out[i] = sum_k taps[k] * m[i + k]`` for ``i < len - (win - 1)``. Each tap is one fused
+    multiply-add over a view of ``m`` into a single output buffer, so the only new memory is
+    the output, where a convolution would first build an im2col buffer ``win`` times the input
+    (the Gaussian is symmetric, so correlation and convolution agree).
+    """
+    win = len(taps)
+    n = m.shape[dim] - win + 1
+    out = m.narrow(dim, 0, n) * taps[0]
+    for k in range(1, win):
+        out.add_(m.narrow(dim, k, n), alpha=taps[k])
+    return out
+
+
+def _gaussian_valid(m: torch.Tensor, taps: Sequence[float]) -> torch.Tensor:
+    """Separable 2-D valid Gaussian of an ``(N, H, W, C)`` map: rows (dim 1), then columns (dim 2)."""
+    return _valid_filter(_valid_filter(m, taps, 1), taps, 2)
+
+
+def _ssim_map_sum(x: torch.Tensor, y: torch.Tensor, taps: Sequence[float], c1: float, c2: float) -> torch.Tensor:
+    """Per-frame sum of the valid SSIM map of float64 ``(N, H, W, C)`` blocks, shape ``(N,)``."""
+    ux, uy = _gaussian_valid(x, taps), _gaussian_valid(y, taps)
+    uxx = _gaussian_valid(x * x, taps)
+    uyy = _gaussian_valid(y * y, taps)
+    uxy = _gaussian_valid(x * y, taps)
+    # Population moments, in skimage's order of operations, in place to keep few maps alive.
+    uxx.sub_(ux * ux)                                           # s_x = E[x^2] - mu_x^2
+    uyy.sub_(uy * uy)                                           # s_y
+    uxy.sub_(ux * uy).mul_(2).add_(c2)                          # A2 = 2 s_xy + C2
+    uxx.add_(uyy).add_(c2)                                      # B2 = s_x + s_y + C2
+    del uyy
+    b1 = (ux * ux).add_(uy * uy).add_(c1)                       # B1 = mu_x^2 + mu_y^2 + C1
+    ux.mul_(uy).mul_(2).add_(c1)                                # A1 = 2 mu_x mu_y + C1
+    del uy
+    s = ux.mul_(uxy).div_(b1.mul_(uxx))                         # A1 A2 / (B1 B2)
+    return s.sum(dim=(1, 2, 3))
+
+
+def ssim(a: ArrayLike, b: ArrayLike, sigma: float = 1.5, k1: float = 0.01, k2: float = 0.03, *,
+         max_chunk_elements: int = CHUNK_ELEMENTS) -> float:
     """Structural similarity (Wang et al. 2004), Gaussian window, averaged over frames and channels.
 
     Matches ``skimage.metrics.structural_similarity(x, y, gaussian_weights=True, sigma=1.5,
@@ -122,30 +204,46 @@ def ssim(a: ArrayLike, b: ArrayLike, sigma: float = 1.5, k1: float = 0.01, k2: f
       ``C1 = (0.01 L)^2``, ``C2 = (0.03 L)^2``, ``L = 1``;
     * skimage filters with reflect padding, then crops ``(win - 1) // 2 = 5`` pixels on every
       side before averaging. The window radius equals that crop, so the kept pixels never see
-      the padding and a *valid* convolution gives exactly the cropped map; we use that.
+      the padding and a *valid* filter gives exactly the cropped map; we use that. Every
+      channel's map has the same size, so skimage's mean over channels of per-channel means is
+      the mean over the frame's whole ``(H - 10, W - 10, C)`` map, and the video's value is the
+      mean of the frames' values.
 
-    Frames must be at least 11x11. Computed in float64, vectorised over frames and channels.
+    Memory is bounded, whatever the video's length or frame size. The map at an output pixel
+    depends only on the ``win x win`` input window below it, so the video is processed in
+    blocks of about ``max_chunk_elements`` input elements (16 MiB of float64 by default), each
+    block's map summed per frame and the block freed: whole frames at a time when a frame fits,
+    else horizontal strips of output rows of one frame, each read with its ``win - 1`` rows of
+    overlap. The Gaussian is separable and applied along rows, then columns, as a weighted sum
+    of 11 shifted slices (:func:`_valid_filter`), which needs no im2col buffer; a batched
+    ``conv2d`` over the whole video's five moment maps built one of about 15 GB for
+    29 x 512 x 768 x 3. Per block, about a dozen float64 maps of the block's size are live.
+
+    Frames must be at least 11x11. Computed in float64.
     """
-    x, y = _pair(a, b)
+    x, y = _pair_native(a, b)
     f, h, w, c = x.shape
-    k = _gaussian_kernel(sigma)
-    win = k.numel()
+    taps = _gaussian_kernel(sigma).tolist()
+    win = len(taps)
     if h < win or w < win:
         raise ValueError(f"ssim needs frames of at least {win}x{win}, got {h}x{w}")
-    # (F, H, W, C) -> (F*C, 1, H, W): every channel of every frame is an independent image.
-    x = x.permute(0, 3, 1, 2).reshape(f * c, 1, h, w)
-    y = y.permute(0, 3, 1, 2).reshape(f * c, 1, h, w)
-    n = f * c
-    # Filter the five moments in one batch with a separable valid convolution.
-    stack = torch.cat([x, y, x * x, y * y, x * y], dim=0)
-    stack = F.conv2d(stack, k.view(1, 1, win, 1))
-    stack = F.conv2d(stack, k.view(1, 1, 1, win))
-    ux, uy, uxx, uyy, uxy = stack.split(n, dim=0)
-    vx, vy, vxy = uxx - ux * ux, uyy - uy * uy, uxy - ux * uy
     c1, c2 = (k1 * 1.0) ** 2, (k2 * 1.0) ** 2
-    s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
-    # mean per (frame, channel) image, then over channels and frames (all equal-sized).
-    return float(s.mean(dim=(1, 2, 3)).mean())
+    out_h = h - win + 1
+    frame_elements = h * w * c
+    frames_per_block = max(1, int(max_chunk_elements) // frame_elements)
+    # Output rows per block: all of them when whole frames fit, else as many as fit with overlap.
+    rows = out_h if frame_elements <= max_chunk_elements else max(1, int(max_chunk_elements) // (w * c) - (win - 1))
+    sums = torch.zeros(f, dtype=torch.float64)
+    for i in range(0, f, frames_per_block):
+        j = min(f, i + frames_per_block)
+        for r in range(0, out_h, rows):
+            n = min(rows, out_h - r)
+            xb = _unit_float64(x[i:j, r:r + n + win - 1])
+            yb = _unit_float64(y[i:j, r:r + n + win - 1])
+            sums[i:j] += _ssim_map_sum(xb, yb, taps, c1, c2)
+            del xb, yb
+    per_frame = sums / (out_h * (w - win + 1) * c)
+    return float(per_frame.mean())
 
 
 # ----------------------------------------------------------------------------
@@ -322,6 +420,28 @@ def load_lpips(net: str = "alex", weights=None, device: Union[str, torch.device]
     return _LPIPS_CACHE[key].to(device)
 
 
+#: Activation memory one LPIPS batch may use (bytes, estimated by :func:`_lpips_bytes_per_pixel`).
+LPIPS_BATCH_BYTES = 1 << 30
+
+# Total downsampling of each tapped feature map (AlexNet: conv1 stride 4, then 3x3/2 pools;
+# VGG16: a 2x2/2 pool before each block after the first).
+_LPIPS_TAP_STRIDES = {"alex": (4, 8, 16, 16, 16), "vgg": (1, 2, 4, 8, 16)}
+
+
+def _lpips_bytes_per_pixel(net: str) -> int:
+    """Estimated peak bytes per input pixel of one LPIPS forward on a batch, float32.
+
+    A tap with ``c`` channels at stride ``s`` holds ``c / s^2`` values per input pixel. Both
+    inputs' five taps stay alive until the distance is taken, and the largest layer is live a
+    few more times at once (conv output and ReLU, then the normalised pair, their difference and
+    its square): ``4 (2 sum_l c_l / s_l^2 + 4 max_l c_l / s_l^2)`` bytes, plus 64 for the input
+    copies. AlexNet comes to about 200 bytes per pixel, VGG16 (64 full-resolution channels)
+    about 2 kB, i.e. 0.8 GB per 512 x 768 frame: 8 such frames at once would need 6-7 GB.
+    """
+    per_pixel = [c / s ** 2 for c, s in zip(LPIPS_NETS[net][2], _LPIPS_TAP_STRIDES[net])]
+    return int(4 * (2 * sum(per_pixel) + 4 * max(per_pixel)) + 64)
+
+
 @torch.no_grad()
 def lpips_distance(a: ArrayLike, b: ArrayLike, net: str = "alex", weights=None,
                    device: Union[str, torch.device] = "cpu", batch_size: int = 8) -> float:
@@ -329,20 +449,29 @@ def lpips_distance(a: ArrayLike, b: ArrayLike, net: str = "alex", weights=None,
 
     Frames are scaled from [0, 1] to [-1, 1] (as ``lpips.LPIPS(normalize=True)`` does); grayscale
     frames are repeated to 3 channels. ``weights``: see :func:`load_lpips`.
+
+    The distance of a frame depends on that frame only, so frames go through the network in
+    batches, each converted from the input on its own (no float64 copy of the whole video).
+    A batch holds at most ``batch_size`` frames and, for large frames, fewer: as many as keep
+    the estimated activation memory (:func:`_lpips_bytes_per_pixel`) under
+    :data:`LPIPS_BATCH_BYTES`, at least one. With AlexNet at 512 x 768 that is still 8 frames;
+    VGG16 runs one frame of that size at a time.
     """
     if net not in LPIPS_NETS:
         raise ValueError(f"LPIPS net must be one of {sorted(LPIPS_NETS)}, got {net!r}")
-    x, y = _pair(a, b)
+    x, y = _pair_native(a, b)
     if x.shape[-1] not in (1, 3):
         raise ValueError(f"lpips needs 1 or 3 channels, got shape {tuple(x.shape)}")
     min_side = {"alex": 31, "vgg": 16}[net]  # smallest frame whose last feature map is non-empty
     if min(x.shape[1:3]) < min_side:
         raise ValueError(f"lpips-{net} needs frames of at least {min_side}x{min_side}, got shape {tuple(x.shape)}")
     model = load_lpips(net, weights, device)
+    frame_bytes = x.shape[1] * x.shape[2] * _lpips_bytes_per_pixel(net)
+    step = max(1, min(int(batch_size), LPIPS_BATCH_BYTES // frame_bytes))
     dists = []
-    for i in range(0, x.shape[0], batch_size):
-        xb = x[i:i + batch_size].permute(0, 3, 1, 2).float().to(device) * 2 - 1
-        yb = y[i:i + batch_size].permute(0, 3, 1, 2).float().to(device) * 2 - 1
+    for i in range(0, x.shape[0], step):
+        xb = _unit_float64(x[i:i + step]).permute(0, 3, 1, 2).float().to(device) * 2 - 1
+        yb = _unit_float64(y[i:i + step]).permute(0, 3, 1, 2).float().to(device) * 2 - 1
         if xb.shape[1] == 1:
             xb, yb = xb.expand(-1, 3, -1, -1), yb.expand(-1, 3, -1, -1)
         dists.append(model(xb, yb).double().cpu())

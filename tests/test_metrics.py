@@ -6,6 +6,8 @@ written to temporary files and loaded through the real loading paths.
 
 import json
 import math
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -106,6 +108,72 @@ def test_ssim_video_is_mean_of_frames_and_identical_is_one():
     assert ssim(a.astype(np.float32), b.astype(np.float32)) == pytest.approx(ref, abs=1e-4)
 
 
+@pytest.mark.parametrize("max_elements", [
+    1 << 21,            # default: all frames in one block
+    2 * 41 * 57 * 3,    # two whole frames per block (the last block holds one)
+    41 * 57 * 3,        # exactly one frame per block
+    57 * 3 * 13,        # strips of 3 output rows (+10 overlap rows) of one frame
+    57 * 3 * 11,        # strips of 1 output row
+    1,                  # smaller than a strip: still 1 output row at a time
+])
+def test_ssim_blocks_match_skimage(max_elements):
+    """Blocks of frames and row strips with their overlap give skimage's per-frame values.
+
+    41-row frames have 31 valid output rows, cut into strips that do not divide them evenly (10
+    strips of 3 and one of 1), so a strip that read the wrong rows or a double-counted row shows.
+    """
+    r = _rng(21)
+    a = r.random((3, 41, 57, 3))
+    b = np.clip(a + 0.1 * r.standard_normal(a.shape), 0, 1)
+    b[1] = _structured((41, 57, 3))  # frames of different similarity, so a wrong frame average shows
+    ref = np.mean([_skimage_ssim(a[i], b[i]) for i in range(3)])
+    assert abs(ssim(a, b, max_chunk_elements=max_elements) - ref) < 1e-9
+    # single frame through strips
+    assert abs(ssim(a[2], b[2], max_chunk_elements=max_elements) - _skimage_ssim(a[2], b[2])) < 1e-9
+
+
+_LARGE_VIDEO_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from fastdit.eval.fidelity import psnr, ssim
+    r = np.random.default_rng(0)
+    a = r.random((29, 512, 768, 3), dtype=np.float32)
+    b = np.clip(a + 0.05 * r.standard_normal(a.shape, dtype=np.float32), 0, 1)
+    json.dump({"ssim": ssim(a, b), "psnr": psnr(a, b)}, open(sys.argv[1], "w"))
+""")
+
+
+@pytest.mark.slow
+def test_ssim_psnr_large_video_bounded_memory(tmp_path):
+    """29 x 512 x 768 x 3 float32 (the `fastdit compare` video) in a child process under 1.5 GB.
+
+    The child's whole peak resident memory is measured by scripts/peak_memory.py, which kills it
+    at the limit (a regression then fails fast instead of using 15+ GB). It includes the Python,
+    torch and numpy baseline (about 0.3-0.5 GB) and both float32 inputs (0.27 GB). The values are
+    checked against skimage and numpy on the same video, regenerated here from the seed.
+    """
+    root = Path(__file__).resolve().parents[1]
+    values, report = tmp_path / "values.json", tmp_path / "peak.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "peak_memory.py"), "--limit-gb", "1.5", "--kill-over-limit",
+         "--json", str(report), "--", sys.executable, "-c", _LARGE_VIDEO_CHILD, str(values)],
+        env=env, capture_output=True, text=True, timeout=900)
+    peak = json.loads(report.read_text())
+    assert proc.returncode == 0, (proc.stderr[-3000:], peak)
+    assert peak["peak_rss_bytes"] < 1.5e9 and not peak["over_limit"]
+    got = json.loads(values.read_text())
+    r = _rng(0)
+    a = r.random((29, 512, 768, 3), dtype=np.float32)
+    b = np.clip(a + 0.05 * r.standard_normal(a.shape, dtype=np.float32), 0, 1)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    del a, b
+    mse = ((a64 - b64) ** 2).mean(axis=(1, 2, 3))
+    assert got["psnr"] == pytest.approx(np.mean(10 * np.log10(1 / mse)), abs=1e-9)
+    ref = np.mean([_skimage_ssim(a64[i], b64[i]) for i in range(len(a64))])
+    assert abs(got["ssim"] - ref) < 1e-9
+
+
 def test_ssim_too_small_raises():
     a = np.zeros((10, 12, 3))
     with pytest.raises(ValueError, match="11x11"):
@@ -155,6 +223,25 @@ def test_lpips_end_to_end(lpips_dir):
     g = lpips_distance(a[..., :1], b[..., :1], weights=lpips_dir)
     assert g == pytest.approx(lpips_distance(np.repeat(a[..., :1], 3, -1), np.repeat(b[..., :1], 3, -1),
                                              weights=lpips_dir), rel=1e-5)
+
+
+def test_lpips_large_frames_run_in_smaller_batches(lpips_dir, monkeypatch):
+    """Under a small activation budget frames go one at a time; the distance stays the same."""
+    from fastdit.eval import fidelity
+    r = _rng(8)
+    a = r.random((5, 40, 48, 3)).astype(np.float32)
+    b = np.clip(a + 0.2 * r.standard_normal(a.shape).astype(np.float32), 0, 1)
+    whole = lpips_distance(a, b, weights=lpips_dir)  # 5 frames in one batch
+    calls = []
+    net = fidelity.load_lpips("alex", lpips_dir)
+    monkeypatch.setattr(type(net), "forward", lambda self, x, y, f=type(net).forward: calls.append(len(x)) or f(self, x, y))
+    monkeypatch.setattr(fidelity, "LPIPS_BATCH_BYTES", 2 * 40 * 48 * fidelity._lpips_bytes_per_pixel("alex"))
+    assert lpips_distance(a, b, weights=lpips_dir) == pytest.approx(whole, rel=1e-5)
+    assert calls == [2, 2, 1]
+    monkeypatch.setattr(fidelity, "LPIPS_BATCH_BYTES", 1)
+    calls.clear()
+    assert lpips_distance(a, b, weights=lpips_dir) == pytest.approx(whole, rel=1e-5)
+    assert calls == [1] * 5
 
 
 def test_lpips_formula_by_hand(lpips_dir):
