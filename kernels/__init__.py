@@ -2,18 +2,25 @@
 
 Imports only torch (and triton, lazily, for the Triton backend).
 """
-from .block_sparse import BACKENDS, SUPPORTED_DTYPES, block_sparse_attention, triton_interpreter_enabled
-from .op import block_sparse_attention_op, check_block_plan
-from .reference import dense_reference, plan_to_token_mask, validate_plan
+if __name__ != "fastdit.kernels":  # pragma: no cover - only when imported under the wrong name
+    # This folder installs as ``fastdit.kernels``. Run from the repository root, transformers' probe
+    # for Hugging Face's package named ``kernels`` imports this folder as ``kernels``; loading the
+    # engine a second time would register its torch.library ops twice. Stay an empty module (no
+    # version: transformers then reports its ``kernels`` as unavailable).
+    __all__ = []
+else:
+    from .block_sparse import BACKENDS, SUPPORTED_DTYPES, block_sparse_attention, triton_interpreter_enabled
+    from .op import block_sparse_attention_op, check_block_plan
+    from .reference import dense_reference, plan_to_token_mask, validate_plan
 
-__all__ = [
-    "BACKENDS",
-    "SUPPORTED_DTYPES",
-    "block_sparse_attention",
-    "block_sparse_attention_op",
-    "check_block_plan",
-    "dense_reference",
-    "plan_to_token_mask",
-    "triton_interpreter_enabled",
-    "validate_plan",
-]
+    __all__ = [
+        "BACKENDS",
+        "SUPPORTED_DTYPES",
+        "block_sparse_attention",
+        "block_sparse_attention_op",
+        "check_block_plan",
+        "dense_reference",
+        "plan_to_token_mask",
+        "triton_interpreter_enabled",
+        "validate_plan",
+    ]

@@ -119,3 +119,22 @@ def test_no_import_circle():
     for name in sorted(GRAPH):
         if name not in state:
             visit(name)
+
+
+def test_repository_folders_do_not_load_twice_under_top_level_names():
+    """Run from the repository root, transformers probes for Hugging Face's ``kernels`` package and
+    finds the ``kernels/`` folder (which installs as ``fastdit.kernels``); it must stay inert there,
+    or the engine's torch.library ops would be registered twice (seen as a crash in the app)."""
+    import subprocess
+    import sys
+
+    code = ("import threading, torch, fastdit\n"
+            "t = threading.Thread(target=lambda: __import__('transformers.modeling_utils')); t.start(); t.join()\n"
+            "from fastdit.kernels import block_sparse_attention\n"
+            "import kernels; assert kernels.__all__ == []\n"
+            "q = torch.randn(1, 1, 8, 4); i = torch.zeros(1, 1, 1, 1, dtype=torch.int32)\n"
+            "print(block_sparse_attention(q, q, q, i, torch.ones(1, 1, 1, dtype=torch.int32), 8, 8)[0].shape)\n")
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "torch.Size([1, 1, 8, 4])" in result.stdout

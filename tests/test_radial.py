@@ -6,6 +6,7 @@ import torch
 
 import fastdit
 from fastdit.layout import TokenLayout
+from fastdit.eval import radial_report as RR
 from fastdit.methods import radial as R
 
 from layer_capture import LayerCapture, assert_matches_masked_dense
@@ -228,10 +229,10 @@ def test_reference_settings():
     assert int(R.video_block_mask(18, 48 * 80, older).sum()) == 83728 - 6930  # 26.34%, all at d = 1
     hy = R.RadialConfig(decay=0.95, block_size=128, sink=False, adjacent="dense")
     assert int(R.video_block_mask(30, 48 * 80, hy).sum()) == 222452  # 27.46% of 900 x 900
-    out = R.reference_densities()  # the helper pins the reference's settings (adjacent dense for Wan)
+    out = RR.reference_densities()  # the helper pins the reference's settings (adjacent dense for Wan)
     assert out["wan2.1-14b 69x768x1280"]["video_density"] == pytest.approx(83728 / 540 ** 2)
     assert out["hunyuan_video 117x768x1280"]["video_density"] == pytest.approx(222452 / 900 ** 2)
-    rows, config = R.density_table((30, 52), frames=(21,))
+    rows, config = RR.density_table((30, 52), frames=(21,))
     assert (config.decay, config.sink, config.adjacent, config.block_size) == (0.2, True, "dense", 128)
 
 
@@ -385,7 +386,7 @@ def test_bad_input():
 
 def test_mask_picture(tmp_path):
     out = tmp_path / "radial.png"
-    assert R.main(["--frames", "9", "--height", "6", "--width", "10", "--block-size", "64", "--out", str(out)]) == 0
+    assert RR.main(["--frames", "9", "--height", "6", "--width", "10", "--block-size", "64", "--out", str(out)]) == 0
     assert out.stat().st_size > 0
     big = torch.rand(2500, 2500) > 0.5
-    assert R.save_mask_picture(big, tmp_path / "big.png", max_side=1024) == 3
+    assert RR.save_mask_picture(big, tmp_path / "big.png", max_side=1024) == 3
