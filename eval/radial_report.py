@@ -14,9 +14,8 @@ import argparse
 import math
 import sys
 
-import torch
-
 from fastdit.layout import TokenLayout
+from fastdit.pictures import mask_picture, pooled_mask
 from fastdit.methods.radial import ADJACENT_RULES, SUPPORTED_BLOCK_SIZES, Radial, block_counts, block_mask
 
 # ---------------------------------------------------------------------------------------------
@@ -99,31 +98,10 @@ def reference_densities():
 
 
 def save_mask_picture(mask, path, max_side=1024, title=None):
-    """Save a boolean block mask as a picture (white = computed), max-pooled to ``max_side``."""
-    m = mask.float()[None, None]
-    factor = max(1, -(-max(mask.shape) // max_side))
-    if factor > 1:
-        m = torch.nn.functional.max_pool2d(m, factor, ceil_mode=True)
-    image = (m[0, 0] * 255).to(torch.uint8).numpy()
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 7))
-        ax.imshow(image, cmap="gray", interpolation="nearest", vmin=0, vmax=255)
-        ax.set_xlabel("key block" + (f" (x{factor})" if factor > 1 else ""))
-        ax.set_ylabel("query block" + (f" (x{factor})" if factor > 1 else ""))
-        if title:
-            ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    except ImportError:
-        from PIL import Image
-
-        Image.fromarray(image).save(path)
+    """Save a boolean block mask as a picture (``fastdit.pictures``: attended = dark), max-pooled to
+    at most ``max_side`` cells a side; returns the pooling factor. ``title`` is printed by the caller."""
+    pooled, factor = pooled_mask(mask, size=max_side)
+    mask_picture(pooled, factor, path, size=max_side)
     return factor
 
 

@@ -6,11 +6,11 @@ from here, so neither imports the other's helpers (no import circle).
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 
 from fastdit.compare import COMPARE_TINY_SIZE
+from fastdit.options import parse_value
 
 #: Latent video tokens (frames x height x width in tokens) a run may have: about 9x HunyuanVideo's
 #: 720p x 129 frames (33 x 45 x 80 = 118,800 tokens); ``FASTDIT_MAX_TOKENS`` raises it.
@@ -104,19 +104,6 @@ def check_method_options(method, options, what):
     except (ValueError, TypeError) as error:
         raise CLIError(f"argument {what}: {error}") from None
 
-
-def parse_value(text):
-    """``6,8,8`` -> (6, 8, 8); ``0.25`` -> 0.25; ``true`` -> True; lists of triples as ``[(1,3,3),(3,3,3)]``."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-    return tuple(value) if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value) else value
 
 
 def parse_options(settings, methods):

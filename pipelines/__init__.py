@@ -1,4 +1,5 @@
 """fastdit.pipelines: per-family adapters for diffusers transformers and tiny built-in pipelines."""
+from . import families  # noqa: F401 - registers the built-in families
 from .adapters import (
     Adapter,
     UnsupportedModelError,

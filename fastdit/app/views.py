@@ -4,7 +4,8 @@ from __future__ import annotations
 import html
 import math
 
-import numpy as np
+
+from fastdit.jsonutil import to_json
 
 from .service import fallback_text
 
@@ -111,13 +112,6 @@ def scatter_frame(history):
 
 
 def json_safe(value):
-    """``value`` with infinities as strings and numpy scalars as Python numbers."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "inf" if value > 0 else str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    return value
+    """``value`` for the JSON panel: infinities as text (PSNR of identical runs), numpy numbers as
+    Python numbers (``fastdit.jsonutil.to_json``, the one JSON cleaner)."""
+    return to_json(value, nonfinite_as_text=True)
