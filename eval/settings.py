@@ -71,9 +71,9 @@ def build_settings(cfg):
     import fastdit
 
     methods = ["dense"] + [m for m in cfg.methods if m != "dense"]
-    unknown = [m for m in methods if m not in fastdit.methods()]
+    unknown = [m for m in methods if m not in fastdit.method_names()]
     if unknown:
-        raise EvalError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(fastdit.methods())}")
+        raise EvalError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(fastdit.method_names())}")
     for method in list(cfg.options) + list(cfg.grid):
         if method not in methods:
             raise EvalError(f"options given for method {method!r}, which is not in --methods {','.join(methods)}")

@@ -5,14 +5,14 @@
     video = pipe(prompt).frames
     p.remove()                          # everything restored
 
-``fastdit.methods()`` lists the methods; each has a config dataclass (``fastdit.STAConfig``, ...).
+``fastdit.method_names()`` lists the methods; each has a config dataclass (``fastdit.STAConfig``, ...).
 """
 from . import methods
 from . import pipelines  # noqa: F401 - registers the model families' method defaults
 from .context import AttentionContext
 from .functional import attention
 from .layout import TokenLayout
-from .methods import DenseConfig, Method, MethodConfig, RadialConfig, STAConfig
+from .methods import DenseConfig, Method, MethodConfig, RadialConfig, STAConfig, method_names
 from .patching import AlreadyPatchedError, Patch, patch
 from .stats import PatchStats
 from .plan import BlockPlan, run_plan
@@ -20,4 +20,4 @@ from .plan import BlockPlan, run_plan
 __version__ = "0.1.0"
 
 __all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "DenseConfig", "Method", "MethodConfig", "Patch",
-           "PatchStats", "RadialConfig", "STAConfig", "TokenLayout", "attention", "methods", "patch", "run_plan"]
+           "PatchStats", "RadialConfig", "STAConfig", "TokenLayout", "attention", "method_names", "methods", "patch", "run_plan"]

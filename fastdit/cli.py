@@ -30,10 +30,10 @@ def cmd_compare(args):
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     import fastdit
 
-    unknown = [m for m in methods if m not in fastdit.methods()]
+    unknown = [m for m in methods if m not in fastdit.method_names()]
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
-                       f"{', '.join(fastdit.methods())}")
+                       f"{', '.join(fastdit.method_names())}")
     options = parse_options(args.set, methods)
     check_generation_arguments(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -68,7 +68,7 @@ def cmd_compare(args):
 def cmd_methods(args):
     import fastdit
 
-    print("\n".join(fastdit.methods()))
+    print("\n".join(fastdit.method_names()))
     return 0
 
 

@@ -115,10 +115,10 @@ def config_from_args(args):
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = ["dense"] + [m for m in methods if m != "dense"]
-    unknown = [m for m in methods if m not in fastdit.methods()]
+    unknown = [m for m in methods if m not in fastdit.method_names()]
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
-                       f"{', '.join(fastdit.methods())}")
+                       f"{', '.join(fastdit.method_names())}")
     options = parse_options(args.set, methods)
     grid = parse_grid(args.grid, methods)
     for method, values in grid.items():

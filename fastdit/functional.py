@@ -34,7 +34,7 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     Args:
         q, k, v: ``(B, H, S, D)`` in model token order (``k``/``v`` may have another length for
             token methods that allow it).
-        method: a method name (``fastdit.methods()``); ``config`` / ``options`` as for
+        method: a method name (``fastdit.method_names()``); ``config`` / ``options`` as for
             ``fastdit.patch`` (no model family: the method's generic defaults apply).
         layout: the ``TokenLayout`` of the call (``layout.seq_len == S``).
         key_mask: optional bool ``(B, S)``: False keys are never attended.

@@ -399,7 +399,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     Args:
         target: a diffusers pipeline (its ``transformer``, and ``transformer_2`` for Wan 2.2, are
             patched with one step counter) or a transformer (also one wrapped by ``torch.compile``).
-        method: a name from ``fastdit.methods()``.
+        method: a name from ``fastdit.method_names()``.
         config: the method's config dataclass (e.g. ``fastdit.STAConfig(...)``); keyword
             ``options`` override its fields.
         record_masks: keep each layer's latest plan so ``Patch.mask(layer, head)`` can draw it.

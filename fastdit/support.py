@@ -38,11 +38,11 @@ def _class_names(adapter):
 def support_matrix():
     """Rows ``(family, kind, pipelines, {method: supported})`` for every registered adapter."""
     from fastdit.methods import get_method, method_names
-    from fastdit.pipelines import adapters
+    from fastdit.pipelines import registered_adapters
 
     names = method_names()
     rows = []
-    for adapter in adapters():
+    for adapter in registered_adapters():
         supported, reasons = {}, {}
         for name in names:
             method = get_method(name)

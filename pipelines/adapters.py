@@ -188,7 +188,7 @@ def unregister_adapter(family):
     return None
 
 
-def adapters():
+def registered_adapters():
     """All registered adapters, in lookup order."""
     return list(_ADAPTERS)
 

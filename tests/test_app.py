@@ -302,7 +302,7 @@ def test_method_options_come_from_the_config_dataclasses():
     import fastdit
     from fastdit.app import option_specs, parse_option, parse_options
 
-    for method in fastdit.methods():
+    for method in fastdit.method_names():
         config_cls = fastdit.methods.get_method(method).config_cls
         specs = option_specs(method)
         fields = dataclasses.fields(config_cls)

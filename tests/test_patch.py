@@ -223,7 +223,7 @@ def test_unsupported_model_lists_families():
 
 
 def test_methods_listing_and_module_access():
-    assert {"dense", "sta"} <= set(fastdit.methods())
+    assert {"dense", "sta"} <= set(fastdit.method_names())
     import fastdit.methods.sta as sta_module
 
     assert sta_module.STAConfig is fastdit.STAConfig

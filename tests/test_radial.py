@@ -381,7 +381,7 @@ def test_bad_input():
         assert torch.equal(model(**inputs).sample, reference)
         assert p.stats.sparse_calls == 0 and p.stats.dense_calls == len(p.layers)
     p.remove()
-    assert fastdit.RadialConfig is R.RadialConfig and "radial" in fastdit.methods()
+    assert fastdit.RadialConfig is R.RadialConfig and "radial" in fastdit.method_names()
 
 
 def test_mask_picture(tmp_path):

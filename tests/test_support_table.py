@@ -22,14 +22,14 @@ def test_docs_table_matches_registry():
 
 def test_matrix_rows():
     import fastdit
-    from fastdit.pipelines import adapters
+    from fastdit.pipelines import registered_adapters
 
     rows = support_matrix()
-    assert [r.family for r in rows] == [a.family for a in adapters()]
+    assert [r.family for r in rows] == [a.family for a in registered_adapters()]
     for row in rows:
         family, kind, pipelines, methods = row
         assert kind in ("video", "image")
-        assert set(methods) == set(fastdit.methods())
+        assert set(methods) == set(fastdit.method_names())
         assert methods["dense"] == (not row.unsupported)
         if kind == "image" and "radial" in methods and not row.unsupported:
             assert not methods["radial"] and "image" in row.reasons["radial"]

@@ -82,7 +82,7 @@ def method_choices():
     """The methods the app compares against dense (every registered method but ``dense``)."""
     import fastdit
 
-    return [name for name in fastdit.methods() if name != "dense"]
+    return [name for name in fastdit.method_names() if name != "dense"]
 
 
 def option_specs(method):
@@ -122,10 +122,10 @@ def option_specs(method):
 
 def _family_defaults(method):
     """``{option: ((family, value), ...)}`` of the registered adapters' ``method_defaults``."""
-    from fastdit.pipelines import adapters
+    from fastdit.pipelines import registered_adapters
 
     found = {}
-    for adapter in adapters():
+    for adapter in registered_adapters():
         for name, value in (adapter.method_defaults or {}).get(method, {}).items():
             found.setdefault(name, []).append((adapter.family, value))
     return {name: tuple(pairs) for name, pairs in found.items()}
