@@ -61,3 +61,84 @@ def sta_token_mask(layout, tile, window, key_valid=None):
     if key_valid is not None:
         mask &= key_valid[None, :]
     return mask
+
+
+# -- observing a model's own attention calls (no fastdit involved) ---------------------------------
+
+class _TokenwiseSDPA(torch.overrides.TorchFunctionMode):
+    """Replaces every ``scaled_dot_product_attention`` call by a token-wise stand-in and records the
+    calls made inside a tracked module: self-attention returns ``value`` (each query row gets its own
+    value row), cross-attention returns zeros. With no attention mixing tokens, every row of every
+    layer's ``q`` depends only on its own token's input (and on global conditioning such as the
+    timestep), so which rows an input reaches can be read layer by layer."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+        self.current = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "scaled_dot_product_attention":
+            return func(*args, **kwargs)
+        names = ("query", "key", "value")
+        q, k, v = (kwargs[n] if n in kwargs else args[i] for i, n in enumerate(names))
+        if self.current is not None:
+            self.calls.append((self.current, q.detach().clone(), k.detach().clone()))
+        if q.shape[-2] == k.shape[-2]:
+            return v.clone()
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]))
+
+
+def observe_attention_calls(model, modules, kwargs):
+    """Run ``model(**kwargs)`` with its attention made token-wise (``_TokenwiseSDPA``; the model's
+    own code, no fastdit) and return ``[(name, q, k)]`` of the attention calls made inside each of
+    ``modules`` (``[(name, module)]``), in call order; ``q``/``k`` are ``(B, H, S, D)``."""
+    calls = []
+    mode = _TokenwiseSDPA(calls)
+    handles = []
+    for name, module in modules:
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: setattr(mode, "current", name)))
+        handles.append(module.register_forward_hook(lambda m, a, o: setattr(mode, "current", None)))
+    try:
+        with torch.no_grad(), mode:
+            model(**kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def changed_rows(a, b, tol=1e-4):
+    """Bool ``(S,)``: the sequence rows (dim -2) where two ``(B, H, S, D)`` tensors differ."""
+    diff = (a.double() - b.double()).abs().transpose(-2, 0).reshape(a.shape[-2], -1).amax(1)
+    return diff > tol * max(a.abs().max().item(), 1e-12)
+
+
+class LayerTrace(LayerCapture):
+    """``LayerCapture`` that also notes which patched module each sparse call came from:
+    ``layers[i]`` is the name (from ``modules``, ``[(name, module)]``) of ``calls[i]``'s module,
+    read by forward pre-hooks on the modules (removed by ``remove()``)."""
+
+    def __init__(self, monkeypatch, modules):
+        super().__init__(monkeypatch)
+        self.layers = []
+        self.current = None
+        inner = patch_module.run_plan
+
+        def traced_run_plan(*args, **kwargs):
+            self.layers.append(self.current)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(patch_module, "run_plan", traced_run_plan)
+        self.handles = [module.register_forward_pre_hook(lambda m, a, name=name: setattr(self, "current", name))
+                        for name, module in modules]
+
+    def clear(self):
+        super().clear()
+        self.layers.clear()
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

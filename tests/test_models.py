@@ -1,61 +1,93 @@
-"""Model coverage: every adapter family x every method, on tiny random-weight transformers (CPU, fp32).
+"""Model coverage: every adapter family on a tiny random-weight transformer (CPU, fp32).
 
-For every family (``tests/tiny_models.py``):
-  * the ``dense`` method through the patch equals the unpatched model;
-  * every method available to the family runs, and each patched layer's output equals dense
-    attention under the mask it recorded (``record_masks=True`` + ``Patch.mask``); methods that do
-    not apply to the family refuse with a clear error;
-  * ``remove()`` restores identical outputs and leaves no hook behind;
-  * grids that no tile or block size divides work, also when the shape changes under one patch.
-Plus bad input (UNet, unknown modules, unpatchable families), Wan 2.2's two transformers and a
-user-registered adapter.
+Nothing here trusts what the patch says about itself (no ``Patch.mask``, ``last_plan``,
+``last_layout``): the layout of every patched attention call is OBSERVED in the unpatched model,
+and every sparse layer is checked against a float64 reference built from that observation.
+
+* Observation (``observe``): the model runs with its own code but its attention made token-wise
+  (``layer_capture.observe_attention_calls``: self-attention returns ``value``, cross-attention
+  zeros), so no layer mixes tokens and each row of each patched layer's ``q`` depends on its own
+  token only. Run again with new latents: the rows that change are the video tokens (their count
+  must be the grid's); the rows that do not are the text / conditioning tokens, and they must be
+  one block at the start (prefix) or the end (suffix) of the sequence. Run again with new text
+  embeddings: they must reach those rows. The observed text position is compared with the
+  adapter's ``text_position``.
+* Sparse run (sliding tile with a small tile and window, mask density < 0.7): every patched layer's
+  output (captured at ``run_plan`` with ``LayerTrace``) equals float64 attention under
+  ``sta_token_mask`` of the layout built from the input grid (the grid ``tiny_models`` built the
+  inputs for) and the observed text rows, with the
+  text-padding key mask read from the model's inputs; at two odd grids under one patch. Then
+  ``remove()`` restores bit-identical outputs and leaves nothing installed.
+* Every other method: each layer equals ``fastdit.attention`` on the observed layout; methods that
+  do not apply to a family refuse with a clear error.
+* Dense through the patch equals the unpatched model; fallbacks are counted with their reasons;
+  bad input (UNet, unknown modules, unpatchable families), Wan 2.2's two transformers and a
+  user-registered adapter.
 """
 from __future__ import annotations
 
 import math
 import types
 import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fastdit
-import fastdit.methods.base as patch_module  # where methods call run_plan
-from fastdit.kernels import dense_reference
-from fastdit.methods import get_method
-from fastdit.pipelines import Adapter, UnsupportedModelError, adapters, find_adapter, register_adapter
+from fastdit.layout import TokenLayout
+from fastdit.methods import get_method, method_names
+from fastdit.pipelines import Adapter, UnsupportedModelError, find_adapter, register_adapter
 from fastdit.pipelines.adapters import unregister_adapter
 
+try:
+    from fastdit.pipelines import registered_adapters
+except ImportError:  # before adapters() was renamed registered_adapters()
+    from fastdit.pipelines import adapters as registered_adapters
+
+from layer_capture import LayerTrace, assert_matches_masked_dense, changed_rows, observe_attention_calls, sta_token_mask
 from tiny_models import TINY, run
 
 # Test case -> adapter family (several cases can exercise one adapter, e.g. CogVideoX 1.0 and 1.5).
 CASE_FAMILY = {name: name for name in TINY}
 CASE_FAMILY["cogvideox15"] = "cogvideox"
 
-UNPATCHABLE = {a.family for a in adapters() if a.unsupported}
+UNPATCHABLE = {a.family for a in registered_adapters() if a.unsupported}
 CASES = [name for name in TINY if CASE_FAMILY[name] not in UNPATCHABLE]
-METHODS = list(fastdit.methods())  # queried at collection: new methods join the matrix automatically
+METHODS = list(method_names())  # queried at collection: new methods join the matrix automatically
 
-#: Small tiles / blocks so plans are truly sparse at tiny sizes; no dense steps or layers.
-OPTIONS = {
-    "dense": {},
-    "sta": {"video": dict(tile=(2, 2, 2), window=(1, 3, 3)), "image": dict(tile=(1, 2, 2), window=(1, 3, 3))},
-    "radial": {"video": dict(block_size=64)},
-}
+#: Sliding tile small enough to be really sparse at tiny sizes (mask density < 0.7 at both grids).
+#: The windows differ along H and W (1 and 3 tiles) and the second grid swaps H and W, so a
+#: transposed grid shows.
+STA = {"video": dict(tile=(1, 2, 2), window=(3, 1, 3)), "image": dict(tile=(1, 2, 2), window=(1, 1, 3))}
+#: A second grid per kind, not a multiple of the tile, with H and W the other way round.
+OTHER_GRID = {"video": (2, 7, 5), "image": (1, 7, 5)}
+#: Options of the other methods, so their plans are sparse at tiny sizes.
+OPTIONS = {"radial": {"video": dict(block_size=64)}}
 COMMON = dict(dense_steps=0, dense_layers=0)
+MAX_DENSITY = 0.7
 
-#: Cases whose sparse calls currently fall back to dense (see the reason).
-DENSE_FALLBACK = {}
+
+def kind(case):
+    return "video" if TINY[case].video else "image"
+
+
+def grids(case):
+    return (TINY[case].grid, OTHER_GRID[kind(case)])
+
+
+def sta_options(case):
+    return {**COMMON, **STA[kind(case)]}
 
 
 def method_options(method, case):
-    options = OPTIONS.get(method, {})
     if method == "dense":
         return {}
-    kind = "video" if TINY[case].video else "image"
+    if method == "sta":
+        return sta_options(case)
     valid = {f for f in get_method(method).config_cls.__dataclass_fields__}
-    chosen = {k: v for k, v in options.get(kind, {}).items() if k in valid}
+    chosen = {k: v for k, v in OPTIONS.get(method, {}).get(kind(case), {}).items() if k in valid}
     return {**COMMON, **chosen}
 
 
@@ -69,7 +101,7 @@ def method_applies(method, case):
     return True
 
 
-_MODELS, _REFS = {}, {}
+_MODELS, _REFS, _OBSERVED = {}, {}, {}
 
 
 def model(case):
@@ -89,83 +121,200 @@ def reference(case, grid=None):
     return _REFS[key]
 
 
-def assert_clean(module):
-    """No fastdit hook, mark or pinned backend is left anywhere in ``module``."""
+def quiet_run(m, kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run(m, kwargs)
+
+
+# -- what fastdit may leave on a model ---------------------------------------------------------------
+
+_MISSING = "<not set>"
+
+
+def installed_state(module):
+    """Per submodule: its hooks, whether it has an instance ``forward`` or the fastdit mark, and its
+    processor's instance ``_attention_backend``."""
+    state = {}
     for name, sub in module.named_modules():
-        assert not sub._forward_pre_hooks, f"forward pre-hook left on {name or type(sub).__name__}"
-        assert not sub._forward_hooks, f"forward hook left on {name or type(sub).__name__}"
-        assert "_fastdit_patch" not in sub.__dict__, f"fastdit mark left on {name}"
+        processor = getattr(sub, "processor", None)
+        backend = None if processor is None else processor.__dict__.get("_attention_backend", _MISSING)
+        state[name] = (tuple(sub._forward_pre_hooks), tuple(sub._forward_hooks), "forward" in sub.__dict__,
+                       "_fastdit_patch" in sub.__dict__, backend)
+    return state
+
+
+def fastdit_backends_registered():
+    """Private fastdit members still registered with diffusers' attention backends."""
+    try:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    except ImportError:
+        return []
+    return [str(name) for name in _AttentionBackendRegistry._backends if "fastdit" in str(getattr(name, "value", name))]
+
+
+def assert_clean(module, before=None):
+    """Nothing of fastdit is left in ``module``: no forward hook or pre-hook, no instance ``forward``,
+    no ``_fastdit_patch`` mark, no processor pinned to a fastdit backend; and with ``before`` (an
+    ``installed_state`` taken before patching) every processor's backend is what it was."""
+    for name, sub in module.named_modules():
+        where = name or type(sub).__name__
+        assert not sub._forward_pre_hooks, f"forward pre-hook left on {where}"
+        assert not sub._forward_hooks, f"forward hook left on {where}"
+        assert "forward" not in sub.__dict__, f"instance forward left on {where}"
+        assert "_fastdit_patch" not in sub.__dict__, f"fastdit mark left on {where}"
         processor = getattr(sub, "processor", None)
         if processor is not None:
-            assert "_attention_backend" not in processor.__dict__ or processor.__dict__["_attention_backend"] != "native" \
-                or getattr(type(processor), "_attention_backend", None) == "native", f"backend left pinned on {name}"
+            backend = processor.__dict__.get("_attention_backend")
+            assert "fastdit" not in str(getattr(backend, "value", backend)), f"fastdit backend left on {where}"
+    assert not fastdit_backends_registered(), "fastdit backends left registered with diffusers"
+    if before is not None:
+        assert installed_state(module) == before
 
 
-class Recorder:
-    """Captures ``run_plan``'s q, k, v, key mask and output per patched layer (sparse calls)."""
-
-    def __init__(self, monkeypatch, patch, transformer_modules):
-        self.calls = []
-        self.current = None
-        self.handles = []
-        for layer, module in transformer_modules:
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, layer=layer: self._enter(layer)))
-        original = patch_module.run_plan
-
-        def recording(q, k, v, plan, key_mask=None, scale=None, **kwargs):
-            result = original(q, k, v, plan, key_mask=key_mask, scale=scale, **kwargs)
-            out = result[0] if isinstance(result, tuple) else result
-            self.calls.append((self.current, q.detach().clone(), k.detach().clone(), v.detach().clone(), scale,
-                               out.detach().clone()))
-            return result
-
-        monkeypatch.setattr(patch_module, "run_plan", recording)
-
-    def _enter(self, layer):
-        self.current = layer
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
+def assert_installed(module, layer_names):
+    """While patched: each patched module has its instance ``forward`` (the "nothing left" checks
+    look for what is really installed)."""
+    modules = dict(module.named_modules())
+    for name in layer_names:
+        assert "forward" in modules[name].__dict__, f"{name} is not intercepted"
+    assert module._forward_pre_hooks, "no forward pre-hook on the transformer"
 
 
-def patched_modules(patch):
-    """``[(layer name, module)]`` in the patch's layer naming."""
-    found = []
-    multi = len(patch._transformers) > 1
-    for attr, transformer in patch._transformers:
-        for name, module in patch.adapter.attention_modules(transformer):
-            found.append((f"{attr}.{name}" if multi else name, module))
-    return found
+# -- observing the model -------------------------------------------------------------------------------
+
+@dataclass
+class Observed:
+    """One patched module's attention call in the unpatched model."""
+
+    name: str
+    q_len: int
+    k_len: int
+    video_rows: torch.Tensor  # bool (S,): rows that new latents change
+    text_rows_changed: torch.Tensor  # bool (S,): rows that new text embeddings change
+
+    @property
+    def text_len(self):
+        return int((~self.video_rows).sum())
+
+    @property
+    def position(self):
+        rows = (~self.video_rows).nonzero().flatten().tolist()
+        if not rows:
+            return "none"
+        if rows == list(range(len(rows))):
+            return "prefix"
+        if rows == list(range(self.q_len - len(rows), self.q_len)):
+            return "suffix"
+        return f"rows {rows}"
+
+    def layout(self, grid):
+        """The layout of this call: the test's grid and the observed text rows."""
+        return TokenLayout(grid, self.text_len, self.position if self.text_len else "none")
 
 
-def check_layers_against_masks(patch, recorder):
-    """Every sparse call's output == dense attention under the layer's recorded mask, per head."""
-    assert recorder.calls, "no sparse attention call was made"
-    for layer, q, k, v, scale, out in recorder.calls:
-        assert layer in patch.layers
-        batch, heads, seq, _ = q.shape
-        assert batch == 1
-        for head in range(heads):
-            mask = patch.mask(layer, head)
-            assert mask.shape == (seq, seq)
-            ref, _ = dense_reference(q[:, head:head + 1], k[:, head:head + 1], v[:, head:head + 1], mask[None, None], scale)
-            got = out[:, head:head + 1].double()
-            err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
-            assert err < 1e-4, f"{layer} head {head}: relative error {err:.2e} against dense under its mask"
+def _fresh(tensor, seed):
+    return torch.randn(tensor.shape, generator=torch.Generator().manual_seed(seed), dtype=tensor.dtype)
+
+
+def observe_calls(m, modules, kwargs, latents="hidden_states", text="encoder_hidden_states"):
+    """``{name: Observed}`` for each module in ``modules`` (``[(name, module)]``): three runs of the
+    unpatched model with token-wise attention, the second with new latents, the third with new text
+    embeddings (when the model takes ``text``)."""
+    base = observe_attention_calls(m, modules, kwargs)
+    new_latents = observe_attention_calls(m, modules, dict(kwargs, **{latents: _fresh(kwargs[latents], 1234)}))
+    new_text = (observe_attention_calls(m, modules, dict(kwargs, **{text: _fresh(kwargs[text], 4321)}))
+                if text in kwargs else base)
+    assert [c[0] for c in base] == [c[0] for c in new_latents] == [c[0] for c in new_text]
+    observed = {}
+    for (name, q, k), (_, q_latents, _), (_, q_text, _) in zip(base, new_latents, new_text):
+        assert name not in observed, f"{name}: more than one attention call per forward (batch 1)"
+        observed[name] = Observed(name, q.shape[-2], k.shape[-2], changed_rows(q, q_latents), changed_rows(q, q_text))
+    assert set(observed) == {name for name, _ in modules}, "a patched module made no attention call"
+    return observed
+
+
+def observe(case, grid=None):
+    grid = grid or TINY[case].grid
+    if (case, grid) not in _OBSERVED:
+        m = model(case)
+        _OBSERVED[(case, grid)] = observe_calls(m, find_adapter(m).attention_modules(m), inputs(case, grid))
+    return _OBSERVED[(case, grid)]
+
+
+# -- text padding, from the model's inputs ----------------------------------------------------------------
+
+#: Families whose attention mask also drops padded query rows (HunyuanVideo 1.5's valid[q] & valid[k]).
+QUERY_MASKED = {"hunyuan_video15"}
+
+
+def text_validity(case, kwargs):
+    """Bool validity of the non-video tokens of the joint attention calls, in sequence order, read
+    from the inputs; None when every such token is valid."""
+    family = CASE_FAMILY.get(case, case)
+    if family == "hunyuan_video":
+        return kwargs["encoder_attention_mask"][0].bool()
+    if family == "qwen_image":
+        return kwargs["encoder_hidden_states_mask"][0].bool()
+    if family == "hunyuan_video15":
+        # The model lines its conditioning up as [valid image, valid byT5, valid text, invalid image,
+        # invalid byT5, invalid text]; image tokens are invalid for text-to-video (all-zero image_embeds).
+        image = kwargs["image_embeds"][0]
+        text, text_2 = kwargs["encoder_attention_mask"][0].bool(), kwargs["encoder_attention_mask_2"][0].bool()
+        valid = int(text.sum()) + int(text_2.sum()) + (image.shape[0] if bool(image.any()) else 0)
+        return torch.arange(image.shape[0] + text.numel() + text_2.numel()) < valid
+    return None  # (Mochi drops its padded text tokens before attention: the ones it passes are valid)
+
+
+def key_validity(case, kwargs, layout):
+    """Bool ``(S,)`` key validity of a call with ``layout``, or None (all valid)."""
+    text = text_validity(case, kwargs) if layout.text_len else None
+    if text is None:
+        return None
+    assert text.numel() == layout.text_len, f"{layout.text_len} text rows observed, the inputs have {text.numel()}"
+    valid = torch.ones(layout.seq_len, dtype=torch.bool)
+    valid[layout.text_positions()] = text
+    return valid
+
+
+def reference_mask(case, kwargs, layout, tile, window):
+    """The sliding-tile token mask of a call, built from the layout and the inputs alone."""
+    valid = key_validity(case, kwargs, layout)
+    mask = sta_token_mask(layout, tile, window, valid)
+    if valid is not None and CASE_FAMILY.get(case, case) in QUERY_MASKED:
+        mask &= valid[:, None]
+    return mask
+
+
+def check_sta_layers(case, kwargs, grid, observed, trace, tile, window):
+    """Every traced sparse call == float64 attention under the independently built mask."""
+    assert trace.calls, "no sparse attention call was made"
+    densities = []
+    for name, (q, k, v, scale, out) in zip(trace.layers, trace.calls):
+        layout = observed[name].layout(grid)
+        assert q.shape[0] == 1 and q.shape[2] == k.shape[2] == layout.seq_len, f"{name}: {tuple(q.shape)} vs {layout}"
+        mask = reference_mask(case, kwargs, layout, tile, window)
+        density = mask.double().mean().item()
+        assert density < MAX_DENSITY, f"{name}: mask density {density:.2f}, not sparse enough to prove anything"
+        densities.append(density)
+        try:
+            assert_matches_masked_dense(q, k, v, out, [mask] * q.shape[1], scale)
+        except AssertionError as error:
+            raise AssertionError(f"{name} ({layout.describe()}): {error}") from None
+    return densities
 
 
 # -- registry --------------------------------------------------------------------------------------
 
 def test_every_family_has_a_tiny_model():
-    families = {a.family for a in adapters()}
+    families = {a.family for a in registered_adapters()}
     assert families <= set(CASE_FAMILY.values()), f"families without a tiny test model: {families - set(CASE_FAMILY.values())}"
 
 
 def test_adapters_are_buildable_and_consistent():
     import diffusers
 
-    for adapter in adapters():
+    for adapter in registered_adapters():
         assert adapter.classes(), f"{adapter.family}: no transformer class found in diffusers"
         assert adapter.text_position in ("none", "prefix", "suffix")
         for pipeline in adapter.pipelines:
@@ -176,11 +325,11 @@ def test_adapters_are_buildable_and_consistent():
 @pytest.mark.parametrize("case", list(TINY))
 def test_adapter_found_and_modules_are_self_or_joint(case):
     m = model(case)
-    adapter = find_adapter(m) if case not in {c for c in TINY if CASE_FAMILY[c] in UNPATCHABLE} else None
-    if adapter is None:
+    if CASE_FAMILY[case] in UNPATCHABLE:
         with pytest.raises(UnsupportedModelError, match="linear"):
             find_adapter(m)
         return
+    adapter = find_adapter(m)
     assert adapter.family == CASE_FAMILY[case]
     modules = adapter.attention_modules(m)
     assert modules
@@ -191,154 +340,223 @@ def test_adapter_found_and_modules_are_self_or_joint(case):
         assert not any(n.endswith("attn2") for n in names)
 
 
-# -- the family x method matrix ------------------------------------------------------------------
+# -- the text position, observed ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", CASES)
-def test_dense_patch_equals_unpatched(case):
-    m, kwargs, ref = model(case), inputs(case), reference(case)
-    with fastdit.patch(m, "dense") as p:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = run(m, kwargs)
-        assert p.stats.dense_calls + p.stats.fallback_calls > 0 and p.stats.sparse_calls == 0
-    assert (out - ref).abs().max().item() <= 1e-5
-    assert torch.equal(run(m, kwargs), ref)
-    assert_clean(m)
+def test_text_position_observed_in_the_model_matches_the_adapter(case):
+    adapter = find_adapter(model(case))
+    grid = TINY[case].grid
+    observed = observe(case)
+    seen = {}
+    for name, call in observed.items():
+        # every patched module is self / joint attention (a cross-attention call has fewer keys)
+        assert call.q_len == call.k_len, f"{name}: {call.q_len} queries, {call.k_len} keys: cross-attention patched"
+        assert int(call.video_rows.sum()) == math.prod(grid), (
+            f"{name}: new latents change {int(call.video_rows.sum())} rows, the grid {grid} has {math.prod(grid)} tokens")
+        assert call.position in ("none", "prefix", "suffix"), (
+            f"{name}: the rows the latents do not reach are not one block at either end: {call.position}")
+        if call.text_len:
+            text_rows = ~call.video_rows
+            assert call.text_rows_changed[text_rows].any(), f"{name}: new text embeddings change none of the text rows"
+        seen[name] = (call.position, call.text_len)
+    positions = {position for position, text_len in seen.values() if text_len}
+    assert positions <= {adapter.text_position}, (
+        f"{adapter.family}: observed text {seen}, the adapter says text_position={adapter.text_position!r}")
+    if adapter.text_position != "none":
+        assert positions, f"{adapter.family}: the adapter says {adapter.text_position!r}, no text rows observed: {seen}"
 
 
-@pytest.mark.parametrize("method", METHODS)
+# -- sparse layers against an independent reference ------------------------------------------------------
+
 @pytest.mark.parametrize("case", CASES)
-def test_method_layers_match_dense_under_recorded_mask(case, method, monkeypatch):
-    m, kwargs = model(case), inputs(case)
-    options = method_options(method, case)
+def test_sta_layers_equal_independent_masked_reference_and_remove_restores(case, monkeypatch):
+    m, options = model(case), sta_options(case)
+    tile, window = options["tile"], options["window"]
+    modules = find_adapter(m).attention_modules(m)
+    observed = {grid: observe(case, grid) for grid in grids(case)}  # the unpatched model, before patching
+    ref = reference(case)
+    before = installed_state(m)
+    p = fastdit.patch(m, "sta", backend="torch", **options)
+    trace = LayerTrace(monkeypatch, modules)
+    try:
+        assert p.layers == [name for name, _ in modules]
+        assert_installed(m, p.layers)
+        # the case grid, then another odd grid under the same patch
+        for grid in grids(case):
+            assert any(g % t for g, t in zip(grid, tile)), "the grid should not be a multiple of the tile"
+            kwargs = inputs(case, grid)
+            trace.clear()
+            p.reset_stats()
+            out = quiet_run(m, kwargs)
+            assert torch.isfinite(out).all()
+            # one sparse call per patched layer and no fallback
+            assert p.stats.sparse_calls == len(p.layers), p.stats.fallbacks
+            assert p.stats.fallback_calls == 0 and not p.stats.fallbacks
+            assert sorted(trace.layers) == sorted(p.layers)
+            check_sta_layers(case, kwargs, grid, observed[grid], trace, tile, window)
+            if grid == TINY[case].grid:
+                assert not torch.allclose(out, ref, rtol=0, atol=1e-5), "sparse attention changed nothing"
+    finally:
+        trace.remove()
+        p.remove()
+    p.remove()  # idempotent
+    assert not p.active
+    assert torch.equal(run(m, inputs(case)), ref)
+    assert_clean(m, before)
+    fastdit.patch(m, "dense").remove()  # and it can be patched again
+    assert_clean(m, before)
+
+
+@pytest.mark.parametrize("method", [name for name in METHODS if name not in ("dense", "sta")])
+@pytest.mark.parametrize("case", CASES)
+def test_other_methods_equal_functional_attention_on_the_observed_layout(case, method, monkeypatch):
+    m, options = model(case), method_options(method, case)
     if not method_applies(method, case):
         with pytest.raises(ValueError, match=CASE_FAMILY[case]):
             fastdit.patch(m, method, backend="torch", **options)
         assert_clean(m)
         return
-    if method == "dense":
-        pytest.skip("covered by test_dense_patch_equals_unpatched")
-    p = fastdit.patch(m, method, record_masks=True, backend="torch", **options)
-    recorder = Recorder(monkeypatch, p, patched_modules(p))
+    grid = TINY[case].grid
+    observed, kwargs = observe(case), inputs(case)
+    modules = find_adapter(m).attention_modules(m)
+    p = fastdit.patch(m, method, backend="torch", **options)
+    trace = LayerTrace(monkeypatch, modules)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = run(m, kwargs)
+        out = quiet_run(m, kwargs)
         assert torch.isfinite(out).all()
-        if case in DENSE_FALLBACK:
-            assert p.stats.sparse_calls == 0 and p.stats.fallback_calls > 0
-            pytest.xfail(DENSE_FALLBACK[case])
-        # one sparse call per patched layer and no fallback: every patched module is self/joint
-        # attention whose sequence fits the adapter's layout (a cross-attention would fall back)
-        assert p.stats.sparse_calls == len(p.layers) and p.stats.fallback_calls == 0
-        check_layers_against_masks(p, recorder)
-        if method == "sta":
-            assert p.stats.mean_density < 1.0, "the sta plans are not sparse at this size"
+        assert p.stats.sparse_calls == len(p.layers) and p.stats.fallback_calls == 0, p.stats.fallbacks
+        assert sorted(trace.layers) == sorted(p.layers)
+        # (a copy: fastdit.attention below goes through the traced run_plan too)
+        for name, (q, k, v, scale, got) in list(zip(trace.layers, trace.calls)):
+            layout = observed[name].layout(grid)
+            valid = key_validity(case, kwargs, layout)
+            expected = fastdit.attention(q, k, v, method, p.config, layout=layout, scale=scale, backend="torch",
+                                         key_mask=None if valid is None else valid[None])
+            rows = valid if valid is not None and CASE_FAMILY[case] in QUERY_MASKED else slice(None)
+            assert torch.allclose(got[:, :, rows], expected[:, :, rows], rtol=1e-5, atol=1e-6), name
     finally:
-        recorder.remove()
+        trace.remove()
         p.remove()
     assert_clean(m)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_remove_restores_identical_outputs(case):
+def test_dense_patch_equals_unpatched(case):
     m, kwargs, ref = model(case), inputs(case), reference(case)
-    p = fastdit.patch(m, "sta", backend="torch", **method_options("sta", case))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        patched = run(m, kwargs)
-    if case not in DENSE_FALLBACK:
-        assert not torch.equal(patched, ref), "sparse attention changed nothing: the test would prove nothing"
-    p.remove()
-    p.remove()  # idempotent
-    assert not p.active
+    before = installed_state(m)
+    with fastdit.patch(m, "dense") as p:
+        out = quiet_run(m, kwargs)
+        assert p.stats.dense_calls == len(p.layers) and p.stats.sparse_calls == 0 and p.stats.fallback_calls == 0
+    assert (out - ref).abs().max().item() <= 1e-5
     assert torch.equal(run(m, kwargs), ref)
-    assert_clean(m)
-    # and it can be patched again
-    fastdit.patch(m, "dense").remove()
-
-
-#: A second grid per kind, again not a multiple of any tile or block, and with another text length.
-OTHER_GRID = {"video": (2, 3, 5), "image": (1, 3, 5)}
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_shapes_not_multiple_of_tile_and_reshape_under_one_patch(case, monkeypatch):
-    if case in DENSE_FALLBACK:
-        pytest.xfail(DENSE_FALLBACK[case])
-    m = model(case)
-    kind = "video" if TINY[case].video else "image"
-    # default tile (chosen per resolution) on the case grid, then a new grid under the same patch
-    p = fastdit.patch(m, "sta", record_masks=True, backend="torch", dense_steps=0, dense_layers=0,
-                      tile=(2, 2, 2) if kind == "video" else (1, 2, 2), window=(1, 3, 3))
-    recorder = Recorder(monkeypatch, p, patched_modules(p))
-    try:
-        for grid in (TINY[case].grid, OTHER_GRID[kind]):
-            assert any(g % 2 for g in grid[1:])
-            recorder.calls.clear()
-            out = run(m, inputs(case, grid))
-            assert torch.isfinite(out).all()
-            check_layers_against_masks(p, recorder)
-            record = p._records[0]
-            assert record.layout.grid == tuple(grid), f"layout {record.layout.grid} != input grid {grid}"
-    finally:
-        recorder.remove()
-        p.remove()
-    assert_clean(m)
+    assert_clean(m, before)
 
 
 # -- family specifics ------------------------------------------------------------------------------
 
-def test_layouts_per_family():
-    """Text position and text length as the adapters state them, checked on the recorded layouts."""
-    expected = {  # case -> (text_position, text tokens seen by the patched layers)
-        "wan": ("none", 0), "wan_vace": ("none", 0), "skyreels_v2": ("none", 0), "ltx_video": ("none", 0),
-        "cosmos": ("none", 0), "allegro": ("none", 0), "kandinsky5": ("none", 0), "pixart_sigma": ("none", 0),
-        "hunyuan_video": ("suffix", 6), "mochi": ("suffix", 4), "cogvideox": ("prefix", 6),
-        "cogvideox15": ("prefix", 6), "flux": ("prefix", 6), "flux2": ("prefix", 6), "sd3": ("suffix", 6),
-        "qwen_image": ("prefix", 6),
-    }
-    for case, (position, text_len) in expected.items():
-        m = model(case)
-        with fastdit.patch(m, "dense", record_masks=True) as p:
-            run(m, inputs(case))
-            layout = p._records[0].layout
-        assert layout.grid == TINY[case].grid, case
-        assert (layout.text_position, layout.text_len) == (position, text_len), case
+@pytest.mark.parametrize("case", ["hunyuan_video", "qwen_image"])
+def test_padded_text_is_never_attended(case):
+    """New values in the padded text tokens change nothing, in the model and through the patch."""
+    m, kwargs = model(case), inputs(case)
+    valid = text_validity(case, kwargs)
+    assert valid is not None and not valid.all()
+    text = kwargs["encoder_hidden_states"].clone()
+    text[:, ~valid] = _fresh(text[:, ~valid], 99) * 10
+    changed = dict(kwargs, encoder_hidden_states=text)
+    assert torch.allclose(run(m, changed), reference(case), rtol=0, atol=1e-5), "the model itself attends padding"
+    with fastdit.patch(m, "sta", backend="torch", **sta_options(case)) as p:
+        patched = quiet_run(m, kwargs)
+        assert p.stats.sparse_calls == len(p.layers)
+        assert torch.allclose(quiet_run(m, changed), patched, rtol=0, atol=1e-5), "padded text keys were attended"
+    assert_clean(m)
 
 
-def test_hunyuan_text_padding_is_never_attended(monkeypatch):
-    m = model("hunyuan_video")
-    p = fastdit.patch(m, "sta", record_masks=True, backend="torch", **method_options("sta", "hunyuan_video"))
+def test_remove_restores_a_users_attention_backend():
+    m = model("wan")
+    m.set_attention_backend("native")
     try:
-        run(m, inputs("hunyuan_video"))
-        mask = p.mask(0, 0)
-        video = math.prod(TINY["hunyuan_video"].grid)
-        assert not mask[:, video + 4:].any()  # the last 2 of 6 text tokens are padding
-        assert mask[:, video:video + 4].all()
+        before = installed_state(m)
+        assert any(b not in (None, _MISSING) for *_, b in before.values())
+        with fastdit.patch(m, "sta", backend="torch", **sta_options("wan")) as p:
+            assert installed_state(m) != before
+            quiet_run(m, inputs("wan"))
+            assert p.stats.sparse_calls == len(p.layers)
+        assert_clean(m, before)
     finally:
-        p.remove()
+        for sub in m.modules():
+            processor = getattr(sub, "processor", None)
+            if processor is not None:
+                processor.__dict__.pop("_attention_backend", None)
+    assert torch.equal(run(m, inputs("wan")), reference("wan"))
+
+
+def test_fallbacks_are_counted_with_their_reasons():
+    # Flux ids that are not one frame-major grid: no layout, every layer runs the model's own attention
+    m = model("flux")
+    kwargs = inputs("flux")
+    kwargs["img_ids"] = kwargs["img_ids"].flip(0)
+    ref = run(m, kwargs)
+    with fastdit.patch(m, "sta", backend="torch", **sta_options("flux")) as p:
+        out = quiet_run(m, kwargs)
+        assert p.stats.sparse_calls == 0 and p.stats.fallback_calls == len(p.layers)
+        ((reason, count),) = p.stats.fallbacks.items()
+        assert "grid" in reason and count == len(p.layers)
+        assert p.stats.effective_density == 1.0
+    assert torch.allclose(out, ref, rtol=0, atol=1e-6)
+    assert_clean(m)
+
+    # an adapter that (wrongly) also names PixArt's cross-attention: those calls fall back, counted
+    register_adapter(Adapter(family="pixart_with_cross", transformer_classes=("PixArtTransformer2DModel",),
+                             attention_pattern=r"transformer_blocks\.\d+\.attn[12]", video=False, round_up=False,
+                             notes="test adapter"), first=True)
+    try:
+        m = model("pixart_sigma")
+        with fastdit.patch(m, "sta", backend="torch", **sta_options("pixart_sigma")) as p:
+            quiet_run(m, inputs("pixart_sigma"))
+            cross = sum(name.endswith("attn2") for name in p.layers)
+            assert cross and p.stats.sparse_calls == len(p.layers) - cross
+            assert p.stats.fallback_calls == cross
+            ((reason, count),) = p.stats.fallbacks.items()
+            assert "cross-attention" in reason and count == cross
+        assert_clean(m)
+    finally:
+        unregister_adapter("pixart_with_cross")
+    assert find_adapter(model("pixart_sigma")).family == "pixart_sigma"
+
+
+def _submodule(target, name):
+    if isinstance(target, torch.nn.Module):
+        return target.get_submodule(name)
+    attr, rest = name.split(".", 1)
+    return getattr(target, attr).get_submodule(rest)
 
 
 def test_wan22_two_transformers_share_one_step_counter(monkeypatch):
     high, low = TINY["wan"].build(0), TINY["wan"].build(1)
     pipe = types.SimpleNamespace(transformer=high, transformer_2=low, scheduler=None)
-    kwargs = inputs("wan")
+    kwargs, grid = inputs("wan"), TINY["wan"].grid
     refs = run(high, kwargs), run(low, kwargs)
-    p = fastdit.patch(pipe, "sta", record_masks=True, backend="torch", **method_options("sta", "wan"))
-    recorder = Recorder(monkeypatch, p, patched_modules(p))
+    adapter = find_adapter(high)
+    observed = {}
+    for attr, transformer in (("transformer", high), ("transformer_2", low)):
+        for name, call in observe_calls(transformer, adapter.attention_modules(transformer), kwargs).items():
+            observed[f"{attr}.{name}"] = call
+    options = sta_options("wan")
+    p = fastdit.patch(pipe, "sta", backend="torch", **options)
+    trace = LayerTrace(monkeypatch, [(name, _submodule(pipe, name)) for name in p.layers])
     try:
         assert p.layers[0].startswith("transformer.") and p.layers[-1].startswith("transformer_2.")
+        assert sorted(p.layers) == sorted(observed)
         # Wan 2.2: the high-noise expert runs the early steps, the low-noise expert the late ones;
         # one counter spans both, so dense_steps counts pipeline steps, not per-expert calls.
         run(high, dict(kwargs, timestep=torch.tensor([900])))
         assert p.step == 0
         run(low, dict(kwargs, timestep=torch.tensor([100])))
         assert p.step == 1
-        check_layers_against_masks(p, recorder)
-        assert {c[0].split(".")[0] for c in recorder.calls} == {"transformer", "transformer_2"}
+        assert sorted(trace.layers) == sorted(p.layers)
+        check_sta_layers("wan", kwargs, grid, observed, trace, options["tile"], options["window"])
     finally:
-        recorder.remove()
+        trace.remove()
         p.remove()
     assert torch.equal(run(high, kwargs), refs[0]) and torch.equal(run(low, kwargs), refs[1])
     assert_clean(high)
@@ -443,7 +661,7 @@ def test_unknown_module_clear_error_lists_families():
     with pytest.raises(UnsupportedModelError) as info:
         fastdit.patch(module, "sta")
     message = str(info.value)
-    for adapter in adapters():
+    for adapter in registered_adapters():
         if not adapter.unsupported:
             assert adapter.family in message
     assert "register_adapter" in message
@@ -492,14 +710,20 @@ def test_register_adapter_for_a_new_model(monkeypatch):
         x = torch.randn(1, 4, 3, 5, 7)
         with torch.no_grad():
             ref = toy(x)
-        p = fastdit.patch(toy, "sta", record_masks=True, backend="torch", tile=(2, 2, 2), window=(1, 3, 3),
-                          dense_steps=0, dense_layers=0)
-        recorder = Recorder(monkeypatch, p, patched_modules(p))
-        with torch.no_grad():
-            toy(x)
-        check_layers_against_masks(p, recorder)
-        recorder.remove()
-        p.remove()
+        modules = [(f"blocks.{i}.attn", block["attn"]) for i, block in enumerate(toy.blocks)]
+        observed = observe_calls(toy, modules, {"hidden_states": x})
+        tile, window = (2, 2, 2), (1, 3, 3)
+        p = fastdit.patch(toy, "sta", backend="torch", tile=tile, window=window, dense_steps=0, dense_layers=0)
+        trace = LayerTrace(monkeypatch, modules)
+        try:
+            assert p.layers == [name for name, _ in modules]
+            with torch.no_grad():
+                toy(x)
+            assert p.stats.sparse_calls == len(p.layers) and trace.layers == p.layers
+            check_sta_layers("toy_dit", {}, (3, 5, 7), observed, trace, tile, window)
+        finally:
+            trace.remove()
+            p.remove()
         with torch.no_grad():
             assert torch.equal(toy(x), ref)
         assert_clean(toy)
