@@ -41,10 +41,7 @@ from fastdit.methods import get_method, method_names
 from fastdit.pipelines import Adapter, UnsupportedModelError, find_adapter, register_adapter
 from fastdit.pipelines.adapters import unregister_adapter
 
-try:
-    from fastdit.pipelines import registered_adapters
-except ImportError:  # before adapters() was renamed registered_adapters()
-    from fastdit.pipelines import adapters as registered_adapters
+from fastdit.pipelines import registered_adapters
 
 from layer_capture import LayerTrace, assert_matches_masked_dense, changed_rows, observe_attention_calls, sta_token_mask
 from tiny_models import TINY, run
