@@ -127,7 +127,17 @@ def test_two_patches_sharing_a_scheduler_keep_their_own_tracking():
     assert "step" not in first.scheduler.__dict__ and "set_timesteps" not in first.scheduler.__dict__
 
 
-def test_attention_backend_set_while_patched_is_kept_out_and_restored():
+@pytest.fixture
+def restore_active_backend():
+    """``set_attention_backend`` also sets diffusers' process-wide active backend: put it back."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(active)
+
+
+def test_attention_backend_set_while_patched_is_kept_out_and_restored(restore_active_backend):
     from diffusers.models.attention_dispatch import AttentionBackendName
 
     model = tiny_wan()
