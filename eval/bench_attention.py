@@ -2,6 +2,9 @@
 
 Run ``python -m fastdit.eval.bench_attention`` (``--quick`` for a short CPU smoke run). Prints a
 table and writes JSON (``--out``, default ``bench_results/attention_<device>_<timestamp>.json``).
+``--path kernel`` (default) times the engine on synthetic plans (below); ``--path patched`` times
+what a patched layer runs, with each method's own plan (section "Patched path"); ``--path both``
+does both in one run.
 
 Cases
   * everywhere: B=1, H=2, D=64, float32, N in {8192, 32768}, plans at densities
@@ -13,9 +16,50 @@ Cases
     BlockMask of the same plan; HunyuanVideo includes the real sliding-tile plan (latent grid
     30x48x80, tiles 6x8x8 = 384 tokens, window 3x3x3 tiles clamped at the borders, density 0.09).
 
-Columns: time_ms (median after warm-up; CUDA events on the GPU), TFLOP/s counted on the computed
-pairs (4 * B * H * D * pairs / t), speedup over dense SDPA (the fastest dense SDPA measured for the
-case) and efficiency = speedup / (1 / density).
+Columns: time_ms (one call; the median of ``--reps`` timed calls after ``--warmup`` untimed ones,
+default 10 after 2 on CUDA, 3 after 1 on the CPU, and 2 after none for CPU cases over 2 x 8192^2
+pairs per head; CUDA events on the GPU, ``time.perf_counter`` on the CPU; the engine runs with
+``validate=False``, the plans being valid by construction; inputs, plans and FlexAttention's
+BlockMask are built before timing, and FlexAttention's compilation falls in the warm-up), TFLOP/s
+counted on the computed pairs (4 * B * H * D * pairs / t), speedup over dense SDPA (the fastest
+dense SDPA measured for the case) and efficiency = speedup / (1 / density).
+
+Patched path (``--path patched``)
+  The methods' own plans (``sta``, ``radial`` with the model family's settings, ``dense_steps=0``
+  and ``dense_layers=0`` so every call is sparse) on the token layouts of real models, text tokens
+  and the text key mask included:
+
+  * ``wan480``: Wan2.1 480p x 81 frames, 21x30x52 = 32760 video tokens, no text (self-attention);
+  * ``hunyuan720``: HunyuanVideo 768x1280 x 117 frames, 30x48x80 = 115200 video tokens + 256 text
+    tokens after them, of which the first 64 are valid (the key mask of a padded prompt).
+
+  On CUDA: H=12 (Wan) / 24 (HunyuanVideo), D=128, bfloat16, Triton. On the CPU the grids are
+  scaled down to real but shorter or smaller videos so the run takes a couple of minutes (Wan
+  480p x 25 frames: 7x30x52, the same 7x6x9 sliding tile and density as at 81 frames;
+  HunyuanVideo 544x960 x 21 frames: 6x34x60 + 256 text), H=2, D=64, float32,
+  the torch fallback; ``--quick`` shrinks them further (5x16x32; 4x24x40 + 256 text). The output
+  says which sizes ran. Per case and method, on the same q, k, v (model token order):
+
+  * ``sdpa``: ``F.scaled_dot_product_attention`` with the key mask as the model passes it (the
+    dense call the patch replaces); with a key mask also ``sdpa_nomask`` (the same call without
+    it: a lower bound for dense, not the same result);
+  * ``kernel``: ``block_sparse_attention`` alone on tensors already permuted into the plan's
+    kernel order, with the plan's key validity precomputed and ``validate=False`` (the permutation
+    and the validity vector are built before timing: excluded);
+  * ``run_plan``: ``fastdit.run_plan`` from model order: gathers into kernel order, key-validity of
+    the key mask, plan validation, the kernel, the un-permuting gather back;
+  * ``attention``: ``fastdit.attention(...)``, everything a patched layer does per call (context,
+    dense-step check, plan-cache lookup, ``run_plan``, finalize).
+
+  Time: one call, the median of ``--reps`` timed calls after ``--warmup`` untimed ones (default
+  10 after 2 on CUDA, 3 after 1 on the CPU), as above. ``density`` is ``info["density"]`` of
+  ``fastdit.attention``: query-key score computations performed / dense attention's (padding
+  slots excluded); ``block_density`` the plan's fraction of block pairs; ``speedup`` = the
+  ``sdpa`` time / the time; ``x kernel`` = the time / the ``kernel`` time of the same method.
+  ``peak_mem_mb``: measured on one more, untimed call: on CUDA the peak allocated memory above
+  what was allocated before it (inputs excluded), on the CPU the peak resident memory of the
+  process, sampled every 2 ms, above its level before the call (freed memory that the allocator
+  keeps is not seen again, so CPU figures are lower bounds).
 
 ``--check`` (default on with a GPU) first runs a correctness pass: Triton (or the torch fallback
 where Triton cannot run) against the float64 reference on small shapes, and on CUDA the large
@@ -375,6 +419,301 @@ def big_cases():
 
 
 # --------------------------------------------------------------------------------------------------
+# Patched path: the methods' own plans, from model token order (fastdit.attention / run_plan)
+# --------------------------------------------------------------------------------------------------
+
+#: Text of the HunyuanVideo case: 256 token slots (the pipeline's max_sequence_length) after the
+#: video, of which the first 64 are a prompt and the rest padding (masked as keys).
+HY_TEXT, HY_TEXT_VALID = 256, 64
+
+
+def patched_cases(cuda, quick):
+    """Model-layout cases of the patched-path benchmark: full sizes on CUDA, scaled down on the CPU."""
+    if cuda:
+        sizes = {"wan480": ((21, 30, 52), "Wan2.1 480p x 81 frames"),
+                 "hunyuan720": ((30, 48, 80), "HunyuanVideo 720p-class, 768x1280 x 117 frames")}
+        heads, dim, dtype = {"wan480": 12, "hunyuan720": 24}, 128, torch.bfloat16
+    elif quick:
+        sizes = {"wan480": ((5, 16, 32), "smoke size (CPU --quick), Wan layout"),
+                 "hunyuan720": ((4, 24, 40), "smoke size (CPU --quick), HunyuanVideo layout")}
+        heads, dim, dtype = {"wan480": 2, "hunyuan720": 2}, 64, torch.float32
+    else:
+        sizes = {"wan480": ((7, 30, 52), "CPU scale-down: Wan2.1 480p x 25 frames (full: 21x30x52)"),
+                 "hunyuan720": ((6, 34, 60), "CPU scale-down: HunyuanVideo 544x960 x 21 frames (full: 30x48x80)")}
+        heads, dim, dtype = {"wan480": 2, "hunyuan720": 2}, 64, torch.float32
+    return [
+        {"name": "wan480", "family": "wan", "grid": sizes["wan480"][0], "what": sizes["wan480"][1],
+         "text_len": 0, "text_valid": 0, "H": heads["wan480"], "D": dim, "dtype": dtype},
+        {"name": "hunyuan720", "family": "hunyuan_video", "grid": sizes["hunyuan720"][0],
+         "what": sizes["hunyuan720"][1], "text_len": HY_TEXT, "text_valid": HY_TEXT_VALID,
+         "H": heads["hunyuan720"], "D": dim, "dtype": dtype},
+    ]
+
+
+def method_config(method, family):
+    """The method's config as ``fastdit.patch`` resolves it for ``family``, with every call sparse
+    (``dense_steps=0``, ``dense_layers=0``)."""
+    from fastdit.methods.base import get_method
+
+    cls = get_method(method)
+    return cls.resolve(cls.make_config(dense_steps=0, dense_layers=0), family)
+
+
+def _timed(fn, reps, warmup, cuda):
+    """``(median ms, [ms per timed run])`` of ``fn()`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
+def _rss_bytes():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_memory_mb(fn, cuda, interval=0.002):
+    """Peak memory of one call of ``fn`` above the level before it, in MiB.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after a reset, minus what was allocated before (the
+    inputs are excluded). CPU: the process's resident set, sampled every ``interval`` seconds by a
+    thread while ``fn`` runs, minus the resident set before (None off Linux). Run on a call of its
+    own, never a timed one, so the sampling does not disturb the timings."""
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    import threading
+
+    base = _rss_bytes()
+    if base is None:
+        fn()
+        return None
+    peak = [base]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            rss = _rss_bytes() or 0
+            if rss > peak[0]:
+                peak[0] = rss
+            done.wait(interval)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    rss = _rss_bytes() or 0
+    return (max(peak[0], rss) - base) / 2**20
+
+
+def _kernel_kwargs():
+    """``validate=False`` where the engine has the option (plans built by fastdit are valid)."""
+    import inspect
+
+    params = inspect.signature(block_sparse_attention).parameters
+    return {"validate": False} if "validate" in params else {}
+
+
+PATCHED_HEADER = (
+    f"{'case':<11} {'method':<7} {'impl':<12} {'N':>7} {'H':>3} {'density':>7} {'time_ms':>10} "
+    f"{'speedup':>8} {'x kernel':>8} {'peak_MiB':>9}"
+)
+
+
+def _fmt_patched(r):
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    return (
+        f"{r['case']:<11} {r['method']:<7} {r['impl']:<12} {r['N']:>7} {r['H']:>3} {f(r['density'], '7.3f')} "
+        f"{f(r['time_ms'], '10.2f')} {f(r['speedup'], '8.2f')} {f(r.get('vs_kernel'), '8.2f')} "
+        f"{f(r['peak_mem_mb'], '9.1f')}"
+    )
+
+
+def _time_once(fn, cuda):
+    """Milliseconds of one call of ``fn`` (CUDA events, else perf_counter)."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run_patched(device, methods, reps, warmup, quick, log, emit):
+    """The patched-path benchmark; calls ``emit(row)`` per row (see the module docstring).
+
+    Per case, every implementation (dense SDPA, and per method the kernel alone, ``run_plan`` and
+    ``fastdit.attention``) gets ``warmup`` untimed calls, then ``reps`` rounds each time one call
+    of every implementation in turn (interleaved, so that a change in the machine's load during
+    the run hits all of them alike); the row's time is the median over the rounds."""
+    import dataclasses
+
+    import fastdit
+    from fastdit.layout import TokenLayout
+    from fastdit.plan import run_plan
+
+    cuda = device.type == "cuda"
+    try:
+        import triton  # noqa: F401
+
+        backend = "triton" if cuda else "torch"
+    except Exception:
+        backend = "torch"
+    kernel_extra = _kernel_kwargs()
+    for case in patched_cases(cuda, quick):
+        B, H, D, dtype = 1, case["H"], case["D"], case["dtype"]
+        layout = TokenLayout(case["grid"], case["text_len"], "suffix" if case["text_len"] else "none")
+        S = layout.seq_len
+        log(f"# {case['name']}: {case['what']}: {layout.describe()}"
+            + (f", {case['text_valid']} valid text keys" if case["text_len"] else "") + f"; B={B} H={H} D={D} "
+            f"{str(dtype).replace('torch.', '')}, sparse backend {backend}")
+        if cuda:
+            torch.cuda.empty_cache()
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, generator=gen, device=device, dtype=dtype) for _ in range(3))
+        key_mask = None
+        if case["text_len"]:
+            key_mask = torch.ones(B, S, dtype=torch.bool, device=device)
+            key_mask[:, layout.text_start + case["text_valid"]: layout.text_start + layout.text_len] = False
+        base = {"path": "patched", "case": case["name"], "what": case["what"], "family": case["family"],
+                "grid": list(case["grid"]), "text_len": case["text_len"], "text_valid": case["text_valid"], "N": S,
+                "B": B, "H": H, "D": D, "dtype": str(dtype).replace("torch.", ""), "reps": reps, "warmup": warmup,
+                "timer": "cuda_events" if cuda else "perf_counter", "interleaved": True}
+
+        # dense: the model's own call (key mask as the model passes it) and, with a mask, without it
+        attn_mask = None if key_mask is None else key_mask[:, None, None, :]
+        entries = [dict(row=dict(base, method="dense", impl="sdpa", backend="sdpa", density=1.0, block_density=None,
+                                 config=None, plan=None),
+                        fn=lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask))]
+        if key_mask is not None:
+            entries.append(dict(row=dict(base, method="dense", impl="sdpa_nomask", backend="sdpa", density=1.0,
+                                         block_density=None, config=None, plan=None),
+                                fn=lambda: F.scaled_dot_product_attention(q, k, v)))
+        for method in methods:
+            config = method_config(method, case["family"])
+            try:
+                out, info = fastdit.attention(q, k, v, method, config, layout=layout, key_mask=key_mask,
+                                              backend=backend, return_info=True)  # builds and caches the plan
+            except Exception as e:
+                log(f"  ({method} failed on {case['name']}: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                continue
+            plan = info["plan"]
+            if plan is None:
+                log(f"  ({method} runs dense on {case['name']}: no plan)")
+                continue
+            # kernel order, built before timing (excluded from the kernel row)
+            if plan.perm is not None:
+                qp, kp, vp = (t.index_select(2, plan.gather_index) for t in (q, k, v))
+            else:
+                qp, kp, vp = q, k, v
+            kv_valid = plan.kernel_kv_valid(key_mask)
+
+            def kernel(plan=plan, qp=qp, kp=kp, vp=vp, kv_valid=kv_valid):
+                return block_sparse_attention(qp, kp, vp, plan.kv_indices, plan.kv_counts, plan.block_m, plan.block_n,
+                                              kv_valid=kv_valid, return_lse=True, backend=backend, **kernel_extra)
+
+            # the same computation, so the same numbers: checked once, untimed
+            k_out = kernel()[0]
+            if plan.inverse is not None:
+                k_out = k_out.index_select(2, plan.inverse)
+            same = _rel(k_out.float(), out.float())
+            del k_out, out
+            extra = {"method": method, "backend": backend, "config": _jsonable(dataclasses.asdict(config)),
+                     "plan": plan.name, "block_m": plan.block_m, "block_n": plan.block_n,
+                     "kernel_len": plan.kernel_len, "padding_fraction": plan.padding_fraction,
+                     "density": info["density"], "block_density": plan.density, "rel_err_kernel_vs_attention": same}
+            entries += [
+                dict(row=dict(base, impl="kernel", **extra), fn=kernel),
+                dict(row=dict(base, impl="run_plan", **extra),
+                     fn=lambda plan=plan: run_plan(q, k, v, plan, key_mask=key_mask, backend=backend)),
+                dict(row=dict(base, impl="attention", **extra),
+                     fn=lambda method=method, config=config: fastdit.attention(
+                         q, k, v, method, config, layout=layout, key_mask=key_mask, backend=backend)),
+            ]
+
+        def failed(entry, stage, e):
+            log(f"  ({entry['row']['method']}/{entry['row']['impl']} failed on {case['name']} ({stage}): "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            entry["failed"] = True
+            if cuda:
+                torch.cuda.empty_cache()
+
+        for entry in entries:
+            entry["times"] = []
+            try:
+                for _ in range(warmup):
+                    entry["fn"]()
+            except Exception as e:  # e.g. out of memory: reported, the rest goes on
+                failed(entry, "warm-up", e)
+        for _ in range(reps):
+            for entry in entries:
+                if not entry.get("failed"):
+                    try:
+                        entry["times"].append(_time_once(entry["fn"], cuda))
+                    except Exception as e:
+                        failed(entry, "timed", e)
+        for entry in entries:
+            if not entry.get("failed"):
+                try:
+                    entry["mem"] = peak_memory_mb(entry["fn"], cuda)
+                except Exception as e:
+                    failed(entry, "memory", e)
+        medians = {(e["row"]["method"], e["row"]["impl"]): statistics.median(e["times"])
+                   for e in entries if not e.get("failed") and e["times"]}
+        t_dense = medians.get(("dense", "sdpa"))
+        for entry in entries:
+            row = entry["row"]
+            t = medians.get((row["method"], row["impl"]))
+            if t is None:
+                continue
+            t_kernel = medians.get((row["method"], "kernel"))
+            emit(dict(row, time_ms=t, times_ms=entry["times"], speedup=None if t_dense is None else t_dense / t,
+                      vs_kernel=None if (t_kernel is None or row["method"] == "dense") else t / t_kernel,
+                      peak_mem_mb=entry.get("mem")))
+        entries.clear()
+        q = k = v = key_mask = attn_mask = None  # noqa: F841 - free this case's tensors before the next
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+# --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
 
@@ -421,12 +760,24 @@ HEADER = (
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # e.g. a time cap's SIGINT: the JSON holds every row written so far
+        print("interrupted: the rows written so far are kept", flush=True)
+        return 130
+
+
+def _main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CPU smoke run: N=8192 only, fewer repetitions")
     p.add_argument("--check", dest="check", action="store_true", default=None,
                    help="run the correctness pass first (default: on with a GPU)")
     p.add_argument("--no-check", dest="check", action="store_false")
     p.add_argument("--check-only", action="store_true", help="run the correctness pass and exit")
+    p.add_argument("--path", choices=("kernel", "patched", "both"), default="kernel",
+                   help="kernel: the engine on synthetic plans (default); patched: fastdit.attention / run_plan "
+                        "with the methods' own plans next to the kernel alone and dense SDPA; both: one run of each")
+    p.add_argument("--methods", default="sta,radial", help="methods of the patched path (comma-separated)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--warmup", type=int, default=None)
@@ -456,7 +807,8 @@ def main(argv=None):
     cpu_name, gpu_name = _device_names(device)
     torch_v, triton_v = _versions()
     dev_tag = "cpu" if not cuda else "cuda-" + "".join(c if c.isalnum() else "_" for c in gpu_name).strip("_")
-    out_path = args.out or os.path.join("bench_results", f"attention_{dev_tag}_{stamp}.json")
+    kind = "" if args.path == "kernel" else f"{args.path}_"
+    out_path = args.out or os.path.join("bench_results", f"attention_{kind}{dev_tag}_{stamp}.json")
 
     lines = []
 
@@ -467,7 +819,8 @@ def main(argv=None):
     meta = {
         "timestamp": stamp, "device": str(device), "gpu": gpu_name, "cpu": cpu_name,
         "torch": torch_v, "triton": triton_v, "cpu_threads": torch.get_num_threads(),
-        "reps": reps, "warmup": warmup, "quick": args.quick,
+        "reps": reps, "warmup": warmup, "quick": args.quick, "path": args.path,
+        "timer": "cuda_events" if cuda else "perf_counter",
         "autotune": os.environ.get("FASTDIT_TRITON_AUTOTUNE", "1"),
     }
     log(f"fastdit attention benchmark  device={device} gpu={gpu_name} cpu={cpu_name}")
@@ -498,7 +851,31 @@ def main(argv=None):
         log(f"wrote {out_path}")
         return 1 if failed else 0
 
+    if args.path in ("patched", "both"):
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        log("")
+        log(f"patched path: {', '.join(methods)} with their own plans; {'full sizes' if cuda else 'CPU: grids scaled down (see each case)'}; "
+            f"median of {reps} timed runs after {warmup} warm-up runs ({meta['timer']}); peak memory from one more call")
+        log(PATCHED_HEADER)
+        log("-" * len(PATCHED_HEADER))
+
+        def emit(row):
+            rows.append(row)
+            log(_fmt_patched(row))
+            write()
+
+        run_patched(device, methods, reps, warmup, args.quick, log, emit)
+        log("speedup = dense SDPA time (the model's masked call) / time; x kernel = time / the kernel alone on "
+            "pre-permuted inputs (the cost of gathers, masks, validation and dispatch)")
+        if args.path == "patched":
+            write()
+            log(f"wrote {out_path}")
+            return 0
+        if cuda:
+            torch.cuda.empty_cache()
+
     sparse_backend = "triton" if cuda and has_triton else "torch"
+    kernel_extra = _kernel_kwargs()
     cases = base_cases(args.quick) + (big_cases() if cuda else [])
     log("")
     log(HEADER)
@@ -520,7 +897,7 @@ def main(argv=None):
         c_reps = args.reps or (2 if slow_cpu else reps)
         c_warmup = args.warmup if args.warmup is not None else (0 if slow_cpu else warmup)
         dtype_s = str(dtype).replace("torch.", "")
-        base = {"case": case["name"], "N": N, "H": H, "D": D, "dtype": dtype_s, "block": blk,
+        base = {"path": "kernel", "case": case["name"], "N": N, "H": H, "D": D, "dtype": dtype_s, "block": blk,
                 "tile_grid": list(case["tile_grid"]), "window": list(case["window"])}
 
         # dense baselines, once per shape
@@ -555,8 +932,11 @@ def main(argv=None):
         idx, cnt = case["plan"](device)
         pairs = computed_pairs(idx, cnt, N, N, blk, blk, B, H)
         density = pairs / (B * H * N * N)
+        # the benchmark's plans are valid by construction: the engine's per-call plan validation
+        # (two host syncs on a GPU) is left out, as fastdit's own callers may
         runners = [(f"fastdit_{sparse_backend}",
-                    lambda: block_sparse_attention(q, k, v, idx, cnt, blk, blk, return_lse=False, backend=sparse_backend))]
+                    lambda: block_sparse_attention(q, k, v, idx, cnt, blk, blk, return_lse=False, backend=sparse_backend,
+                                                   **kernel_extra))]
         if cuda and not args.no_flex and case["dtype"] != torch.float32:
             try:
                 bmask = flex_block_mask(idx, cnt, N, N, blk, blk)  # shared mask_mod: one compile per shape

@@ -1,30 +1,70 @@
 #!/usr/bin/env bash
-# GPU check for fastdit's attention engine: the correctness pass, then the full benchmark
-# (dense SDPA flash/cuDNN vs fastdit Triton vs FlexAttention; Wan 480p, HunyuanVideo 720p STA).
+# GPU check for fastdit, in four timed parts (each under its own time cap, so one slow part cannot
+# eat the run):
 #
-#   bash scripts/gpu_check.sh [extra args for python -m fastdit.eval.bench_attention]
+#   kernel   correctness pass (Triton vs the float64 reference and the torch fallback), then the
+#            kernel benchmark: dense SDPA (flash, cuDNN) vs fastdit's Triton kernel vs FlexAttention
+#            on synthetic plans; Wan 480p and HunyuanVideo 720p sliding tile      (cap T_KERNEL=130 s)
+#   patched  the patched path: fastdit.attention / run_plan with sta's and radial's own plans (text
+#            tokens and key mask included) next to the kernel alone and dense SDPA   (T_PATCHED=60 s)
+#   wan      one transformer forward, Wan2.1-T2V-1.3B at 480p x 81 frames, dense / sta / radial,
+#            eager and torch.compile'd (bf16, random weights)                        (T_WAN=170 s)
+#   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=170 s)
+#            (a dense forward is ~12 PFLOP: the eager rows fit the cap, the compiled ones, three
+#            whole-model compiles of 60 blocks, do not and are skipped by the budget; run them
+#            with: GPU_CHECK_PARTS=hunyuan T_HY=580 TRANSFORMER_ARGS="--modes compiled" bash ...)
 #
-# Writes attention_gpu_<stamp>.json, the printed table (.txt) and the full log into $OUT when set,
-# else ./bench_results. Needs only torch + triton + this source tree (no diffusers): fastdit is
-# installed editable without dependencies, or, if pip cannot do that, imported through a small
-# sys.path shim. Exit status: that of the benchmark (non-zero when a correctness check fails).
-# Target: well under 10 minutes on one H200 (the Python step is capped by BENCH_TIMEOUT seconds).
+#   bash scripts/gpu_check.sh
+#   GPU_CHECK_PARTS=hunyuan T_HY=580 bash scripts/gpu_check.sh   # one part, with more time
+#
+# The kernel and patched parts need only torch + triton + this tree. The transformer parts need
+# diffusers, which the device image lacks: wheels in .whl/ (gitignored; carry it) are installed with
+# pip --no-index --no-deps into a temporary folder when diffusers is not importable, and the two
+# parts are skipped with a message when it still is not. Fetch the wheel once, on a machine with
+# network access:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1
+# (the image's huggingface_hub, safetensors, numpy, regex, requests, Pillow and filelock satisfy
+# its requirements; Python >= 3.8 needs no importlib_metadata). With the device tool:
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# Output: every part's JSON plus one log (everything printed) in $OUT when set, else
+# ./bench_results: attention_kernel_<stamp>.json, attention_patched_<stamp>.json,
+# transformer_wan_<stamp>.json, transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (5 files).
+# Caps add up to 530 s plus set-up (~15 s): under 10 minutes; a part that reaches its cap is
+# interrupted (SIGINT, then killed 10 s later) and keeps the rows it wrote. Transformer parts get
+# --budget-s (cap - 20 s): measurements that would not fit are skipped, with the reason, in the JSON.
+# Exit status: 0 when every part that ran passed, else the first failing part's status (1: a
+# correctness failure; 124: a part hit its cap). Skipped parts do not fail the run.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$REPO/bench_results}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
+command -v "$PY" >/dev/null 2>&1 || PY=python
 STAMP="$(date +%Y%m%d-%H%M%S)"
 LOG="$OUT_DIR/gpu_check_$STAMP.log"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-540}"
+PARTS="${GPU_CHECK_PARTS:-kernel,patched,wan,hunyuan}"
+T_KERNEL="${T_KERNEL:-130}"
+T_PATCHED="${T_PATCHED:-60}"
+T_WAN="${T_WAN:-170}"
+T_HY="${T_HY:-170}"
+HY_FRAMES="${HY_FRAMES:-129}"
+# extra arguments (word-split), e.g. a CPU dry run of the script's logic:
+#   GPU_CHECK_PARTS=patched,wan ATTENTION_ARGS=--quick TRANSFORMER_ARGS="--scale tiny" bash scripts/gpu_check.sh
+ATTENTION_ARGS="${ATTENTION_ARGS:-}"
+TRANSFORMER_ARGS="${TRANSFORMER_ARGS:-}"
 unset TRITON_INTERPRET            # real GPU kernels, never the CPU interpreter
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$LOG") 2>&1
+T0=$SECONDS
 
-importable() {  # can python, started in directory $1, import the engine and the benchmark?
-    (cd "$1" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench_attention") >/dev/null 2>&1
+# -- set-up: fastdit importable (editable install, else a sys.path shim), diffusers from wheels ------
+importable() {  # can python, started in directory $1, import the engine and the benchmarks?
+    (cd "$1" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench_attention, fastdit.eval.bench_transformer") \
+        >/dev/null 2>&1
 }
 
 RUN_DIR="$REPO"
@@ -45,9 +85,29 @@ if [ "$FORCE_SHIM" = 1 ] || ! importable "$REPO"; then
     RUN_DIR="$SHIM"
     echo "[gpu_check] using sys.path shim $SHIM"
     if ! importable "$SHIM"; then
-        (cd "$SHIM" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench_attention")
+        (cd "$SHIM" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench_attention, fastdit.eval.bench_transformer")
         echo "[gpu_check] cannot import fastdit"; exit 2
     fi
+fi
+
+diffusers_version() { (cd "$RUN_DIR" && "$PY" -c "import diffusers; print(diffusers.__version__)" 2>/dev/null); }
+HAVE_DIFFUSERS=0
+DIFFUSERS_V="$(diffusers_version)"
+if [ -z "$DIFFUSERS_V" ] && ls "$REPO"/.whl/diffusers-*.whl >/dev/null 2>&1; then
+    SITE="$(mktemp -d)"
+    echo "[gpu_check] installing $(cd "$REPO/.whl" && ls ./*.whl | tr '\n' ' ')into $SITE (no index, no deps)"
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$REPO"/.whl/*.whl; then
+        export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
+        DIFFUSERS_V="$(diffusers_version)"
+        [ -n "$DIFFUSERS_V" ] || (cd "$RUN_DIR" && "$PY" -c "import diffusers")  # show why
+    fi
+fi
+if [ -n "$DIFFUSERS_V" ]; then
+    HAVE_DIFFUSERS=1
+    echo "[gpu_check] diffusers $DIFFUSERS_V"
+else
+    echo "[gpu_check] diffusers is not importable and no usable .whl/diffusers-*.whl was carried: the transformer"
+    echo "[gpu_check] parts (wan, hunyuan) will be SKIPPED. Carry the wheel (see the top of this script)."
 fi
 
 cd "$RUN_DIR"
@@ -63,11 +123,61 @@ except Exception as e:  # the benchmark reports it too
 print(f"[gpu_check] torch {torch.__version__}  triton {tv}  cuda {torch.version.cuda}  "
       f"device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NONE'}")
 PYEOF
+echo "[gpu_check] set-up took $((SECONDS - T0))s; parts: $PARTS"
 
-timeout --signal=INT --kill-after=20 "$BENCH_TIMEOUT" "$PY" -m fastdit.eval.bench_attention --check \
-    --out "$OUT_DIR/attention_gpu_$STAMP.json" --table "$OUT_DIR/attention_gpu_$STAMP.txt" "$@"
-rc=$?
-if [ "$rc" -eq 124 ]; then echo "[gpu_check] benchmark hit the ${BENCH_TIMEOUT}s cap; partial JSON kept"; fi
-echo "[gpu_check] exit $rc; results in $OUT_DIR"
-ls -l "$OUT_DIR" | tail -n 5
-exit "$rc"
+# -- the parts ---------------------------------------------------------------------------------------
+STATUS=0
+SUMMARY=()
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
+part() {  # part NAME CAP_SECONDS COMMAND... : run under the cap, record status and time
+    local name="$1" cap="$2"; shift 2
+    local start=$SECONDS rc
+    echo ""
+    echo "[gpu_check] ===== $name (cap ${cap}s) ====="
+    timeout --signal=INT --kill-after=10 "$cap" "$@"
+    rc=$?
+    local took=$((SECONDS - start)) state="ok"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        state="hit the ${cap}s cap (rows written so far are kept)"; rc=124
+    elif [ "$rc" -eq 130 ]; then
+        state="interrupted at the cap (rows written so far are kept)"; rc=124
+    elif [ "$rc" -ne 0 ]; then
+        state="FAILED (exit $rc)"
+    fi
+    SUMMARY+=("$(printf '%-8s %-60s %4ss' "$name" "$state" "$took")")
+    if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
+}
+skip() { SUMMARY+=("$(printf '%-8s %-60s %4s' "$1" "SKIPPED: $2" "-")"); }
+
+if want kernel; then
+    part kernel "$T_KERNEL" "$PY" -m fastdit.eval.bench_attention --check --path kernel \
+        --out "$OUT_DIR/attention_kernel_$STAMP.json" $ATTENTION_ARGS
+fi
+if want patched; then
+    part patched "$T_PATCHED" "$PY" -m fastdit.eval.bench_attention --no-check --path patched \
+        --out "$OUT_DIR/attention_patched_$STAMP.json" $ATTENTION_ARGS
+fi
+if want wan; then
+    if [ "$HAVE_DIFFUSERS" = 1 ]; then
+        part wan "$T_WAN" "$PY" -m fastdit.eval.bench_transformer --models wan --scale full \
+            --budget-s $((T_WAN - 20)) --out "$OUT_DIR/transformer_wan_$STAMP.json" $TRANSFORMER_ARGS
+    else
+        skip wan "diffusers not available (carry .whl/diffusers-*.whl)"
+    fi
+fi
+if want hunyuan; then
+    if [ "$HAVE_DIFFUSERS" = 1 ]; then
+        part hunyuan "$T_HY" "$PY" -m fastdit.eval.bench_transformer --models hunyuan --scale full \
+            --hy-frames "$HY_FRAMES" --budget-s $((T_HY - 20)) --out "$OUT_DIR/transformer_hunyuan_$STAMP.json" \
+            $TRANSFORMER_ARGS
+    else
+        skip hunyuan "diffusers not available (carry .whl/diffusers-*.whl)"
+    fi
+fi
+
+echo ""
+echo "[gpu_check] ===== summary ($((SECONDS - T0))s in all) ====="
+for line in "${SUMMARY[@]+"${SUMMARY[@]}"}"; do echo "  $line"; done
+echo "[gpu_check] exit $STATUS; results in $OUT_DIR"
+ls -l "$OUT_DIR" | tail -n 8
+exit "$STATUS"
