@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdit.kernels import block_sparse_attention, dense_reference, plan_to_token_mask, triton_interpreter_enabled
+from fastdit.jsonutil import to_json
 
 # --------------------------------------------------------------------------------------------------
 # Plans
@@ -164,25 +165,8 @@ def computed_pairs(kv_indices, kv_counts, n_q, n_k, block_m, block_n, batch, hea
 
 
 def time_fn(fn, reps, warmup, cuda):
-    """Median milliseconds of ``fn()`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of ``fn()`` after ``warmup`` calls (``_timed``, without the run list)."""
+    return _timed(fn, reps, warmup, cuda)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -649,7 +633,7 @@ def run_patched(device, methods, reps, warmup, quick, log, emit):
                 k_out = k_out.index_select(2, plan.inverse)
             same = _rel(k_out.float(), out.float())
             del k_out, out
-            extra = {"method": method, "backend": backend, "config": _jsonable(dataclasses.asdict(config)),
+            extra = {"method": method, "backend": backend, "config": to_json(dataclasses.asdict(config)),
                      "plan": plan.name, "block_m": plan.block_m, "block_n": plan.block_n,
                      "kernel_len": plan.kernel_len, "padding_fraction": plan.padding_fraction,
                      "density": info["density"], "block_density": plan.density, "rel_err_kernel_vs_attention": same}
@@ -703,14 +687,6 @@ def run_patched(device, methods, reps, warmup, quick, log, emit):
                       peak_mem_mb=entry.get("mem")))
         entries.clear()
         q = k = v = key_mask = attn_mask = None  # noqa: F841 - free this case's tensors before the next
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 # --------------------------------------------------------------------------------------------------

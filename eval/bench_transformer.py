@@ -81,6 +81,8 @@ import time
 
 import torch
 
+from fastdit.jsonutil import to_json
+
 _OOM = getattr(torch, "OutOfMemoryError", getattr(torch.cuda, "OutOfMemoryError", MemoryError))
 
 # --------------------------------------------------------------------------------------------------
@@ -456,7 +458,7 @@ def bench_model(name, args, device, dtype, budget, log, emit):
             try:
                 if method != "dense":
                     patch = fastdit.patch(model, method, dense_steps=0, record_masks=True, backend=backend, **options)
-                    row["method_config"] = _jsonable(dataclasses.asdict(patch.config))
+                    row["method_config"] = to_json(dataclasses.asdict(patch.config))
                 # graph breaks of the (patched) model, before timing (explain resets dynamo)
                 if mode == "compiled" and args.explain:
                     target = model if args.scale == "tiny" else build_model(name, explain_config, device, dtype)
@@ -560,14 +562,6 @@ def bench_model(name, args, device, dtype, budget, log, emit):
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def main(argv=None):

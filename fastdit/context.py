@@ -24,7 +24,6 @@ The first ``scheduler.step`` of a call tells where (its timestep's index in the 
 from __future__ import annotations
 
 import contextvars
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -110,12 +109,6 @@ class CallState:
     def is_dense_step(self, dense_steps):
         return self.step < self.dense_threshold(dense_steps)
 
-    def dense_step_count(self, dense_steps):
-        """How many steps of this call run dense."""
-        if isinstance(dense_steps, float) and self.num_steps is None:
-            return None
-        count = math.ceil(self.dense_threshold(dense_steps))
-        return count if self.num_steps is None else min(count, self.num_steps)
 
 
 def _schedule_index(schedule, timestep):
@@ -233,7 +226,7 @@ class AttentionContext:
         """The model's own attention for this call."""
         return self.dense_fn()
 
-    def record(self, plan=None, performed=None, total=None, fallback=None):
+    def record(self, plan=None, performed=None, total=None):
         """Tell the caller what was computed: a block plan, or (token methods) the query-key score
         computations ``performed`` over the whole call against dense attention's ``total``."""
         if plan is not None:
@@ -241,5 +234,3 @@ class AttentionContext:
         if performed is not None:
             self.info["performed"] = performed
             self.info["total"] = total
-        if fallback is not None:
-            self.info["fallback"] = fallback
