@@ -54,13 +54,13 @@ def format_option_value(value):
 
 def tiny_method_presets(model, methods, options):
     """``options`` (method -> options) with the tiny models' method presets underneath
-    (``fastdit.compare.TINY_METHOD_OPTIONS``) when ``model`` is a tiny built-in; else unchanged."""
-    from fastdit.compare import TINY_METHOD_OPTIONS
+    (each method's ``tiny_options``) when ``model`` is a tiny built-in; else unchanged."""
+    from fastdit.methods import tiny_presets
     from fastdit.pipelines.loading import tiny_name
 
     options = {method: dict(values) for method, values in options.items()}
     if tiny_name(model) is not None:
-        for method, preset in TINY_METHOD_OPTIONS.items():
+        for method, preset in tiny_presets().items():
             if method in methods:
                 options[method] = {**preset, **options.get(method, {})}
     return options

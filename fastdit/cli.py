@@ -24,8 +24,9 @@ from fastdit.cli_common import (
 def cmd_compare(args):
     import torch
 
-    from fastdit.compare import TINY_METHOD_OPTIONS, compare, format_table
-    from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline, tiny_name
+    from fastdit.compare import compare, format_table
+    from fastdit.eval.settings import tiny_method_presets
+    from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     import fastdit
@@ -42,10 +43,7 @@ def cmd_compare(args):
     except ModelNotFoundError as error:
         raise CLIError(f"argument --model: {error}") from None
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
-    if tiny_name(args.model) is not None:
-        for method, preset in TINY_METHOD_OPTIONS.items():
-            if method in methods:
-                options[method] = {**preset, **options.get(method, {})}
+    options = tiny_method_presets(args.model, methods, options)
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}

@@ -24,9 +24,6 @@ from fastdit.video import pipeline_frames, write_video
 #: published 6x8x8 tiles would cover most of the grid. ``fit_tile`` fits the tile to every grid
 #: where the plan is built (17 frames give 5 latent frames, which 4-frame tiles would pad by 60%),
 #: so compare, eval and the app all get the same fitted tiles.
-TINY_METHOD_OPTIONS = {"sta": {"tile": (4, 4, 8), "window": (3, 3, 3), "fit_tile": True}}
-
-
 
 #: `fastdit compare` on a tiny model: 29 frames at 512x768 -> an 8 x 32 x 48 latent token grid
 #: (12288 tokens), 8 steps (the first 2 dense by sliding-tile's default). Attention dominates the

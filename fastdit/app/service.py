@@ -246,13 +246,14 @@ class Runner:
         return call, notes, tokens
 
     def _run_locked(self, entry, request, seed, options, progress, cancel):
-        from fastdit.compare import TINY_METHOD_OPTIONS, generate
+        from fastdit.compare import generate
+        from fastdit.methods import tiny_presets
         from fastdit.pipelines.loading import call_parameters, tiny_name
 
         pipe, method = entry.pipe, request.method
         call, notes, tokens = self._call_for(entry, request)
         if tiny_name(request.model) is not None:
-            options = {**TINY_METHOD_OPTIONS.get(method, {}), **{k: v for k, v in options.items() if v is not None}}
+            options = {**tiny_presets().get(method, {}), **{k: v for k, v in options.items() if v is not None}}
         n_steps = int(call.get("num_inference_steps", request.steps))
         size = f"{call.get('num_frames', 1)}x{call.get('height', '?')}x{call.get('width', '?')}"
         dense_key = (request.model, request.prompt, call.get("negative_prompt"), seed, repr(sorted(

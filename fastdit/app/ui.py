@@ -27,9 +27,9 @@ FIXED_INPUTS = ["model", "prompt", "negative_prompt", "seed", "steps", "guidance
 
 
 def _tiny_presets():
-    from fastdit.compare import TINY_METHOD_OPTIONS
+    from fastdit.methods import tiny_presets
 
-    return TINY_METHOD_OPTIONS
+    return tiny_presets()
 
 
 def option_widget(spec, value):

@@ -1,8 +1,21 @@
-"""Attention methods, one per file; ``fastdit.method_names()`` lists the registered names."""
-from .base import Method, MethodConfig, OptionError, get_method, method_names, option, register_method
+"""Attention methods, one per file; ``fastdit.method_names()`` lists the registered names.
+
+Every module of this package is imported here, so a new method file registers itself (with
+``@register_method``) without editing this list.
+"""
+import importlib
+import pkgutil
+
+from .base import (Method, MethodConfig, OptionError, get_method, method_names, option, register_method,
+                   tiny_presets)
+from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .dense import DenseConfig
 from .radial import RadialConfig
 from .sta import STAConfig
 
-__all__ = ["DenseConfig", "Method", "MethodConfig", "OptionError", "RadialConfig", "STAConfig", "get_method",
-           "method_names", "option", "register_method"]
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+del _module
+
+__all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
+           "RadialConfig", "STAConfig", "get_method", "method_names", "option", "register_method", "tiny_presets"]

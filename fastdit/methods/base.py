@@ -108,6 +108,9 @@ class Method:
     default_options = {}
     #: Prepared plans kept per method instance (layouts change with resolution and frame count).
     cache_size = 16
+    #: Options used on fastdit's tiny built-in models (compare, eval and the app apply them there):
+    #: block and tile sizes that fit their small token grids.
+    tiny_options = {}
 
     def __init__(self, config=None, **options):
         self.config = self.make_config(config, **options) if (config is None or options
@@ -246,3 +249,8 @@ def get_method(name):
 
 def method_names():
     return sorted(_REGISTRY)
+
+
+def tiny_presets():
+    """``method name -> options`` for fastdit's tiny built-in models (each method's ``tiny_options``)."""
+    return {name: dict(cls.tiny_options) for name, cls in sorted(_REGISTRY.items()) if cls.tiny_options}

@@ -82,7 +82,8 @@ import torch
 
 from fastdit.plan import BlockPlan
 
-from .base import Method, MethodConfig, option, register_method
+from .base import option, register_method
+from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
 ADJACENT_RULES = ("band", "dense")
@@ -93,7 +94,7 @@ _CHUNK_PAIRS = 1 << 22
 
 
 @dataclass
-class RadialConfig(MethodConfig):
+class RadialConfig(BlockSparseConfig):
     """Options of radial attention.
 
     Attributes:
@@ -114,6 +115,7 @@ class RadialConfig(MethodConfig):
             allowed pair (a superset of the token rule), 1 only blocks fully inside it.
         dense_steps: see ``MethodConfig``. Default 0.24 (12 of 50 steps, the reference scripts).
         dense_layers: see ``MethodConfig``. Default Wan 1, others 0 (the reference scripts).
+        skip_threshold, correction, refresh_every: see ``BlockSparseConfig``.
     """
 
     decay: float | None = option(None, "band width factor for frames 2+ apart (> 0); empty: the family's default",
@@ -300,7 +302,7 @@ def mask_to_indices(mask):
 
 
 @register_method
-class Radial(Method):
+class Radial(BlockSparseMethod):
     name = "radial"
     config_cls = RadialConfig
     #: Families without defaults of their own (CogVideoX, LTX, Mochi, ...; Wan and HunyuanVideo set

@@ -27,7 +27,8 @@ import torch
 
 from fastdit.plan import BlockPlan
 
-from .base import Method, MethodConfig, option, register_method
+from .base import option, register_method
+from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
 #: Published tile (tokens) of STA for HunyuanVideo / Wan: 6x8x8 = 384 tokens.
 DEFAULT_TILE = (6, 8, 8)
@@ -36,7 +37,7 @@ MAX_PADDING = 0.10
 
 
 @dataclass
-class STAConfig(MethodConfig):
+class STAConfig(BlockSparseConfig):
     """Options of sliding-tile attention.
 
     Attributes:
@@ -49,6 +50,7 @@ class STAConfig(MethodConfig):
             every entry point (compare, eval, the app) fits it the same way, where the plan is built.
         dense_steps: see ``MethodConfig``; default 0.25 (the first quarter of steps dense).
         dense_layers: see ``MethodConfig``; default 0.
+        skip_threshold, correction, refresh_every: see ``BlockSparseConfig``.
     """
 
     tile: tuple | None = option(None, "tokens per tile (tt, th, tw); empty: chosen per resolution around 6x8x8",
@@ -155,10 +157,12 @@ def tile_permutation(layout, tile, text_block):
 
 
 @register_method
-class SlidingTile(Method):
+class SlidingTile(BlockSparseMethod):
     name = "sta"
     config_cls = STAConfig
     default_options = {"dense_steps": 0.25, "dense_layers": 0}
+    #: The tiny models' grids are small: a 4x4x8 tile target, fitted per grid.
+    tiny_options = {"tile": (4, 4, 8), "window": (3, 3, 3), "fit_tile": True}
 
     def tile_for(self, layout):
         if self.config.tile is None:
