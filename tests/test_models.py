@@ -83,9 +83,11 @@ def method_options(method, case):
         return {}
     if method == "sta":
         return sta_options(case)
-    valid = {f for f in get_method(method).config_cls.__dataclass_fields__}
-    chosen = {k: v for k, v in OPTIONS.get(method, {}).get(kind(case), {}).items() if k in valid}
-    return {**COMMON, **chosen}
+    cls = get_method(method)
+    valid = {f for f in cls.config_cls.__dataclass_fields__}
+    # The method's own tiny-model preset, then this file's choices for the tiny test grids.
+    chosen = {**cls.tiny_options, **OPTIONS.get(method, {}).get(kind(case), {})}
+    return {**COMMON, **{k: v for k, v in chosen.items() if k in valid}}
 
 
 def method_applies(method, case):
