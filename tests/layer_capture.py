@@ -8,6 +8,7 @@ import torch
 
 import fastdit.methods.base as patch_module  # where methods call run_plan
 from fastdit.kernels import dense_reference
+from fastdit.methods.token_attention import TokenSplit
 
 
 class LayerCapture:
@@ -131,6 +132,17 @@ class LayerTrace(LayerCapture):
             return inner(*args, **kwargs)
 
         monkeypatch.setattr(patch_module, "run_plan", traced_run_plan)
+        # Token methods (todo, tome) run no plan: their call ends in ``TokenSplit.assemble``.
+        assemble = TokenSplit.assemble
+
+        def traced_assemble(split, video_out, scale):
+            out = assemble(split, video_out, scale)
+            self.layers.append(self.current)
+            self.calls.append((split.q.detach().clone(), split.k.detach().clone(), split.v.detach().clone(), scale,
+                               out.detach().clone()))
+            return out
+
+        monkeypatch.setattr(TokenSplit, "assemble", traced_assemble)
         self.handles = [module.register_forward_pre_hook(lambda m, a, name=name: setattr(self, "current", name))
                         for name, module in modules]
 
