@@ -14,11 +14,24 @@ Video queries also attend every valid text key; text queries attend every valid 
 Tokens are permuted into tile order, so a tile is exactly one kernel block of ``tt * th * tw``
 tokens; tiles that overhang the grid hold padding slots (keys masked, query rows dropped). The
 default tile is chosen per resolution (``choose_tile``) so that padding stays under 10%.
+
+Per (step, layer, head) windows (``strategy``, after STA's mask search, which picks a window per
+head, layer and step and ships it as a JSON "mask strategy"): a mapping ``"s_l_h" -> (wt, wh, ww)``
+where ``s`` is the first denoising step of a step bucket, ``l`` the patched layer (model order,
+over all patched transformers) and ``h`` the head (global: under context parallelism a rank's
+heads are ``head_offset ..``). A window entry 0 means the whole axis. Step ``i`` uses the bucket
+with the largest start ``s <= i`` (so the last bucket also covers every later step); steps before
+the first bucket, and (layer, head) pairs the strategy does not name, use ``window``. Heads of one
+call run in one engine call on a per-head plan; a call whose heads all cover the whole grid runs
+the model's own (dense) attention. ``load_strategy`` imports FastVideo's ``mask_strategy_*.json``.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
+import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
@@ -59,6 +72,9 @@ class STAConfig(BlockSparseConfig):
                                   "or one triple per head", widget="triple")
     fit_tile: bool = option(False, "fit the tile to each grid (padding under 10%) instead of using it exactly",
                             widget="checkbox")
+    strategy: dict | None = option(None, "per (step bucket, layer, head) windows: {'s_l_h': (wt, wh, ww)}, "
+                                   "0 = whole axis; step i uses the bucket with the largest start <= i; "
+                                   "unnamed heads and earlier steps use window", widget="text")
 
     def validate(self):
         super().validate()
@@ -78,6 +94,69 @@ class STAConfig(BlockSparseConfig):
         windows = _windows(self.window)
         # one window as a tuple (any sequence of three ints is accepted), per-head windows as a list
         self.window = windows if _is_per_head(self.window) else windows[0]
+        if self.strategy is not None:
+            self.strategy = normalize_strategy(self.strategy)
+
+
+def _parse_strategy_key(key):
+    """``"s_l_h"`` or ``(s, l, h)`` -> ``(s, l, h)`` non-negative ints; ValueError otherwise."""
+    parts = key.split("_") if isinstance(key, str) else key
+    try:
+        if isinstance(parts, (str, bytes)) or len(parts) != 3:
+            raise ValueError
+        values = tuple(int(p) if isinstance(p, str) else p for p in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"strategy entry {key!r}: keys are 'step_layer_head' (three ints >= 0, e.g. '12_3_0') "
+                         f"or (step, layer, head) tuples") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"strategy entry {key!r}: step, layer and head must be ints >= 0")
+    return values
+
+
+def normalize_strategy(strategy):
+    """A strategy checked and in canonical form: ``{"s_l_h": (wt, wh, ww)}`` sorted by (s, l, h).
+    Window entries are odd positive ints (tiles) or 0 (the whole axis). ValueError names the entry."""
+    if not isinstance(strategy, dict):
+        raise ValueError(f"strategy must be a dict {{'step_layer_head': (wt, wh, ww)}}, got {type(strategy).__name__}")
+    entries = {}
+    for key, window in strategy.items():
+        step_layer_head = _parse_strategy_key(key)
+        if (not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 3
+                or not all(isinstance(w, Integral) and not isinstance(w, bool) for w in window)):
+            raise ValueError(f"strategy entry {key!r}: a window is three ints (wt, wh, ww), got {window!r}")
+        window = tuple(int(w) for w in window)
+        if any(w < 0 or (w > 0 and w % 2 == 0) for w in window):
+            raise ValueError(f"strategy entry {key!r}: window entries must be odd positive tiles or 0 (the whole "
+                             f"axis), got {window}")
+        if step_layer_head in entries and entries[step_layer_head] != window:
+            raise ValueError(f"strategy entry {key!r}: (step, layer, head) {step_layer_head} is given twice")
+        entries[step_layer_head] = window
+    return {"_".join(map(str, k)): entries[k] for k in sorted(entries)}
+
+
+class _StrategyIndex:
+    """Window lookup of a normalized strategy: bucket starts and ``(start, layer) -> {head: window}``."""
+
+    def __init__(self, strategy):
+        self.table = {}
+        for key, window in (strategy or {}).items():
+            step, layer, head = map(int, key.split("_"))
+            self.table.setdefault((step, layer), {})[head] = window
+        self.starts = sorted({step for step, _ in self.table})
+        self.max_head = max((h for heads in self.table.values() for h in heads), default=-1)
+
+    def bucket(self, step):
+        """The start of the bucket step ``step`` belongs to (None: before the first bucket)."""
+        index = bisect.bisect_right(self.starts, step) - 1
+        return self.starts[index] if index >= 0 else None
+
+    def windows(self, step, layer, defaults):
+        """Per-head windows of (step, layer): the strategy's, else ``defaults`` (one per head)."""
+        start = self.bucket(step)
+        heads = self.table.get((start, layer)) if start is not None else None
+        if not heads:
+            return defaults
+        return tuple(heads.get(h, default) for h, default in enumerate(defaults))
 
 
 def _is_per_head(window):
@@ -132,7 +211,7 @@ def choose_tile(grid, target=DEFAULT_TILE, max_padding=MAX_PADDING):
 
 def _axis_windows(n_tiles, width):
     """Key-tile coordinates attended by each query tile along one axis: ``(n_tiles, w)``."""
-    width = min(width, n_tiles)
+    width = n_tiles if width == 0 else min(width, n_tiles)  # 0: the whole axis
     start = (torch.arange(n_tiles) - width // 2).clamp(0, n_tiles - width)
     return start[:, None] + torch.arange(width)
 
@@ -171,15 +250,74 @@ class SlidingTile(BlockSparseMethod):
             return choose_tile(layout.grid, self.config.tile)
         return tuple(min(t, g) for t, g in zip(self.config.tile, layout.grid))
 
+    def __init__(self, config=None, **options):
+        super().__init__(config, **options)
+        self._strategy = _StrategyIndex(self.config.strategy)
+        if self.config.strategy:
+            # one plan per distinct (layout, window list): room for every (bucket, layer) setting
+            self.cache_size = max(self.cache_size, 4 * len(self._strategy.table) + 16)
+        self._window_lists = {}
+
     def check_heads(self, num_heads):
         windows = _windows(self.config.window)
         if len(windows) not in (1, num_heads):
             raise ValueError(f"window lists {len(windows)} triples but the model's attention layers have {num_heads} "
                              f"heads; give one window or {num_heads}")
+        if self._strategy.max_head >= num_heads:
+            entry = next(f"{s}_{layer}_{h}" for (s, layer), heads in self._strategy.table.items() for h in heads
+                         if h >= num_heads)
+            raise ValueError(f"strategy entry {entry!r} names head {self._strategy.max_head} but the model's attention "
+                             f"layers have {num_heads} heads")
+
+    def window_list(self, step, layer, heads):
+        """The per-head windows (one triple per global head) of a call at ``step`` in ``layer``."""
+        key = (self._strategy.bucket(step), layer, heads)
+        found = self._window_lists.get(key)
+        if found is None:
+            defaults = _windows(self.config.window)
+            defaults = tuple(defaults) if len(defaults) == heads else tuple(defaults) * heads
+            found = self._window_lists[key] = self._strategy.windows(step, layer, defaults)
+        return found
+
+    def select(self, ctx, q, k):
+        """The plan of this call's (step, layer) (the strategy's windows), sliced to the call's heads."""
+        if not self.config.strategy:
+            return super().select(ctx, q, k)
+        total = ctx.total_heads or ctx.num_heads
+        windows = self.window_list(ctx.step, ctx.layer, total)
+        mine = windows[ctx.head_offset:ctx.head_offset + ctx.num_heads]
+        shared = len(set(mine)) == 1
+        # heads sharing one window get a one-head plan (broadcast); otherwise a per-head plan of all heads
+        plan = self.windows_plan(ctx.layout, mine[:1] if shared else windows, q.device)
+        if plan is not None and not shared and (ctx.head_offset or ctx.num_heads != total):
+            plan = plan.select_heads(ctx.head_offset, ctx.num_heads)
+        return plan
+
+    def windows_plan(self, layout, windows, device):
+        """The plan of per-head ``windows`` on ``layout`` (cached), or None when every head covers the
+        whole grid (the call then runs the model's own attention)."""
+        key = ("windows", layout, tuple(windows), str(device))
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        tile = self.tile_for(layout)
+        n_tiles = [-(-g // t) for g, t in zip(layout.grid, tile)]
+        covers = all(all(w == 0 or w >= n for w, n in zip(window, n_tiles)) for window in windows)
+        plan = None if covers else self.build_plan(layout, list(windows), device).validate()
+        with self._lock:
+            self._cache[key] = plan
+            self.plans_built += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return plan
 
     def prepare(self, layout, heads, device):
         self.check_heads(heads)
-        windows = _windows(self.config.window)
+        return self.build_plan(layout, _windows(self.config.window), device)
+
+    def build_plan(self, layout, windows, device):
+        """The block plan of ``windows`` (one triple, or one per head; entry 0 = the whole axis)."""
         tile = self.tile_for(layout)
         block = math.prod(tile)
         perm, n_video, n_text = tile_permutation(layout, tile, block)
@@ -218,3 +356,90 @@ class SlidingTile(BlockSparseMethod):
             name=f"sta_t{'x'.join(map(str, tile))}_w{window_name}",
             info={"tile": tile, "tile_grid": tuple(n_tiles), "window": windows if len(windows) > 1 else windows[0]},
         )
+
+
+#: FastVideo's STA tile (tokens): its mask strategies count windows in tiles of this size.
+FASTVIDEO_TILE = (6, 8, 8)
+PLAN_FORMAT, PLAN_VERSION = "fastdit-plan", 1
+
+
+def _fastvideo_window(entry, n_tiles):
+    """FastVideo's window entry ``e`` as a fastdit window entry along an axis of ``n_tiles`` tiles.
+
+    FastVideo's rule (its flex-attention reference mask): the centre ``clamp(q, e//2, n-1-e//2)``
+    and key tiles within ``e//2`` of it. So ``e >= n`` covers the whole axis (0 here), an odd ``e``
+    is ``e`` tiles, and an even ``e < n`` is ``e + 1`` tiles. Without the grid (``n_tiles`` None)
+    an even entry means the whole axis, as in FastVideo's published files (whose even entries are
+    the axis lengths, e.g. ``[5, 6, 10]`` on HunyuanVideo's 5x6x10 tile grid).
+    """
+    if n_tiles is None:
+        return 0 if entry % 2 == 0 else entry
+    if entry >= n_tiles:
+        return 0
+    return entry + 1 if entry % 2 == 0 else entry
+
+
+def load_strategy(path, *, grid=None, tile=FASTVIDEO_TILE, out=None):
+    """Import a FastVideo STA mask strategy (``mask_strategy_*.json``) as a fastdit plan (a dict).
+
+    The file maps ``"step_layer_head"`` (FastVideo's denoising step index, layer, head) to a window
+    ``[wt, wh, ww]`` in tiles of ``tile`` tokens (FastVideo's 6x8x8). Entries become the ``sta``
+    option ``strategy`` (consecutive steps with the same settings share one step bucket), with
+    ``tile`` fixed and ``dense_steps=0`` (FastVideo's dense first steps are full windows in the
+    file). ``grid`` ``(T, H, W)`` latent tokens: with it, even entries smaller than the axis follow
+    FastVideo's rule exactly (``e + 1`` tiles) and the plan records the grid; without it an even
+    entry means the whole axis. ``out``: also write the plan there (JSON).
+
+    Apply it with ``fastdit.patch(pipe, "sta", plan=path_of_the_written_plan)``, or with the options
+    ``fastdit.plan_file.plan_options`` gives. ValueError names the file and the entry for a file
+    that is not JSON, not an object, or has keys / windows that do not parse.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a valid JSON mask strategy (truncated or malformed): {error}") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read the mask strategy: {error.strerror or error}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{path}: a mask strategy is a non-empty JSON object {{'step_layer_head': [wt, wh, ww]}}")
+    if grid is not None:
+        grid = tuple(int(g) for g in grid)
+        if len(grid) != 3 or min(grid) < 1:
+            raise ValueError(f"grid must be three positive ints (T, H, W), got {grid!r}")
+    n_tiles = [None] * 3 if grid is None else [-(-g // t) for g, t in zip(grid, tile)]
+    per_step = {}
+    for key, window in raw.items():
+        try:
+            step, layer, head = _parse_strategy_key(key)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+        if (not isinstance(window, list) or len(window) != 3
+                or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in window)):
+            raise ValueError(f"{path}: strategy entry {key!r}: a window is three ints >= 1 (tiles), got {window!r}")
+        per_step.setdefault(step, {})[(layer, head)] = tuple(_fastvideo_window(w, n) for w, n in zip(window, n_tiles))
+    strategy, previous = {}, None
+    for step in sorted(per_step):
+        if per_step[step] == previous:
+            continue  # same settings as the bucket before: that bucket continues
+        previous = per_step[step]
+        for (layer, head), window in sorted(previous.items()):
+            strategy[f"{step}_{layer}_{head}"] = window
+    strategy = normalize_strategy(strategy)
+    layers = 1 + max(layer for settings in per_step.values() for layer, _ in settings)
+    heads = 1 + max(head for settings in per_step.values() for _, head in settings)
+    plan = {
+        "format": PLAN_FORMAT, "version": PLAN_VERSION, "method": "sta",
+        "model": {"family": None, "transformer": None, "layers": layers, "heads": heads,
+                  "grids": [list(grid)] if grid is not None else []},
+        "options": {"tile": list(tile), "fit_tile": False, "dense_steps": 0, "dense_layers": 0},
+        "step_buckets": sorted({int(k.split("_")[0]) for k in strategy}),
+        "strategy": {k: list(w) for k, w in strategy.items()},
+        "source": {"kind": "fastvideo-mask-strategy", "file": os.path.basename(path), "steps": len(per_step)},
+        "budget": None, "prompts": [], "measured": {},
+    }
+    if out is not None:
+        with open(out, "w", encoding="utf-8") as handle:
+            json.dump(plan, handle, indent=1)
+    return plan
