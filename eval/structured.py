@@ -1,0 +1,238 @@
+"""Video-like q, k, v with known attention structure, for benchmarks and tests of sparse methods.
+
+Random q and k give nearly uniform attention, where no sparse method can win or lose. Here every
+head is one of three kinds, built so that its attention is known in closed form:
+
+* ``"spatial"``: mass near the query in its own and the neighbouring frames;
+* ``"temporal"``: mass on the same spatial position ``(h, w)`` in every frame;
+* ``"global"``: diffuse (a weak positional bias, nearly uniform).
+
+Construction (exact, bounded, no learned weights)
+-------------------------------------------------
+A video token sits at ``(t, h, w)`` in the ``(T, H, W)`` grid. Along one axis of length ``n`` the
+feature map of a coordinate ``x`` is, for ``m = 1 .. M`` frequencies ``omega_m = 2 pi m / P``
+(period ``P = n + max(3, ceil(n / 3))``: longer than the axis, so the farthest pair of tokens does
+not wrap round to look near)::
+
+    e(x) = [ sqrt(a_m) cos(omega_m x), sqrt(a_m) sin(omega_m x) ]_m ,    a_m = exp(-(omega_m sigma)^2 / 2)
+
+so that ``e(x) . e(y) = sum_m a_m cos(omega_m (x - y)) = A kappa(x - y)`` with ``A = sum_m a_m``
+and ``kappa(0) = 1``: a (truncated, periodic) Gaussian bump of width about ``sigma`` tokens in the
+distance ``d = x - y``. Queries and keys of a head concatenate the axis features it uses, each
+scaled by ``c = sqrt(beta / (scale * A))``, so the scaled score is exactly::
+
+    scale * q_i . k_j = beta * sum_axes kappa_axis(d_axis) + (noise terms)
+
+and attention is ``softmax_j`` of it: a product of per-axis bumps, sharpened by ``beta``.
+
+* spatial heads: axes t (``sigma = 1`` frame), h and w (``sigma = 1.5`` tokens), ``beta = 8``;
+* temporal heads: axes h and w only (``sigma = 0.25``: the sharpest the frequencies allow),
+  ``beta = 12`` and no temporal feature, so every frame's token at the same ``(h, w)`` scores
+  alike;
+* global heads: the spatial construction with ``beta = 1`` (nearly flat).
+
+The frequencies per axis are capped by the head dimension (two dims per frequency, two dims kept
+for the offsets below) and by the axis (``M <= P // 2``; a length-1 axis gets none). Two more
+dims carry a per-head constant offset: queries get ``offset * |features|`` in dim ``D - 1`` and
+keys in dim ``D - 2`` (zero in the other's dim), so ``q . k`` is unchanged while tokens of a block
+look alike, as DiT queries and keys do (their large shared mean); SpargeAttn's self-similarity
+test then sees what it sees in real models. Gaussian noise of ``noise * |features| / sqrt(D)``
+per feature dim makes every token distinct. Values are standard normal. Optional text tokens
+(``text_len``, before or after the video) have standard normal q and k scaled like the video
+features (they draw a moderate, diffuse share of attention) and never carry positional structure.
+
+Verifying the attention
+-----------------------
+``attention_masses(q, k, layout)`` computes dense attention row by row (in chunks) and reports
+per head, averaged over video queries: ``local`` (mass on video keys with ``|dt| <= 1`` and
+``|dh|, |dw| <= radius``, default 2), ``same_position`` (mass on keys at the query's ``(h, w)`` in
+*other* frames), ``text`` and ``entropy`` (normalised by ``log`` of the key count).
+``check_kinds(masses, kinds, frames)`` asserts the documented structure: spatial heads put at
+least 0.8 of their mass locally; temporal heads at least ``0.6 * (T - 1) / T`` on the same
+position in other frames (a temporal head spreads its mass over the T frames alike, so the
+query's own frame holds ``1 / T`` of it); global heads have normalised entropy at least 0.85.
+``tests/test_structured.py`` runs it.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from fastdit.layout import TokenLayout
+
+KINDS = ("spatial", "temporal", "global")
+DEFAULT_KINDS = KINDS
+#: Per kind: (sigma per axis (t, h, w) in tokens or None for an unused axis, beta).
+KIND_SHAPES = {
+    "spatial": ((1.0, 1.5, 1.5), 8.0),
+    "temporal": ((None, 0.25, 0.25), 12.0),
+    "global": ((1.0, 1.5, 1.5), 1.0),
+}
+#: Thresholds of ``check_kinds`` (the documented structure).
+MIN_SPATIAL_LOCAL = 0.8
+MIN_TEMPORAL_SAME_POSITION = 0.6  # of the (T - 1) / T share the other frames hold
+MIN_GLOBAL_ENTROPY = 0.85
+
+
+class StructuredInputs(NamedTuple):
+    """``q, k, v`` ``(B, H, S, D)`` in model token order, the ``TokenLayout`` and each head's kind."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: TokenLayout
+    kinds: tuple
+
+
+def _period(n):
+    return n + max(3, math.ceil(n / 3))
+
+
+def _axis_features(coords, n, sigma, max_freqs):
+    """``(len(coords), 2 M)`` features of one axis and their total weight ``A`` (see the docstring)."""
+    period = _period(n)
+    freqs = min(max_freqs, period // 2) if n > 1 else 0
+    if freqs <= 0:
+        return coords.new_zeros(coords.shape[0], 0), 0.0
+    omega = 2 * math.pi * torch.arange(1, freqs + 1, dtype=torch.float64) / period
+    weight = torch.exp(-0.5 * (omega * sigma) ** 2)
+    angle = coords[:, None].double() * omega
+    feats = torch.cat([weight.sqrt() * angle.cos(), weight.sqrt() * angle.sin()], dim=1)
+    return feats, float(weight.sum())
+
+
+def _frequency_budget(pairs, used_axes):
+    """Frequencies per used axis out of ``pairs``: time gets a fifth, h and w share the rest."""
+    t_used, h_used, w_used = used_axes
+    budget_t = max(1, pairs // 5) if t_used else 0
+    rest = pairs - budget_t
+    spatial_axes = int(h_used) + int(w_used)
+    per_axis = rest // spatial_axes if spatial_axes else 0
+    return (budget_t, per_axis if h_used else 0, per_axis if w_used else 0)
+
+
+def head_features(kind, grid, head_dim, scale):
+    """Noise-free ``(T*H*W, head_dim - 2)`` positional features of one head of ``kind`` (q == k),
+    scaled so that ``scale * f_i . f_j = beta * sum_axes kappa(d)``."""
+    if kind not in KIND_SHAPES:
+        raise ValueError(f"head kind must be one of {KINDS}, got {kind!r}")
+    sigmas, beta = KIND_SHAPES[kind]
+    t_, h_, w_ = grid
+    if kind == "temporal" and t_ < 2:
+        raise ValueError("temporal heads need a grid with at least 2 frames")
+    t, h, w = torch.meshgrid(torch.arange(t_), torch.arange(h_), torch.arange(w_), indexing="ij")
+    coords = (t.reshape(-1), h.reshape(-1), w.reshape(-1))
+    pairs = (head_dim - 2) // 2
+    budget = _frequency_budget(pairs, [s is not None and n > 1 for s, n in zip(sigmas, grid)])
+    parts = []
+    for axis_coords, n, sigma, freqs in zip(coords, grid, sigmas, budget):
+        if sigma is None or freqs == 0:
+            continue
+        feats, total = _axis_features(axis_coords, n, sigma, freqs)
+        if total > 0:
+            parts.append(feats * math.sqrt(beta / (scale * total)))
+    feats = torch.cat(parts, dim=1) if parts else torch.zeros(t_ * h_ * w_, 0, dtype=torch.float64)
+    out = torch.zeros(feats.shape[0], head_dim - 2, dtype=torch.float64)
+    out[:, : feats.shape[1]] = feats
+    return out
+
+
+def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, text_len=0,
+                   text_position="suffix", noise=0.1, offset=1.5, seed=0, device="cpu", dtype=torch.float32):
+    """Video-like ``q, k, v`` with one attention kind per head (see the module docstring).
+
+    Args:
+        grid: ``(T, H, W)`` video tokens. heads, head_dim, batch: the tensor shape.
+        kinds: one of ``KINDS`` per head; default ``("spatial", "temporal", "global")`` cycled
+            (``("spatial", "global")`` for a single frame).
+        text_len, text_position: optional text tokens (``"prefix"`` or ``"suffix"``).
+        noise: per-dim Gaussian noise relative to the feature norm over ``sqrt(D)``.
+        offset: the shared per-head offset relative to the feature norm (block self-similarity).
+        seed: all randomness (noise, values, text) comes from this seed.
+
+    Returns:
+        ``StructuredInputs(q, k, v, layout, kinds)``.
+    """
+    if head_dim < 8:
+        raise ValueError(f"head_dim must be >= 8 (positional features need room), got {head_dim}")
+    if kinds is None:  # images (one frame) have no temporal heads
+        cycle = DEFAULT_KINDS if grid[0] > 1 else ("spatial", "global")
+        kinds = tuple(cycle[i % len(cycle)] for i in range(heads))
+    kinds = tuple(kinds)
+    if len(kinds) != heads:
+        raise ValueError(f"kinds lists {len(kinds)} heads but heads={heads}")
+    layout = TokenLayout(tuple(grid), text_len, text_position if text_len else "none")
+    scale = 1.0 / math.sqrt(head_dim)
+    gen = torch.Generator().manual_seed(int(seed))
+    n_video, seq = layout.video_len, layout.seq_len
+    q = torch.zeros(batch, heads, seq, head_dim, dtype=torch.float64)
+    k = torch.zeros_like(q)
+    video = layout.video_positions()
+    features = {kind: head_features(kind, layout.grid, head_dim, scale) for kind in set(kinds)}
+    for head, kind in enumerate(kinds):
+        feats = features[kind]
+        norm = float(feats.norm(dim=1).mean()) or 1.0
+        sigma = noise * norm / math.sqrt(head_dim)
+        for which in (q, k):
+            noisy = feats + sigma * torch.randn(batch, n_video, head_dim - 2, generator=gen, dtype=torch.float64)
+            which[:, head, video, : head_dim - 2] = noisy
+        # The shared offset in separate dims: q . k unchanged, blocks self-similar.
+        q[:, head, video, head_dim - 1] = offset * norm
+        k[:, head, video, head_dim - 2] = offset * norm
+        if text_len:
+            text = layout.text_positions()
+            for which in (q, k):
+                which[:, head, text] = (norm / math.sqrt(head_dim)) * torch.randn(
+                    batch, text_len, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, heads, seq, head_dim, generator=gen, dtype=torch.float64)
+    cast = dict(device=device, dtype=dtype)
+    return StructuredInputs(q.to(**cast), k.to(**cast), v.to(**cast), layout, kinds)
+
+
+def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024):
+    """Per head (a list of dicts), averaged over batch and video queries, of dense attention:
+    ``local`` (video keys with ``|dt| <= 1``, ``|dh|, |dw| <= radius``), ``same_position`` (keys at
+    the query's ``(h, w)`` in other frames), ``text`` and ``entropy`` (over ``log`` of the keys)."""
+    batch, heads, seq, dim = q.shape
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    t_, h_, w_ = layout.grid
+    video = layout.video_positions(q.device)
+    grid_t = torch.arange(t_, device=q.device).repeat_interleave(h_ * w_)
+    grid_h = torch.arange(h_, device=q.device).repeat_interleave(w_).repeat(t_)
+    grid_w = torch.arange(w_, device=q.device).repeat(t_ * h_)
+    is_text = torch.zeros(seq, dtype=torch.bool, device=q.device)
+    is_text[layout.text_positions(q.device)] = True
+    sums = torch.zeros(4, heads, dtype=torch.float64)
+    keys = k.float()
+    for start in range(0, layout.video_len, chunk):
+        rows = slice(start, min(start + chunk, layout.video_len))
+        probs = torch.softmax(scale * q[:, :, video[rows]].float() @ keys.transpose(-1, -2), dim=-1)
+        dt = (grid_t[rows, None] - grid_t[None]).abs()
+        dh = (grid_h[rows, None] - grid_h[None]).abs()
+        dw = (grid_w[rows, None] - grid_w[None]).abs()
+        local = (dt <= 1) & (dh <= radius) & (dw <= radius)
+        same = (dt > 0) & (dh == 0) & (dw == 0)
+        video_probs = probs[..., video]
+        sums[0] += (video_probs * local).sum((-1, -2)).sum(0).double().cpu()
+        sums[1] += (video_probs * same).sum((-1, -2)).sum(0).double().cpu()
+        sums[2] += (probs * is_text).sum((-1, -2)).sum(0).double().cpu()
+        entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(seq)
+        sums[3] += entropy.sum(-1).sum(0).double().cpu()
+    sums /= batch * layout.video_len
+    return [{"local": float(sums[0, h]), "same_position": float(sums[1, h]), "text": float(sums[2, h]),
+             "entropy": float(sums[3, h])} for h in range(heads)]
+
+
+def check_kinds(masses, kinds, frames):
+    """Raise AssertionError naming the head when a head lacks its kind's documented structure."""
+    for head, (mass, kind) in enumerate(zip(masses, kinds)):
+        if kind == "spatial":
+            ok = mass["local"] >= MIN_SPATIAL_LOCAL
+        elif kind == "temporal":
+            ok = mass["same_position"] >= MIN_TEMPORAL_SAME_POSITION * (frames - 1) / frames
+        else:
+            ok = mass["entropy"] >= MIN_GLOBAL_ENTROPY
+        if not ok:
+            raise AssertionError(f"head {head} ({kind}) lacks its structure: {mass}")

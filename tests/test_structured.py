@@ -1,0 +1,75 @@
+"""The structured q/k/v generator (fastdit.eval.structured): its heads have the documented attention."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastdit.eval.structured import (KINDS, StructuredInputs, attention_masses, check_kinds, head_features,
+                                     structured_qkv)
+
+
+@pytest.mark.parametrize("grid,text_len,position", [((4, 6, 10), 0, "none"), ((3, 7, 5), 9, "suffix"),
+                                                    ((5, 5, 7), 11, "prefix")])
+def test_heads_have_their_documented_structure(grid, text_len, position):
+    x = structured_qkv(grid, heads=6, head_dim=48, batch=2, text_len=text_len, text_position=position, seed=3)
+    assert isinstance(x, StructuredInputs) and x.kinds == KINDS * 2
+    seq = math.prod(grid) + text_len
+    assert x.q.shape == x.k.shape == x.v.shape == (2, 6, seq, 48) and x.layout.seq_len == seq
+    assert all(torch.isfinite(t).all() for t in (x.q, x.k, x.v))
+    masses = attention_masses(x.q, x.k, x.layout)
+    check_kinds(masses, x.kinds, grid[0])
+    spatial, temporal, diffuse = masses[:3]
+    # Each kind is distinguishable from the others by its own measure.
+    assert spatial["local"] > diffuse["local"] + 0.2 and spatial["same_position"] < 0.1
+    assert temporal["same_position"] > 3 * max(spatial["same_position"], diffuse["same_position"])
+    assert diffuse["entropy"] > max(spatial["entropy"], temporal["entropy"]) + 0.3
+
+
+def test_image_grid_has_spatial_and_global_heads():
+    x = structured_qkv((1, 9, 11), heads=2, head_dim=32)
+    assert x.kinds == ("spatial", "global")
+    check_kinds(attention_masses(x.q, x.k, x.layout), x.kinds, 1)
+
+
+def test_check_kinds_fails_on_random_inputs():
+    """Random q and k (the inputs the generator replaces) have none of the structures."""
+    layout = structured_qkv((3, 5, 6), heads=2, head_dim=32).layout
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 2, layout.seq_len, 32, generator=gen) for _ in range(2))
+    masses = attention_masses(q, k, layout)
+    with pytest.raises(AssertionError, match="spatial"):
+        check_kinds(masses, ("spatial", "global"), 3)
+    with pytest.raises(AssertionError, match="temporal"):
+        check_kinds(masses, ("temporal", "global"), 3)
+
+
+def test_features_give_the_documented_scores():
+    """scale * f_i . f_j = beta * sum_axes kappa(d): 3 * beta on the diagonal for spatial heads,
+    equal for the same (h, w) in different frames for temporal heads, and bounded."""
+    grid, dim = (3, 4, 5), 40
+    scale = 1 / math.sqrt(dim)
+    spatial = head_features("spatial", grid, dim, scale)
+    scores = scale * spatial @ spatial.T
+    assert torch.allclose(scores.diagonal(), torch.full((60,), 3 * 8.0, dtype=torch.float64))
+    assert scores.max() <= 24.0 + 1e-9
+    temporal = head_features("temporal", grid, dim, scale)
+    same_hw = scale * temporal[:20] @ temporal[40:].T  # frame 0 against frame 2
+    assert torch.allclose(same_hw.diagonal(), torch.full((20,), 2 * 12.0, dtype=torch.float64))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="kind"):
+        structured_qkv((2, 3, 3), heads=1, kinds=("sideways",))
+    with pytest.raises(ValueError, match="frames"):
+        structured_qkv((1, 3, 3), heads=1, kinds=("temporal",))
+    with pytest.raises(ValueError, match="heads"):
+        structured_qkv((2, 3, 3), heads=2, kinds=("spatial",))
+
+
+def test_seed_and_dtype():
+    a = structured_qkv((2, 3, 4), heads=3, seed=5, dtype=torch.bfloat16)
+    b = structured_qkv((2, 3, 4), heads=3, seed=5, dtype=torch.bfloat16)
+    c = structured_qkv((2, 3, 4), heads=3, seed=6, dtype=torch.bfloat16)
+    assert a.q.dtype == torch.bfloat16 and torch.equal(a.q, b.q) and not torch.equal(a.q, c.q)
