@@ -1,0 +1,228 @@
+"""Plan files: per (step bucket, layer, head) method settings, saved as versioned JSON and applied.
+
+``fastdit.calibrate`` writes them and ``fastdit.methods.sta.load_strategy`` imports FastVideo's STA
+mask strategies as them. A plan (``"format": "fastdit-plan"``, ``"version": 1``) holds
+
+* ``method``: the method it configures;
+* ``model``: ``family``, ``transformer`` (class name), ``layers`` (patched attention layers) and
+  ``heads`` (per layer), and ``grids``: the latent token grids ``(T, H, W)`` it was calibrated
+  for (None / empty where the source does not say, e.g. an imported strategy);
+* ``options``: the method's options shared by every layer (for ``sta`` the exact tile, so that
+  windows in tiles mean the same token extents on every grid);
+* ``step_buckets``: the first step of each bucket (step ``i`` uses the bucket with the largest
+  start ``<= i``; later steps than the last start use the last bucket);
+* ``strategy`` (``sta``): ``"s_l_h" -> [wt, wh, ww]`` per (bucket start, layer, head), 0 = the
+  whole axis; or ``settings`` (other methods): ``"s_l" -> {options}`` per (bucket start, layer);
+* ``budget``, ``prompts``, ``measured`` (error and density per layer), ``candidates``.
+
+``plan_options(plan, method, family=..., transformer=..., layers=..., heads=..., grids=...)``
+checks that the plan fits the model and returns the options for ``fastdit.patch(pipe, method,
+**options)``; ``plan_options_for(plan, target, method)`` reads those facts off a pipeline.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from fastdit.methods.base import get_method
+from fastdit.methods.sta import PLAN_FORMAT, PLAN_VERSION, choose_tile, normalize_strategy
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "load_plan", "plan_options", "plan_options_for",
+           "write_plan"]
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be read, or that does not fit the model it is applied to."""
+
+
+def _where(source):
+    return f"plan {source}" if source else "plan"
+
+
+def write_plan(plan, path):
+    """Write ``plan`` (checked first) as JSON to ``path``, atomically (a temporary file, then rename)."""
+    check_plan(plan, path)
+    path = os.fspath(path)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(plan, handle, indent=1)
+    os.replace(temporary, path)
+    return path
+
+
+def load_plan(path):
+    """Read and check a plan file; a dict passes through (checked). PlanError names the file and
+    the entry for a missing, truncated or malformed file."""
+    if isinstance(path, dict):
+        return check_plan(path, "")
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            plan = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise PlanError(f"plan {path}: not valid JSON (truncated or malformed): {error}") from None
+    except OSError as error:
+        raise PlanError(f"plan {path}: cannot read it: {error.strerror or error}") from None
+    return check_plan(plan, path)
+
+
+def _int(value, low=0):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def check_plan(plan, source=""):
+    """Raise PlanError (naming ``source`` and the entry) unless ``plan`` is a well-formed plan; returns it."""
+    where = _where(source)
+    if not isinstance(plan, dict):
+        raise PlanError(f"{where}: a plan is a JSON object, got {type(plan).__name__}")
+    if plan.get("format") != PLAN_FORMAT:
+        raise PlanError(f"{where}: entry 'format' must be {PLAN_FORMAT!r}, got {plan.get('format')!r}")
+    if plan.get("version") != PLAN_VERSION:
+        raise PlanError(f"{where}: entry 'version' is {plan.get('version')!r}; this fastdit reads version "
+                        f"{PLAN_VERSION}")
+    method = plan.get("method")
+    try:
+        method_cls = get_method(method)
+    except (ValueError, TypeError) as error:
+        raise PlanError(f"{where}: entry 'method': {error}") from None
+    model = plan.get("model")
+    if not isinstance(model, dict):
+        raise PlanError(f"{where}: entry 'model' must be an object with family, transformer, layers, heads, grids")
+    for key in ("layers", "heads"):
+        if not _int(model.get(key), 1):
+            raise PlanError(f"{where}: entry 'model.{key}' must be an int >= 1, got {model.get(key)!r}")
+    for key in ("family", "transformer"):
+        if model.get(key) is not None and not isinstance(model.get(key), str):
+            raise PlanError(f"{where}: entry 'model.{key}' must be a string or null, got {model.get(key)!r}")
+    grids = model.get("grids") or []
+    if not isinstance(grids, list) or not all(isinstance(g, list) and len(g) == 3 and all(_int(x, 1) for x in g)
+                                              for g in grids):
+        raise PlanError(f"{where}: entry 'model.grids' must be a list of [T, H, W] (ints >= 1), got {grids!r}")
+    options = plan.get("options", {})
+    if not isinstance(options, dict):
+        raise PlanError(f"{where}: entry 'options' must be an object of method options")
+    buckets = plan.get("step_buckets")
+    if not isinstance(buckets, list) or not buckets or not all(_int(b) for b in buckets) or buckets != sorted(set(buckets)):
+        raise PlanError(f"{where}: entry 'step_buckets' must be a non-empty increasing list of step indices, "
+                        f"got {buckets!r}")
+    if method_cls.name == "sta":
+        strategy = plan.get("strategy")
+        if not isinstance(strategy, dict) or not strategy:
+            raise PlanError(f"{where}: entry 'strategy' must be a non-empty object {{'step_layer_head': [wt, wh, ww]}}")
+        try:
+            normalized = normalize_strategy(strategy)
+        except ValueError as error:
+            raise PlanError(f"{where}: {error}") from None
+        for key in normalized:
+            step, layer, head = map(int, key.split("_"))
+            if step not in buckets or layer >= model["layers"] or head >= model["heads"]:
+                raise PlanError(f"{where}: strategy entry {key!r} is outside the plan's step buckets {buckets}, "
+                                f"{model['layers']} layers or {model['heads']} heads")
+    else:
+        settings = plan.get("settings")
+        if not isinstance(settings, dict) or not settings:
+            raise PlanError(f"{where}: entry 'settings' must be a non-empty object {{'step_layer': {{options}}}}")
+        for key, value in settings.items():
+            parts = key.split("_") if isinstance(key, str) else []
+            if len(parts) != 2 or not all(p.isdigit() for p in parts) or not isinstance(value, dict):
+                raise PlanError(f"{where}: settings entry {key!r}: keys are 'step_layer' (two ints) and values "
+                                f"objects of options")
+            if int(parts[0]) not in buckets or int(parts[1]) >= model["layers"]:
+                raise PlanError(f"{where}: settings entry {key!r} is outside the plan's step buckets or layers")
+    try:
+        method_cls.make_config(**_decoded(options, plan))
+    except (ValueError, TypeError) as error:
+        raise PlanError(f"{where}: entry 'options': {error}") from None
+    return plan
+
+
+def _decoded(options, plan):
+    """Plan options (JSON lists) as method options: triples as tuples, plus the per-head strategy."""
+    decoded = {k: tuple(v) if isinstance(v, list) and all(isinstance(x, int) for x in v) else v
+               for k, v in options.items()}
+    if plan.get("method") == "sta" and plan.get("strategy"):
+        decoded["strategy"] = {k: tuple(v) for k, v in plan["strategy"].items()}
+    return decoded
+
+
+def _grid_reason(plan, grids):
+    """None when the plan's settings mean the same on ``grids``, else why not."""
+    planned = [tuple(g) for g in plan["model"].get("grids") or []]
+    others = [tuple(g) for g in grids or [] if tuple(g) not in planned]
+    if not others or not planned:
+        return None
+    options = plan.get("options", {})
+    if plan["method"] == "sta":
+        tile = options.get("tile")
+        fitted = tile is None or options.get("fit_tile")
+        if not fitted:
+            return None  # windows count tiles of a fixed size: the same token extents on every grid
+        target = tuple(tile) if tile is not None else (6, 8, 8)
+        tiles = {choose_tile(g, target) for g in planned + others}
+        if len(tiles) == 1:
+            return None
+        return (f"the tile is fitted per grid ({'fit_tile' if tile else 'tile chosen per resolution'}): grid "
+                f"{others[0]} gets tile {choose_tile(others[0], target)} but the plan was calibrated for "
+                f"{planned[0]} with tile {choose_tile(planned[0], target)}, so its windows in tiles would cover "
+                f"other token extents")
+    return (f"method {plan['method']!r} settings were measured on grid(s) {planned}; on {others[0]} they need not "
+            f"mean the same (only sta windows in fixed tiles carry over)")
+
+
+def plan_options(plan, method, *, family=None, transformer=None, layers=None, heads=None, grids=None):
+    """The options that apply ``plan`` with ``fastdit.patch(target, method, **options)``.
+
+    The plan must be for ``method``, the model's ``family``, ``transformer`` class name, number of
+    patched ``layers`` and ``heads`` per layer (a fact given as None is not checked; neither is one
+    the plan leaves null). ``grids``: the latent grids it will run on; another grid than the plan's
+    is accepted where the settings mean the same thing there (sta windows in a fixed tile) and
+    refused otherwise. PlanError names the mismatch.
+    """
+    source = plan if isinstance(plan, (str, os.PathLike)) else ""
+    plan = load_plan(plan)
+    where = _where(source)
+    method_name = get_method(method).name
+    if plan["method"] != method_name:
+        raise PlanError(f"{where} is for method {plan['method']!r}, not {method_name!r}")
+    model = plan["model"]
+    facts = (("family", family), ("transformer", transformer), ("layers", layers), ("heads", heads))
+    for key, actual in facts:
+        if actual is not None and model.get(key) is not None and model[key] != actual:
+            what = {"family": "model family", "transformer": "transformer class", "layers": "number of patched "
+                    "attention layers", "heads": "number of attention heads"}[key]
+            raise PlanError(f"{where} does not fit this model: {what} is {actual!r} but the plan was made for "
+                            f"{model[key]!r}")
+    reason = _grid_reason(plan, grids)
+    if reason is not None:
+        raise PlanError(f"{where} cannot be applied to grid {tuple(grids[0]) if len(grids) == 1 else grids}: {reason}")
+    options = _decoded(plan.get("options", {}), plan)
+    if method_name != "sta":
+        distinct = {json.dumps(v, sort_keys=True) for v in plan["settings"].values()}
+        if len(distinct) > 1:
+            raise PlanError(f"{where}: method {method_name!r} takes one setting for all layers and steps, but the "
+                            f"plan chose {len(distinct)} different ones (per-layer plans apply to sta)")
+        options.update(_decoded(next(iter(plan["settings"].values())), {}))
+    get_method(method_name).make_config(**options)  # a plan whose options no longer validate fails here
+    return options
+
+
+def model_facts(target):
+    """``(family, transformer class, patched layers, heads)`` of a pipeline or transformer."""
+    from fastdit.pipelines import find_adapter
+
+    if hasattr(target, "transformer"):
+        transformers = [t for t in (getattr(target, "transformer", None), getattr(target, "transformer_2", None))
+                        if t is not None]
+    else:
+        transformers = [target]
+    transformers = [getattr(t, "_orig_mod", t) for t in transformers]
+    adapter = find_adapter(transformers[0])
+    modules = [m for t in transformers for _, m in adapter.attention_modules(t)]
+    heads = sorted({getattr(m, "heads", None) for m in modules} - {None})
+    return adapter.family, type(transformers[0]).__name__, len(modules), heads[0] if len(heads) == 1 else None
+
+
+def plan_options_for(plan, target, method, grids=None):
+    """``plan_options`` with the model facts read off ``target`` (a pipeline or its transformer)."""
+    family, transformer, layers, heads = model_facts(target)
+    return plan_options(plan, method, family=family, transformer=transformer, layers=layers, heads=heads, grids=grids)
