@@ -105,6 +105,7 @@ def build_parser():
 
     add_eval_parser(sub)
     add_app_parser(sub)
+    from fastdit.cli_calibrate import add_calibrate_parser; add_calibrate_parser(sub)  # noqa: E702 - one registration line
     return parser
 
 
