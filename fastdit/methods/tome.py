@@ -101,7 +101,8 @@ def match(keys, dst, src, merged, key_valid=None):
     best, best_dst = scores.max(dim=-1)  # (B, H, Ns)
     if key_valid is not None:
         best = best.masked_fill(~key_valid[:, None, src], float("-inf"))
-    order = best.argsort(dim=-1, descending=True)
+    # stable: ties (e.g. invalid sources, all -inf) merge in token order, deterministically
+    order = best.argsort(dim=-1, descending=True, stable=True)
     merged_pos, kept_pos = order[..., :merged], order[..., merged:]
     src_slot = torch.empty(batch, heads, n_src, dtype=torch.long, device=keys.device)
     kept_slots = torch.arange(n_dst, n_dst + n_src - merged, device=keys.device).expand(batch, heads, -1)
