@@ -156,8 +156,8 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mas
     False query rows are 0 (fully masked rows, as the model's own attention gives them).
     """
     if getattr(plan, "run", None) is not None:  # a plan with its own kernel order per head (svg's HeadOrderPlan)
-        out, lse = plan.run(q, k, v, key_mask=key_mask, query_mask=query_mask, scale=scale, backend=backend)
-        return (out, lse) if return_lse else out
+        return plan.run(q, k, v, key_mask=key_mask, scale=scale, backend=backend, query_mask=query_mask,
+                        return_lse=return_lse)
     if plan.perm is not None:
         index = plan.gather_index
         q, k, v = (t.index_select(2, index) for t in (q, k, v))

@@ -69,7 +69,6 @@ import torch
 from fastdit.kernels import block_sparse_attention, plan_to_token_mask, validate_plan
 from fastdit.plan import BlockPlan
 
-from . import base
 from .base import option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
@@ -119,9 +118,9 @@ class SVGConfig(BlockSparseConfig):
             raise ValueError(f"patterns must be a non-empty list of distinct names from {PATTERNS}, "
                              f"got {self.patterns!r}")
         self.patterns = tuple(p for p in PATTERNS if p in patterns)  # canonical order: the tie-break
-        if self.correction != "none" or self.skip_threshold is not None:
-            raise ValueError("svg runs its own per-head engine call: correction must be 'none' and skip_threshold "
-                             f"None, got correction={self.correction!r}, skip_threshold={self.skip_threshold!r}")
+        if self.correction == "pooled":
+            raise ValueError("correction='pooled' needs one token order for all heads; svg orders each head its own "
+                             "way: use correction='none' or 'cached'")
 
 
 # -- static block lists -------------------------------------------------------------------------------
@@ -280,15 +279,21 @@ class HeadOrderPlan(BlockPlan):
         inverse = self.head_inverses[batch, head]
         return mask[inverse][:, inverse]
 
-    def run(self, q, k, v, key_mask=None, query_mask=None, scale=None, backend="auto"):
-        """Called by ``fastdit.run_plan``: see ``run_head_order_plan``."""
-        return run_head_order_plan(q, k, v, self, key_mask=key_mask, query_mask=query_mask, scale=scale,
-                                   backend=backend)
+    def run(self, q, k, v, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
+            skip_threshold=None, skip_tile=(64, 64), return_skipped=False):
+        """``fastdit.run_plan`` of this plan (same arguments and results): see ``run_head_order_plan``."""
+        out, lse, skipped = run_head_order_plan(q, k, v, self, key_mask=key_mask, query_mask=query_mask, scale=scale,
+                                                backend=backend, skip_threshold=skip_threshold, skip_tile=skip_tile)
+        result = (out, lse) if return_lse else (out,)
+        result = result + ((skipped,) if return_skipped else ())
+        return result if len(result) > 1 else out
 
 
-def run_head_order_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto"):
+def run_head_order_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto",
+                        skip_threshold=None, skip_tile=(64, 64)):
     """Attention of model-order ``(B, H, S, D)`` tensors under a ``HeadOrderPlan``: one engine call
-    for all heads; returns ``(out, lse)`` in model order."""
+    for all heads; returns ``(out, lse, skipped)`` in model order (``skipped``: int32 ``(B, H)``
+    key sub-tiles the in-kernel skip rule skipped, zeros without it)."""
     batch, heads, seq, dim = q.shape
     length = plan.kernel_len
     order = plan.head_orders.clamp(min=0)
@@ -299,17 +304,18 @@ def run_head_order_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=Non
         keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, seq)
         valid = (torch.gather(keys, 2, order) & plan.kv_valid).reshape(batch * heads, length)
     n_blocks, width = plan.kv_indices.shape[-2:]
-    out, lse = block_sparse_attention(
+    out, lse, skipped = block_sparse_attention(
         q_k, k_k, v_k, plan.kv_indices.reshape(batch * heads, 1, n_blocks, width),
         plan.kv_counts.reshape(batch * heads, 1, n_blocks), plan.block_m, plan.block_n, scale=scale,
-        kv_valid=valid, return_lse=True, backend=backend, validate=False)  # block lists validated when built
+        kv_valid=valid, return_lse=True, backend=backend, validate=False,  # block lists validated when built
+        skip_threshold=skip_threshold, skip_tile=skip_tile, return_skipped=True)
     inverse = plan.head_inverses
     out = torch.gather(out.view(batch, heads, length, dim), 2, inverse[..., None].expand(batch, heads, seq, dim))
     lse = torch.gather(lse.view(batch, heads, length), 2, inverse)
     if query_mask is not None:
         out = out * query_mask.to(device=out.device, dtype=out.dtype)[:, None, :, None]
         lse = lse.masked_fill(~query_mask.to(device=lse.device, dtype=torch.bool)[:, None, :], float("-inf"))
-    return out, lse
+    return out, lse, skipped.reshape(batch, heads)
 
 
 def sample_errors(q, k, v, prepared, key_mask=None, scale=None):
@@ -351,7 +357,9 @@ class SparseVideoGen(BlockSparseMethod):
         return layout_plan(layout, self.config, device)
 
     def select(self, ctx, q, k, v=None):
-        """The ``HeadOrderPlan`` of this call (``v`` is needed: heads are chosen by output error)."""
+        """The ``HeadOrderPlan`` of this call. Heads are chosen by the error of the sampled outputs,
+        which needs ``v``: passed here, or left in ``ctx.info["values"]`` by ``attend``."""
+        v = ctx.info.get("values") if v is None else v
         if v is None:
             raise ValueError("svg chooses each head's pattern by the error of the sampled outputs: pass v")
         prepared = self.prepared(ctx.layout, ctx.total_heads or ctx.num_heads, q.device)
@@ -369,12 +377,10 @@ class SparseVideoGen(BlockSparseMethod):
             head_orders=prepared.orders[order_id], head_inverses=prepared.inverses[order_id], choice=choice)
 
     def attend(self, ctx, q, k, v):
-        plan = self.select(ctx, q, k, v)
-        if plan is None:
-            ctx.info["dense"] = True
-            return ctx.dense()
-        ctx.record(plan=plan)
-        # Through ``run_plan`` (which hands the plan its own ``run``), the one engine entry of every method.
-        out, lse = base.run_plan(q, k, v, plan, key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale,
-                                 backend=ctx.backend, return_lse=True)
-        return self.finalize(ctx, out, lse)
+        """``BlockSparseMethod.attend`` (skip rule, cached correction), whose ``select(ctx, q, k)``
+        gets ``v`` through this call's own ``ctx.info``; ``run_plan`` hands the plan its ``run``."""
+        ctx.info["values"] = v
+        try:
+            return super().attend(ctx, q, k, v)
+        finally:
+            ctx.info.pop("values", None)
