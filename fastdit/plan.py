@@ -146,25 +146,31 @@ class BlockPlan:
         return mask
 
 
-def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False):
+def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
+             skip_threshold=None, skip_tile=(64, 64), return_skipped=False):
     """Attention of model-order ``q, k, v`` ``(B, H, S, D)`` under ``plan``; returns ``(B, H, S, D)``
-    (and, with ``return_lse``, the log-sum-exp ``(B, H, S)`` float32 in model order).
+    (and, with ``return_lse``, the log-sum-exp ``(B, H, S)`` float32 in model order; with
+    ``return_skipped``, last, the int32 ``(B, H)`` count of key sub-tiles the skip rule skipped).
 
     Tokens are permuted into kernel order (padding slots read token 0 and are masked as keys;
     their query rows are dropped on the way back), the engine runs, and the output is returned in
     model order. ``key_mask`` ``(B, S)``: False keys are never attended; ``query_mask`` ``(B, S)``:
     False query rows are 0 (fully masked rows, as the model's own attention gives them).
+    ``skip_threshold`` / ``skip_tile``: the engine's in-kernel skip rule (see
+    ``fastdit.kernels.block_sparse_attention``), applied in kernel order; None: off.
     """
     if getattr(plan, "run", None) is not None:  # a plan with its own kernel order per head (svg's HeadOrderPlan)
         return plan.run(q, k, v, key_mask=key_mask, scale=scale, backend=backend, query_mask=query_mask,
-                        return_lse=return_lse)
+                        return_lse=return_lse, skip_threshold=skip_threshold, skip_tile=skip_tile,
+                        return_skipped=return_skipped)
     if plan.perm is not None:
         index = plan.gather_index
         q, k, v = (t.index_select(2, index) for t in (q, k, v))
-    out, lse = block_sparse_attention(
+    out, lse, *skipped = block_sparse_attention(
         q, k, v, plan.kv_indices, plan.kv_counts, plan.block_m, plan.block_n,
         scale=scale, kv_valid=plan.kernel_kv_valid(key_mask), return_lse=True, backend=backend,
         validate=False,  # methods' plans are validated when built (Method.prepared); FASTDIT_DEBUG=1 checks every call
+        skip_threshold=skip_threshold, skip_tile=skip_tile, return_skipped=return_skipped,
     )
     if plan.inverse is not None:
         out = out.index_select(2, plan.inverse)
@@ -172,4 +178,6 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mas
     if query_mask is not None:
         out = out * query_mask.to(device=out.device, dtype=out.dtype)[:, None, :, None]
         lse = lse.masked_fill(~query_mask.to(device=lse.device, dtype=torch.bool)[:, None, :], float("-inf"))
-    return (out, lse) if return_lse else out
+    result = (out, lse) if return_lse else (out,)
+    result = result + tuple(skipped)
+    return result if len(result) > 1 else out

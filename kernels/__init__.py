@@ -9,18 +9,27 @@ if __name__ != "fastdit.kernels":  # pragma: no cover - only when imported under
     # version: transformers then reports its ``kernels`` as unavailable).
     __all__ = []
 else:
-    from .block_sparse import BACKENDS, SUPPORTED_DTYPES, block_sparse_attention, triton_interpreter_enabled
-    from .op import block_sparse_attention_op, check_block_plan
-    from .reference import dense_reference, plan_to_token_mask, validate_plan
+    from .block_sparse import (
+        BACKENDS,
+        SUPPORTED_DTYPES,
+        block_sparse_attention,
+        check_skip_options,
+        triton_interpreter_enabled,
+    )
+    from .op import block_sparse_attention_op, block_sparse_attention_skip_op, check_block_plan
+    from .reference import dense_reference, plan_to_token_mask, skip_reference, validate_plan
 
     __all__ = [
         "BACKENDS",
         "SUPPORTED_DTYPES",
         "block_sparse_attention",
         "block_sparse_attention_op",
+        "block_sparse_attention_skip_op",
+        "check_skip_options",
         "check_block_plan",
         "dense_reference",
         "plan_to_token_mask",
+        "skip_reference",
         "triton_interpreter_enabled",
         "validate_plan",
     ]

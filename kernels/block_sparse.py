@@ -10,6 +10,28 @@ Backends: ``"triton"`` (``block_sparse_triton.py``; the GPU, or the Triton inter
 with ``TRITON_INTERPRET=1``), ``"torch"`` (``block_sparse_torch.py``; any device) and ``"auto"``
 (Triton on CUDA when it imports, torch otherwise).
 
+Skip rule (``skip_threshold=``; after SpargeAttn's second stage and skip-softmax kernels). With
+``skip_tile = (TM, TN)`` (powers of two, 16..256; default 64 x 64), the rows of every query block
+are cut into *row tiles* of ``TM`` consecutive rows (the last cut by the block and by ``N``), and
+each listed key block into *key sub-tiles* of ``TN`` consecutive keys (``ceil(block_n / TN)`` per
+block, the last cut by the block; keys ``>= Nk`` or with ``kv_valid`` False count as score
+``-inf``). For a row tile, the key sub-tiles are walked in plan order (listed blocks in slot
+order, sub-tiles of a block in key order). With ``s_ij`` the scaled score (natural-log units) and
+``m_i`` the running maximum of row ``i`` over the sub-tiles *computed* so far (``-inf`` at the
+start), sub-tile ``t`` is *skipped* (no exp, no P.V: its keys are left out of that row tile's
+softmax) iff
+
+    for every row i of the row tile:   max_{j in t} s_ij  <  m_i - skip_threshold
+
+otherwise it is computed and updates ``m_i``. A row with ``m_i = -inf`` therefore never lets a
+sub-tile be skipped. Because a skipped sub-tile cannot raise ``m_i``, ``m_i`` before sub-tile ``t``
+equals the maximum over *all* earlier sub-tiles (what the PyTorch fallback vectorises with a
+cummax). ``skip_threshold = inf`` skips nothing. The Triton kernel, the PyTorch fallback
+(``block_sparse_skip_torch.py``) and the float64 reference (``reference.skip_reference``) apply
+this one rule; decisions agree exactly except for scores within float32 rounding of the
+threshold. ``return_skipped=True`` also returns the number of skipped (row tile, key sub-tile)
+pairs per (batch, head).
+
 ``block_sparse_attention`` checks its arguments, validates the plan (``reference.validate_plan``,
 unless ``validate=False``) and runs the custom op ``fastdit::block_sparse_attention`` (``op.py``),
 so that eager and ``torch.compile`` calls run the same code and a compiled graph holds one opaque
@@ -22,7 +44,7 @@ import os
 
 import torch
 
-from .op import _triton_available, block_sparse_attention_op, check_block_plan
+from .op import _triton_available, block_sparse_attention_op, block_sparse_attention_skip_op, check_block_plan
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -121,6 +143,9 @@ def block_sparse_attention(
     backend="auto",
     *,
     validate=True,
+    skip_threshold=None,
+    skip_tile=(64, 64),
+    return_skipped=False,
 ):
     """Attention in which each query block attends to a list of key/value blocks.
 
@@ -148,11 +173,18 @@ def block_sparse_attention(
             plans): an invalid plan is then undefined behaviour (wrong values, or a crash of the
             Triton kernel). ``FASTDIT_DEBUG=1`` validates every call regardless. Shapes, dtypes
             and devices are always checked.
+        skip_threshold: None (default: off, the plain kernel) or a number ``>= 0`` (``inf``
+            allowed): the skip rule of the module docstring, in natural-log units.
+        skip_tile: ``(TM, TN)``, the rule's row-tile and key sub-tile sizes (powers of two from
+            16 to 256); with the rule on, the Triton kernel runs exactly these tiles (clipped to
+            the plan blocks) instead of autotuned ones.
+        return_skipped: also return ``skipped``, int32 ``(B, H)``: skipped (row tile, key
+            sub-tile) pairs (zeros when ``skip_threshold`` is None).
 
     Returns:
         ``out`` ``(B, H, N, D)`` contiguous in q's dtype and, with ``return_lse``, ``lse``
         float32 ``(B, H, N)``: ``log(sum_j exp(scale * q . k_j))`` over attended keys, ``-inf``
-        where none.
+        where none; then ``skipped`` with ``return_skipped``.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, backend or (with validation) plan values.
@@ -168,10 +200,40 @@ def block_sparse_attention(
     formula: inference only).
     """
     _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid)
+    skip_threshold, skip_tile = check_skip_options(skip_threshold, skip_tile)
     backend = _pick_backend(backend, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if validate or debug_enabled():
         n_k = k.shape[2]
         kv_counts = check_block_plan(kv_indices, kv_counts, -(-n_k // block_n), -(-q.shape[2] // block_m), n_k, block_n)
-    out, lse = block_sparse_attention_op(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid, backend)
-    return (out, lse) if return_lse else out
+    if skip_threshold is None:
+        out, lse = block_sparse_attention_op(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid, backend)
+        skipped = None
+        if return_skipped:
+            skipped = torch.zeros(q.shape[:2], dtype=torch.int32, device=q.device)
+    else:
+        out, lse, skipped = block_sparse_attention_skip_op(
+            q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid, backend,
+            skip_threshold, skip_tile[0], skip_tile[1],
+        )
+    result = (out, lse) if return_lse else (out,)
+    if return_skipped:
+        result = result + (skipped,)
+    return result if len(result) > 1 else out
+
+
+def check_skip_options(skip_threshold, skip_tile=(64, 64)):
+    """``(skip_threshold as float or None, skip_tile as a tuple of two ints)``; ValueError naming
+    the option for a threshold that is not a number >= 0 (NaN included; ``inf`` is fine) or a tile
+    that is not two powers of two from 16 to 256."""
+    if skip_threshold is not None:
+        value = skip_threshold
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+            raise ValueError(f"skip_threshold must be None or a number >= 0 (natural-log units below the running "
+                             f"row maximum; inf skips nothing), got {value!r}")
+        skip_threshold = float(value)
+    if (not isinstance(skip_tile, (tuple, list)) or len(skip_tile) != 2
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 16 <= t <= 256 and t & (t - 1) == 0
+                       for t in skip_tile)):
+        raise ValueError(f"skip_tile must be two powers of two (rows, keys) from 16 to 256, got {skip_tile!r}")
+    return skip_threshold, (int(skip_tile[0]), int(skip_tile[1]))

@@ -1,6 +1,6 @@
 """Triton kernel of block-sparse attention (FlashAttention-2 style forward, any plan block size).
 
-Reading order: autotune configs and their pruning filter, compile-time flags, the inner loop, the
+Reading order: compile-time flags (autotune configs and their pruning filter: ``triton_tuning.py``), the inner loop, the
 kernel, the launcher ``block_sparse_attention_triton`` (called by ``block_sparse.py`` with
 validated inputs).
 
@@ -18,6 +18,12 @@ running max / sum and the output accumulator are float32; exponentials are ``exp
 ``log2(e)`` folded into the score scale. A fully masked tile (running max still ``-inf``) is made
 safe by subtracting 0 instead of ``-inf``, so no NaN ever appears; a row with no valid key ends
 with output 0 and ``lse = -inf``.
+
+Skip rule (``SKIP``, compile-time, off by default; see ``block_sparse.py`` for the rule): the
+program of a query row tile checks each key sub-tile's scores against the running row maxima
+before its exp and P.V, and skips both when every valid row is more than the threshold below;
+each program adds its skipped count to a per-(batch, head) counter with one atomic add. With
+``SKIP`` off the loop compiles exactly as before (the branch is a compile-time ``if``).
 
 Flags that are compile-time constants (``EVEN_N``, ``EVEN_M``, ``EVEN_D``, ``HAS_KV_VALID``) drop
 the masks that a plan does not need, so a power-of-two plan over a whole number of blocks runs the
@@ -41,117 +47,16 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# --------------------------------------------------------------------------------------------------
-# Autotune configs and pruning
-# --------------------------------------------------------------------------------------------------
-
-_BLOCK_M_CHOICES = (64, 128)
-_BLOCK_N_CHOICES = (32, 64, 128)
-_WARPS_CHOICES = (4, 8)
-_STAGES_CHOICES = (2, 3, 4)
-
-AUTOTUNE_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm in _BLOCK_M_CHOICES
-    for bn in _BLOCK_N_CHOICES
-    for w in _WARPS_CHOICES
-    for s in _STAGES_CHOICES
-]
-
-# The default search: a short list inside the grid above that covers Hopper and Ampere (128-row
-# query tiles with 8 warps, 64-row tiles for small / odd plan blocks, deeper pipelines for narrow
-# K/V tiles). FASTDIT_TRITON_AUTOTUNE=full searches the whole grid (after pruning), =0 skips tuning.
-_PREFERRED = {
-    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-    (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 2),
-}
-
-# Used when the environment asks not to autotune (FASTDIT_TRITON_AUTOTUNE=0): a config that is
-# good on both Hopper and Ampere for D <= 128 and 128-token plan blocks.
-_DEFAULT_GPU_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-
-_SMEM_CACHE = {}
-
-
-def _next_pow2(x):
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _shared_mem_bytes(device_index):
-    """Opt-in shared memory per block of a CUDA device (227 KiB on H100/H200, 163 KiB on A100)."""
-    if device_index not in _SMEM_CACHE:
-        size = 0
-        try:
-            props = torch.cuda.get_device_properties(device_index)
-            size = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-        except Exception:
-            size = 0
-        if size <= 0:
-            try:
-                size = int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
-            except Exception:
-                size = 99 * 1024  # the smallest of recent GPUs (consumer Ampere / Ada)
-        _SMEM_CACHE[device_index] = size
-    return _SMEM_CACHE[device_index]
-
-
-def _tile_waste(plan, tile):
-    """Computed / useful ratio when a plan block of ``plan`` rows is cut into tiles of ``tile``."""
-    return (-(-plan // tile) * tile) / plan
-
-
-def _prune_configs(configs, nargs, **kwargs):
-    """Keep the configs that make sense for this call (the autotuner then times the survivors).
-
-    * BLOCK_M / BLOCK_N never exceed the plan block rounded up to a power of two;
-    * tiles that waste much more compute on masked rows / keys than the best choice are dropped
-      (e.g. plan blocks of 192 rows: 64-row tiles waste nothing, 128-row tiles a third);
-    * the shared memory of the pipelined K/V buffers plus the Q tile fits the device;
-    * the float32 accumulator stays within ~128 registers a thread (4 warps for BLOCK_M=64, no
-      8 warps on 64-row tiles, which only starves each warp of rows);
-    * 4 stages only where the tiles are small enough to profit from them;
-    * unless FASTDIT_TRITON_AUTOTUNE=full, only the short ``_PREFERRED`` list (tuning cost:
-      every config is compiled and timed once per autotune key).
-    """
-    block_m, block_n = int(nargs["block_m"]), int(nargs["block_n"])
-    block_d = int(nargs["BLOCK_D"])
-    q = nargs["Q"]
-    elt = q.element_size()
-    smem = _shared_mem_bytes(q.device.index if q.device.type == "cuda" else 0)
-    cap_m, cap_n = max(16, _next_pow2(block_m)), max(16, _next_pow2(block_n))
-    full = os.environ.get("FASTDIT_TRITON_AUTOTUNE", "1").lower() == "full"
-    cands = [
-        c for c in configs
-        if c.kwargs["BLOCK_M"] <= cap_m and c.kwargs["BLOCK_N"] <= cap_n
-        and (full or len(configs) == 1
-             or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in _PREFERRED)
-    ]
-    if not cands:
-        bm, bn = min(64, cap_m), min(32, cap_n)
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=2)]
-    best_wm = min(_tile_waste(block_m, c.kwargs["BLOCK_M"]) for c in cands)
-    best_wn = min(_tile_waste(block_n, c.kwargs["BLOCK_N"]) for c in cands)
-    kept = []
-    for c in cands:
-        bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-        if _tile_waste(block_m, bm) > 1.1 * best_wm or _tile_waste(block_n, bn) > 1.1 * best_wn:
-            continue
-        # pipelined K/V buffers (stages - 1 in flight) + the Q tile; compiled kernels stay at or below
-        # this for half types (measured on sm_80 / sm_90), the autotuner skips any that do not fit
-        if (max(1, s - 1) * 2 * bn * block_d + bm * block_d) * elt > smem:
-            continue
-        if bm * block_d // (32 * w) > 128:  # accumulator registers a thread
-            continue
-        if bm == 64 and w == 8:
-            continue
-        if s == 4 and bn * block_d * elt > 128 * 64 * 2:  # deep pipelines only for small K/V tiles
-            continue
-        kept.append(c)
-    if not kept:  # nothing passed the resource filters: smallest sane tile
-        bm, bn = min(64, cap_m), min(32, cap_n)
-        kept = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=2)]
-    return kept
-
+from .triton_tuning import (  # noqa: F401  (re-exported: tests and benchmarks read them here)
+    _DEFAULT_GPU_CONFIG,
+    _PREFERRED,
+    _SMEM_CACHE,
+    AUTOTUNE_CONFIGS,
+    _next_pow2,
+    _prune_configs,
+    _shared_mem_bytes,
+    _tile_waste,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Compile-time flags derived from the call and the chosen tile sizes
@@ -184,16 +89,44 @@ _HEURISTICS = {"SUB_N": _sub_n, "EVEN_N": _even_n, "EVEN_M": _even_m, "MASKED": 
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _online_update(acc, l_i, m_i, s, v, MASKED: tl.constexpr, IS_FP32: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold one tile of log2-domain scores ``s`` and values ``v`` into the running (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # all keys so far masked: subtract 0, not -inf (exp2(-inf - -inf) would be NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IS_FP32 or UPCAST:
+        acc += tl.dot(p, v, input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attn_inner(
     acc, l_i, m_i, q,
     k_base, v_base, vv_base, idx_base, count,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_vvn, stride_is,
-    Nk, block_n, qk_scale,
+    Nk, block_n, qk_scale, skip_log2, row_ok,
     offs_n, offs_d, d_ok,
     BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_KV_VALID: tl.constexpr,
     IS_FP32: tl.constexpr, BIG_OFFSETS: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
+    # SKIP (compile-time; off: this loop compiles exactly as without the rule): a sub-tile whose
+    # largest score is below (running max - skip_log2) for every valid row of the row tile is
+    # skipped without exp and P.V. A skipped tile never raises the running max, so m_i is the max
+    # over every earlier sub-tile in the walk, skipped or not (the rule the references reproduce).
+    n_skipped = count * 0
+    if SKIP:
+        n_live = tl.max(row_ok.to(tl.int32), 0)  # 0: a sub-tile of rows past N (never skips, never counts)
     for it in range(0, count * SUB_N):
         # step `it` = sub-tile `t` of the `slot`-th listed key block
         if SUB_N == 1:
@@ -241,22 +174,15 @@ def _attn_inner(
         s = s * qk_scale  # log2 domain
         if MASKED:
             s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
-            # all keys so far masked: subtract 0, not -inf (exp2(-inf - -inf) would be NaN)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if SKIP:
+            below = tl.where(row_ok, tl.max(s, 1) < m_i - skip_log2, 1).to(tl.int32)
+            keep = (tl.min(below, 0) == 0) | (n_live == 0)
+            n_skipped += 1 - keep.to(tl.int32)
+            if keep:
+                acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST)
         else:
-            m_sub = m_new
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if IS_FP32 or UPCAST:
-            acc += tl.dot(p, v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return acc, l_i, m_i
+            acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST)
+    return acc, l_i, m_i, n_skipped
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,7 +191,7 @@ def _attn_inner(
 
 @triton.jit
 def _block_sparse_fwd_kernel(
-    Q, K, V, Out, Lse, KVIdx, KVCnt, KVValid,
+    Q, K, V, Out, Lse, KVIdx, KVCnt, KVValid, Skipped,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -274,9 +200,9 @@ def _block_sparse_fwd_kernel(
     stride_ib, stride_ih, stride_im, stride_is,
     stride_cb, stride_ch, stride_cm,
     stride_vvb, stride_vvn,
-    H, N, Nk, head_dim, block_m, block_n, qk_scale, TUNE_N,
+    H, N, Nk, head_dim, block_m, block_n, qk_scale, skip_log2, TUNE_N,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_KV_VALID: tl.constexpr,
-    IS_FP32: tl.constexpr, BIG_OFFSETS: tl.constexpr, UPCAST: tl.constexpr,
+    IS_FP32: tl.constexpr, BIG_OFFSETS: tl.constexpr, UPCAST: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SUB_N: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, MASKED: tl.constexpr,
 ):
@@ -326,14 +252,16 @@ def _block_sparse_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i, n_skipped = _attn_inner(
         acc, l_i, m_i, q,
         k_base, v_base, vv_base, idx_base, count,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_vvn, stride_is,
-        Nk, block_n, qk_scale,
+        Nk, block_n, qk_scale, skip_log2, row_ok,
         offs_n, offs_d, d_ok,
-        BLOCK_N, SUB_N, EVEN_N, EVEN_D, HAS_KV_VALID, IS_FP32, BIG_OFFSETS, UPCAST, MASKED,
+        BLOCK_N, SUB_N, EVEN_N, EVEN_D, HAS_KV_VALID, IS_FP32, BIG_OFFSETS, UPCAST, MASKED, SKIP,
     )
+    if SKIP:
+        tl.atomic_add(Skipped + pid_bh, n_skipped)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -403,19 +331,48 @@ def _broadcast_strides(t, batch, heads):
     return sb, sh
 
 
-def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid):
+def skip_tile_sizes(block_m, block_n, skip_tile):
+    """The kernel tile ``(BLOCK_M, BLOCK_N)`` that realises the skip rule's sub-tiles.
+
+    The rule groups a plan block's rows (keys) into runs of ``skip_tile[0]`` (``skip_tile[1]``)
+    consecutive entries, the last run cut by the plan block. A power-of-two kernel tile of that
+    size does exactly this; a plan block smaller than the skip tile is one run, which a tile of
+    ``next_pow2(plan block)`` (at least 16, ``tl.dot``'s minimum) covers the same way."""
+    tile_m = min(int(skip_tile[0]), max(16, _next_pow2(block_m)))
+    tile_n = min(int(skip_tile[1]), max(16, _next_pow2(block_n)))
+    return tile_m, tile_n
+
+
+def _skip_launch_config(tile_m, tile_n, block_d, elt, device_index):
+    """Warps / stages for the fixed skip tiles: the deepest pipeline (3, 2, 1) whose K/V buffers and
+    Q tile fit the device's shared memory (the tile sizes themselves are the rule: never changed)."""
+    smem = _shared_mem_bytes(device_index)
+    for stages in (3, 2, 1):
+        if (max(1, stages - 1) * 2 * tile_n * block_d + tile_m * block_d) * elt <= smem:
+            break
+    return (8 if tile_m >= 128 else 4), stages
+
+
+def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid,
+                                  skip_threshold=None, skip_tile=(64, 64)):
     """Launch the kernel. Inputs are validated by ``block_sparse_attention``; any strides.
 
     Returns ``(out, lse)``: ``out`` contiguous ``(B, H, N, D)`` in q's dtype, ``lse`` float32
-    ``(B, H, N)`` (natural log; ``-inf`` for rows without a valid key)."""
+    ``(B, H, N)`` (natural log; ``-inf`` for rows without a valid key). With ``skip_threshold``
+    (a float >= 0, natural-log units; may be ``inf``) the kernel applies the skip rule on the
+    fixed sub-tiles ``skip_tile_sizes(block_m, block_n, skip_tile)`` (no autotuning: the tile
+    sizes are part of the rule) and returns ``(out, lse, skipped)``, ``skipped`` int32 ``(B, H)``
+    counting the skipped (row tile, key sub-tile) pairs."""
     batch, heads, n_q, dim = q.shape
     n_k = k.shape[2]
+    skip = skip_threshold is not None
     out = torch.empty((batch, heads, n_q, dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
+    skipped = torch.zeros((batch, heads), dtype=torch.int32, device=q.device) if skip else None
     if out.numel() == 0 or n_k == 0:  # nothing to compute, or no key: every row is empty
         out.zero_()
         lse.fill_(float("-inf"))
-        return out, lse
+        return (out, lse, skipped) if skip else (out, lse)
     n_qblocks = -(-n_q // block_m)
 
     sib, sih = _broadcast_strides(kv_indices, batch, heads)
@@ -438,16 +395,28 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
     interpreted = _interpreter_enabled() or q.device.type != "cuda"
 
     args = (
-        q, k, v, out, lse, kv_indices, kv_counts, kvv,
+        q, k, v, out, lse, kv_indices, kv_counts, kvv, skipped if skip else lse,  # Skipped: unread without SKIP
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *lse.stride(),
         sib, sih, kv_indices.stride(2), kv_indices.stride(3),
         scb, sch, kv_counts.stride(2),
         svb, svn,
-        heads, n_q, n_k, dim, block_m, block_n, float(scale) * LOG2E, tune_n,
+        heads, n_q, n_k, dim, block_m, block_n, float(scale) * LOG2E,
+        float(skip_threshold) * LOG2E if skip else 0.0, tune_n,
         block_d, dim == block_d, has_kv_valid, q.dtype == torch.float32, big_offsets,
-        interpreted and q.dtype == torch.bfloat16,
+        interpreted and q.dtype == torch.bfloat16, skip,
     )
+
+    if skip:  # fixed tiles: they define which sub-tiles the rule looks at
+        bm, bn = skip_tile_sizes(block_m, block_n, skip_tile)
+        grid = (n_qblocks * -(-block_m // bm), batch * heads)
+        if interpreted:
+            _kernel_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
+        else:
+            warps, stages = _skip_launch_config(bm, bn, block_d, q.element_size(), q.device.index)
+            with torch.cuda.device(q.device):
+                _kernel_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        return out, lse, skipped
 
     if interpreted:
         bm, bn = _interpreter_block(block_m), _interpreter_block(block_n)

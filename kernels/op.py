@@ -8,6 +8,10 @@
   crash on the Triton backend). Returns ``(out, lse)``: ``out`` contiguous ``(B, H, N, D)`` in q's
   dtype, ``lse`` contiguous float32 ``(B, H, N)`` (the fake implementation says the same, so
   compiled graphs get the real strides). No autograd formula is registered (inference only).
+* ``fastdit::block_sparse_attention_skip`` (``block_sparse_attention_skip_op``): the same with the
+  skip rule (``skip_threshold`` in natural-log units, the rule's sub-tile sizes ``skip_m`` x
+  ``skip_n``); returns ``(out, lse, skipped)``, ``skipped`` int32 ``(B, H)``. A separate op, so
+  the plain op's schema and compiled graphs stay as they were.
 * ``fastdit::check_block_plan`` (``check_block_plan``): ``validate_plan`` as an op; raises
   ``ValueError`` naming the first bad entry, else returns a copy of ``kv_counts`` that the wrapper
   feeds to the attention op. The data dependency keeps the check in compiled graphs (an op whose
@@ -18,6 +22,7 @@ version from 2.4 on.
 """
 import torch
 
+from .block_sparse_skip_torch import block_sparse_attention_skip_torch
 from .block_sparse_torch import block_sparse_attention_torch
 from .reference import validate_plan
 
@@ -64,6 +69,46 @@ def _block_sparse_attention_fake(q, k, v, kv_indices, kv_counts, block_m, block_
     out = q.new_empty((batch, heads, n_q, dim))  # contiguous, q's dtype and device
     lse = q.new_empty((batch, heads, n_q), dtype=torch.float32)
     return out, lse
+
+
+@torch.library.custom_op(
+    "fastdit::block_sparse_attention_skip",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor kv_indices, Tensor kv_counts, int block_m, int block_n, "
+    "float scale, Tensor? kv_valid, str backend, float skip_threshold, int skip_m, int skip_n) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def block_sparse_attention_skip_op(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid, backend,
+                                   skip_threshold, skip_m, skip_n):
+    """``(out, lse, skipped)`` of block-sparse attention under the skip rule (validated inputs)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton":
+        from .block_sparse_triton import block_sparse_attention_triton
+
+        out, lse, skipped = block_sparse_attention_triton(
+            q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid,
+            skip_threshold=skip_threshold, skip_tile=(skip_m, skip_n),
+        )
+    else:
+        shape = tuple(q.shape[:2]) + tuple(kv_indices.shape[2:])
+        out, lse, skipped = block_sparse_attention_skip_torch(
+            q, k, v, kv_indices.long().expand(shape), kv_counts.long().expand(shape[:3]),
+            block_m, block_n, scale, kv_valid, skip_threshold, skip_m, skip_n,
+        )
+    return out.contiguous(), lse.contiguous(), skipped.contiguous()
+
+
+@block_sparse_attention_skip_op.register_fake
+def _block_sparse_attention_skip_fake(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid, backend,
+                                      skip_threshold, skip_m, skip_n):
+    batch, heads, n_q, dim = q.shape
+    out = q.new_empty((batch, heads, n_q, dim))
+    lse = q.new_empty((batch, heads, n_q), dtype=torch.float32)
+    skipped = q.new_empty((batch, heads), dtype=torch.int32)
+    return out, lse, skipped
 
 
 @torch.library.custom_op(

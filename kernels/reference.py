@@ -6,6 +6,7 @@ semantics the kernels must reproduce.
 * ``dense_reference``   -- float64 attention under a token-level boolean mask, with log-sum-exp.
 * ``plan_to_token_mask`` -- expands a block plan (``kv_indices`` / ``kv_counts``) to that mask.
 * ``validate_plan``      -- the plan rules: count range, index range, duplicates (vectorised).
+* ``skip_reference``     -- the skip rule (``skip_threshold``) walked literally, in float64.
 """
 from __future__ import annotations
 
@@ -158,3 +159,59 @@ def validate_plan(kv_indices, kv_counts, n_kv_blocks, n_q_blocks=None, *, n_k=No
             f"duplicate key-block indices within a row are rejected; {int(dup.sum())} duplicates in all"
         )
     return problems
+
+
+def skip_reference(q, k, v, kv_indices, kv_counts, block_m, block_n, skip_threshold, skip_tile=(64, 64),
+                   scale=None, kv_valid=None):
+    """The skip rule of ``block_sparse_attention`` walked literally, one sub-tile at a time, in float64.
+
+    For every (batch, head, row tile) the listed key sub-tiles are visited in plan order with a
+    running maximum over the *computed* ones; a sub-tile is skipped iff every row's largest score
+    in it is below ``running max - skip_threshold``. (No shortcut: the running maximum is updated
+    only by computed sub-tiles, which is what the kernel does.)
+
+    Returns a dict: ``out`` / ``lse`` (float64, attention under the plan minus skipped
+    sub-tiles), ``skipped`` (int64 ``(B, H)``), ``walked`` (sub-tiles visited, ``(B, H)``),
+    ``mask`` (the token mask actually attended, ``(B, H, N, Nk)``) and ``margin``: the smallest
+    distance of any decision from flipping (``min_i (m_i - threshold - tile_max_i)`` in absolute
+    value), so that tests can avoid thresholds within float32 rounding of a decision.
+    """
+    batch, heads, n_q, _ = q.shape
+    n_k = k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    tile_m, tile_n = skip_tile
+    scores = torch.einsum("bhnd,bhmd->bhnm", q.double(), k.double()) * scale
+    key_ok = torch.ones(batch, n_k, dtype=torch.bool) if kv_valid is None else kv_valid.cpu().bool().expand(batch, n_k)
+    scores = scores.cpu().masked_fill(~key_ok[:, None, None, :], float("-inf"))
+    idx = kv_indices.cpu().long().expand(batch, heads, -1, -1)
+    cnt = kv_counts.cpu().long().expand(batch, heads, -1)
+    mask = torch.zeros(batch, heads, n_q, n_k, dtype=torch.bool)
+    skipped = torch.zeros(batch, heads, dtype=torch.int64)
+    walked = torch.zeros(batch, heads, dtype=torch.int64)
+    margin = float("inf")
+    for b in range(batch):
+        for h in range(heads):
+            for m in range(idx.shape[2]):
+                block_end = min((m + 1) * block_m, n_q)
+                for r0 in range(m * block_m, block_end, tile_m):
+                    rows = slice(r0, min(r0 + tile_m, block_end))
+                    running = torch.full((rows.stop - rows.start,), float("-inf"), dtype=torch.float64)
+                    for slot in range(int(cnt[b, h, m])):
+                        j = int(idx[b, h, m, slot])
+                        for c0 in range(j * block_n, (j + 1) * block_n, tile_n):
+                            cols = slice(min(c0, n_k), min(c0 + tile_n, (j + 1) * block_n, n_k))
+                            tile = scores[b, h, rows, cols]
+                            tile_max = tile.amax(1) if tile.shape[1] else torch.full_like(running, float("-inf"))
+                            gap = (running - skip_threshold) - tile_max  # > 0 for every row: skip
+                            worst = float(gap.min())
+                            if math.isfinite(worst):
+                                margin = min(margin, abs(worst))
+                            walked[b, h] += 1
+                            if worst > 0:
+                                skipped[b, h] += 1
+                                continue
+                            mask[b, h, rows, cols] = True
+                            running = torch.maximum(running, tile_max)
+    mask &= key_ok[:, None, None, :]
+    out, lse = dense_reference(q.cpu(), k.cpu(), v.cpu(), mask, scale)
+    return {"out": out, "lse": lse, "skipped": skipped, "walked": walked, "mask": mask, "margin": margin}
