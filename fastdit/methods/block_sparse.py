@@ -11,13 +11,25 @@ plan each accepts
   key and value, merged exactly through the log-sum-exp) or ``"cached"`` (after Re-ttention:
   dense refresh steps every ``refresh_every`` steps store the dense - sparse residual per layer
   and head, the following sparse steps add it back, rescaled by the softmax mass).
+
+The formulas of both corrections are in ``corrections.py``; the skip rule's exact statement is in
+``fastdit.kernels.block_sparse``.
+
+Refresh steps of ``"cached"``: the sparse steps ``s`` with ``(s - first) % refresh_every == 0``,
+``first`` the first step after ``dense_steps`` (so the first sparse step refreshes), and any step
+that finds no stored refresh for its layer / branch / shape. A refresh step computes the plan and
+its complement (together exactly one dense attention), returns their exact merge and is counted
+as a dense call in the statistics. The skip rule does not apply on refresh steps (they are exact);
+on other steps, the keys it skips are neither in the sparse result nor in the correction.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from . import base as _base  # run_plan is looked up on the base module (tests wrap it there)
 from .base import Method, MethodConfig, option
+from .corrections import cached_apply, cached_entry, cached_store, complement_plan, merge_lse, pooled_correction
 
 CORRECTIONS = ("none", "pooled", "cached")
 
@@ -58,6 +70,50 @@ class BlockSparseConfig(MethodConfig):
 
 
 class BlockSparseMethod(Method):
-    """Base of methods whose call is one (or a few) engine calls on block plans."""
+    """Base of methods whose call is one (or a few) engine calls on block plans: select the plan,
+    run it (with the skip rule when ``skip_threshold`` is set), apply the correction, finalize."""
 
     config_cls = BlockSparseConfig
+
+    def is_refresh_step(self, ctx):
+        """Whether this call of a ``correction="cached"`` method refreshes (see the module doc)."""
+        first = math.ceil(ctx.call.dense_threshold(self.config.dense_steps))
+        return (ctx.step - first) % self.config.refresh_every == 0
+
+    def attend(self, ctx, q, k, v):
+        plan = self.select(ctx, q, k)
+        if plan is None:  # a layout the method computes densely anyway
+            ctx.info["dense"] = True
+            return ctx.dense()
+        config = self.config
+        common = dict(key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale, backend=ctx.backend,
+                      return_lse=True)
+        if config.correction == "cached":
+            entry = cached_entry(ctx.state, q)
+            if entry is None or self.is_refresh_step(ctx):
+                return self._refresh(ctx, q, k, v, plan, common)
+        ctx.record(plan=plan)
+        skip = config.skip_threshold is not None
+        out, lse, *skipped = _base.run_plan(q, k, v, plan, skip_threshold=config.skip_threshold,
+                                            return_skipped=skip, **common)
+        if skip:
+            ctx.info["skipped_subtiles"] = skipped[0]  # int32 (B, H) on the device: no sync here
+        if config.correction == "pooled":
+            out = pooled_correction(q, k, v, plan, out, lse, ctx.key_mask, ctx.query_mask, ctx.scale)
+        elif config.correction == "cached":
+            out = cached_apply(entry, out, lse, ctx.query_mask)
+        return self.finalize(ctx, out, lse)
+
+    def _refresh(self, ctx, q, k, v, plan, common):
+        """A refresh step: the plan and its complement (one dense attention in all), merged exactly;
+        the residual and masses are stored for the following sparse steps."""
+        out_kept, lse_kept = _base.run_plan(q, k, v, plan, **common)
+        out_dropped, lse_dropped = _base.run_plan(q, k, v, complement_plan(plan), **common)
+        out, lse = merge_lse(out_kept, lse_kept, out_dropped, lse_dropped)
+        cached_store(ctx.state, out, lse, out_dropped, lse_dropped, q.dtype)
+        ctx.info["dense"] = True  # the work of a dense call (counted as one)
+        ctx.info["refresh"] = True
+        out = out.to(q.dtype)
+        if ctx.query_mask is not None:
+            out = out * ctx.query_mask.to(device=out.device, dtype=out.dtype)[:, None, :, None]
+        return self.finalize(ctx, out, lse)

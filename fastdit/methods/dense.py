@@ -15,10 +15,23 @@ class DenseConfig(MethodConfig):
     """Dense attention has no options beyond the shared ones (which change nothing here)."""
 
 
+#: Options of block-sparse methods that mean nothing on dense attention (nothing is dropped or skipped).
+BLOCK_SPARSE_ONLY = ("skip_threshold", "correction", "refresh_every")
+
+
 @register_method
 class Dense(Method):
     name = "dense"
     config_cls = DenseConfig
+
+    @classmethod
+    def make_config(cls, config=None, **options):
+        misplaced = [name for name in BLOCK_SPARSE_ONLY if name in options]
+        if misplaced:
+            raise ValueError(f"{misplaced[0]} applies to block-sparse methods (sta, radial, ...): 'dense' computes "
+                             f"every key, so there is nothing to skip or correct; got {misplaced[0]}="
+                             f"{options[misplaced[0]]!r}")
+        return super().make_config(config, **options)
 
     def is_dense_call(self, ctx):
         return True
