@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdit.eval import bench_attention, bench_transformer
+from fastdit.eval import bench_attention, bench_transformer, bench_transformer_models
 
 ROOT = Path(__file__).resolve().parents[1]
 SPARSE = ("sta", "radial")
@@ -100,30 +100,30 @@ def test_transformer_budget_skips(tmp_path):
 
 def test_published_configs():
     """Full-size configs give the published parameter counts (meta-device build: no memory)."""
-    wan = bench_transformer.count_parameters("wan", bench_transformer.WAN_1_3B)
-    hunyuan = bench_transformer.count_parameters("hunyuan", bench_transformer.HUNYUAN_13B)
+    wan = bench_transformer_models.count_parameters("wan", bench_transformer_models.WAN_1_3B)
+    hunyuan = bench_transformer_models.count_parameters("hunyuan", bench_transformer_models.HUNYUAN_13B)
     assert 1.40e9 < wan < 1.44e9
     assert 12.7e9 < hunyuan < 12.9e9
-    config, latent, text, valid, _ = bench_transformer.model_spec("wan", "full")
-    assert bench_transformer.token_grid(config, latent) == (21, 30, 52) and text == 512 and valid is None
-    config, latent, text, valid, _ = bench_transformer.model_spec("hunyuan", "full")
-    assert bench_transformer.token_grid(config, latent) == (33, 45, 80) and (text, valid) == (256, 64)
+    config, latent, text, valid, _ = bench_transformer_models.model_spec("wan", "full")
+    assert bench_transformer_models.token_grid(config, latent) == (21, 30, 52) and text == 512 and valid is None
+    config, latent, text, valid, _ = bench_transformer_models.model_spec("hunyuan", "full")
+    assert bench_transformer_models.token_grid(config, latent) == (33, 45, 80) and (text, valid) == (256, 64)
 
 
 def test_first_blocks_only_restores():
-    config, *_ = bench_transformer.model_spec("hunyuan", "tiny")
+    config, *_ = bench_transformer_models.model_spec("hunyuan", "tiny")
     config = dict(config, num_layers=2, num_single_layers=3)
-    model = bench_transformer.build_model("hunyuan", config, torch.device("cpu"), torch.float32)
+    model = bench_transformer_models.build_model("hunyuan", config, torch.device("cpu"), torch.float32)
     blocks, single = model.transformer_blocks, model.single_transformer_blocks
-    with bench_transformer.first_blocks_only(model, ("transformer_blocks", "single_transformer_blocks")):
+    with bench_transformer_models.first_blocks_only(model, ("transformer_blocks", "single_transformer_blocks")):
         assert len(model.transformer_blocks) == 1 and len(model.single_transformer_blocks) == 1
         assert model.transformer_blocks[0] is blocks[0]
     assert model.transformer_blocks is blocks and model.single_transformer_blocks is single
 
 
 def test_build_keeps_fp32_modules():
-    config, *_ = bench_transformer.model_spec("wan", "tiny")
-    model = bench_transformer.build_model("wan", config, torch.device("cpu"), torch.bfloat16)
+    config, *_ = bench_transformer_models.model_spec("wan", "tiny")
+    model = bench_transformer_models.build_model("wan", config, torch.device("cpu"), torch.bfloat16)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert dtypes["scale_shift_table"] == torch.float32  # _keep_in_fp32_modules, as from_pretrained keeps it
     assert dtypes["blocks.0.attn1.to_q.weight"] == torch.bfloat16

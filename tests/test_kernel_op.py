@@ -9,24 +9,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import fastdit.kernels as fk
 from fastdit.kernels import block_sparse_attention, dense_reference, plan_to_token_mask
 
-try:
-    import triton  # noqa: F401
+from kernel_backends import BACKENDS, DEVICE, TRITON_OK, TRITON_SKIP_REASON, to_device
 
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - platform without triton
-    HAS_TRITON = False
-
-ON_GPU = torch.cuda.is_available() and not fk.triton_interpreter_enabled()
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-TRITON_OK = HAS_TRITON and (ON_GPU or fk.triton_interpreter_enabled())
-BACKENDS = [
-    pytest.param("torch", id="torch"),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-        not TRITON_OK, reason="Triton needs a CUDA GPU or TRITON_INTERPRET=1 set before pytest starts")),
-]
 OP = torch.ops.fastdit.block_sparse_attention.default
 CHECK = torch.ops.fastdit.check_block_plan.default
 
@@ -52,7 +38,7 @@ def _inputs(dtype=torch.float32, strided=False, seed=0):
     )
     cnt = torch.tensor([[[2, 2, 1], [3, 0, 2]]], dtype=torch.int32)
     kv_valid = torch.rand(2, 50, generator=gen) > 0.3
-    return [t.to(DEVICE) for t in (q, k, v, idx, cnt, kv_valid)]
+    return to_device(DEVICE, q, k, v, idx, cnt, kv_valid)
 
 
 def _reference(q, k, v, idx, cnt, kv_valid, scale=None):
@@ -141,7 +127,7 @@ def test_compiled_graph_holds_one_attention_call():
     assert not any("index_select" in str(t) or "flash" in str(t) for t in targets), targets
 
 
-@pytest.mark.skipif(not TRITON_OK, reason="Triton needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON_OK, reason=TRITON_SKIP_REASON)
 def test_compile_triton_backend():
     torch._dynamo.reset()
     args = _inputs()
