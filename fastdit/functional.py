@@ -45,7 +45,9 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         return_info: also return a dict: ``density`` (query-key score computations performed /
             dense attention's, over all heads), ``head_density`` (per head, a list), ``dense``
-            (whether the call ran dense) and ``plan`` (the block plan, or None).
+            (whether the call ran dense), ``plan`` (the block plan, or None) and, for block-sparse
+            methods run with ``skip_threshold``, ``skipped_subtiles`` / ``walked_subtiles`` (int
+            tensors per (batch, head): key sub-tiles the in-kernel skip rule skipped / looked at).
         scale: the softmax scale (default ``1/sqrt(D)``). layer: the layer index (``dense_layers``).
 
     Returns:
@@ -102,5 +104,9 @@ def _info(ctx, batch, heads, seq, keys):
     else:
         pairs = plan.pair_counts().double()  # (1|B, 1|H)
         head_density = (pairs.expand(batch, heads).mean(0) / total).tolist()
-    return {"density": sum(head_density) / heads, "head_density": head_density,
+    info = {"density": sum(head_density) / heads, "head_density": head_density,
             "dense": bool(ctx.info.get("dense")), "plan": plan}
+    for name in ("skipped_subtiles", "walked_subtiles"):
+        if name in ctx.info:
+            info[name] = ctx.info[name]
+    return info

@@ -14,6 +14,7 @@ else:
         SUPPORTED_DTYPES,
         block_sparse_attention,
         check_skip_options,
+        skip_subtiles_walked,
         triton_interpreter_enabled,
     )
     from .op import block_sparse_attention_op, block_sparse_attention_skip_op, check_block_plan
@@ -30,6 +31,7 @@ else:
         "dense_reference",
         "plan_to_token_mask",
         "skip_reference",
+        "skip_subtiles_walked",
         "triton_interpreter_enabled",
         "validate_plan",
     ]

@@ -222,6 +222,16 @@ def block_sparse_attention(
     return result if len(result) > 1 else out
 
 
+def skip_subtiles_walked(kv_counts, n_q, block_m, block_n, skip_tile=(64, 64)):
+    """(row tile, key sub-tile) pairs the skip rule looks at, per (batch, head): int64
+    ``(B|1, H|1)`` on the plan's device (no host sync); ``skipped / walked`` is the skipped share."""
+    tile_m, tile_n = skip_tile
+    n_qblocks = kv_counts.shape[-1]
+    rows = (n_q - torch.arange(n_qblocks, device=kv_counts.device) * block_m).clamp(min=0, max=block_m)
+    row_tiles = torch.div(rows + tile_m - 1, tile_m, rounding_mode="floor")
+    return (kv_counts.long() * row_tiles).sum(-1) * (-(-block_n // tile_n))
+
+
 def check_skip_options(skip_threshold, skip_tile=(64, 64)):
     """``(skip_threshold as float or None, skip_tile as a tuple of two ints)``; ValueError naming
     the option for a threshold that is not a number >= 0 (NaN included; ``inf`` is fine) or a tile

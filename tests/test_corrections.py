@@ -170,8 +170,11 @@ def test_skip_threshold_through_the_method():
     same = fastdit.attention(q, k, v, "sta", layout=layout, backend="torch", skip_threshold=math.inf,
                              state=ctx_state, **STA)
     assert torch.allclose(same, plain, atol=1e-6, rtol=0)
-    skipping = fastdit.attention(q, k, v, "sta", layout=layout, backend="torch", skip_threshold=0.0, **STA)
+    skipping, info = fastdit.attention(q, k, v, "sta", layout=layout, backend="torch", skip_threshold=0.0,
+                                       return_info=True, **STA)
     assert torch.isfinite(skipping).all() and not torch.allclose(skipping, plain, atol=1e-6)
+    skipped, walked = info["skipped_subtiles"], info["walked_subtiles"]
+    assert 0 < int(skipped.sum()) < int(walked.expand_as(skipped).sum())
 
 
 @pytest.mark.parametrize("options, match", [

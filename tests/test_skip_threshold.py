@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastdit.kernels as fk
-from fastdit.kernels import block_sparse_attention, skip_reference
+from fastdit.kernels import block_sparse_attention, skip_reference, skip_subtiles_walked
 
 try:
     import triton  # noqa: F401
@@ -93,6 +93,7 @@ def test_finite_threshold_matches_reference_rule(backend):
                                                skip_threshold=thr, skip_tile=tile, return_skipped=True)
     assert skipped.dtype == torch.int32 and tuple(skipped.shape) == (batch, heads)
     assert torch.equal(skipped.cpu().long(), ref["skipped"])
+    assert torch.equal(skip_subtiles_walked(cnt, n_q, block_m, block_n, tile), ref["walked"])
     assert torch.isfinite(out).all()
     assert (out.cpu().double() - ref["out"]).abs().max().item() < 1e-4
     fin = torch.isfinite(ref["lse"])

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fastdit.kernels import skip_subtiles_walked
+
 from . import base as _base  # run_plan is looked up on the base module (tests wrap it there)
 from .base import Method, MethodConfig, option
 from .corrections import cached_apply, cached_entry, cached_store, complement_plan, merge_lse, pooled_correction
@@ -96,8 +98,10 @@ class BlockSparseMethod(Method):
         skip = config.skip_threshold is not None
         out, lse, *skipped = _base.run_plan(q, k, v, plan, skip_threshold=config.skip_threshold,
                                             return_skipped=skip, **common)
-        if skip:
-            ctx.info["skipped_subtiles"] = skipped[0]  # int32 (B, H) on the device: no sync here
+        if skip:  # int (B, H) / (1|B, 1|H) tensors on the device: no sync here
+            ctx.info["skipped_subtiles"] = skipped[0]
+            ctx.info["walked_subtiles"] = skip_subtiles_walked(plan.kv_counts, plan.kernel_len, plan.block_m,
+                                                               plan.block_n)
         if config.correction == "pooled":
             out = pooled_correction(q, k, v, plan, out, lse, ctx.key_mask, ctx.query_mask, ctx.scale)
         elif config.correction == "cached":
