@@ -1,0 +1,217 @@
+"""SpargeAttn-style dynamic block selection from mean-pooled queries and keys.
+
+After "SpargeAttn: Accurate Sparse Attention Accelerating Any Model Inference" (Zhang, Xiang,
+Zhang et al., ICML 2025), first stage (the second stage, skipping inside the kernel, is the shared
+``skip_threshold`` option of ``BlockSparseConfig``).
+
+Kernel order: video tokens are permuted into 3-D tiles of ``tile = (tt, th, tw)`` tokens (fitted
+to each grid by ``sta.choose_tile``, padding under 10%; the paper orders video tokens along a
+Hilbert curve for the same purpose: blocks of nearby, alike tokens), one tile per kernel block of
+``b = tt * th * tw`` slots; text follows in its own blocks of ``b`` slots. Per call, batch and
+head, with ``x_i`` the tokens of block ``m`` (valid ones only: padding slots and masked keys are
+left out) and ``n_m`` their count:
+
+* mean pooling: ``xbar_m = (1 / n_m) sum_i x_i`` for queries and keys;
+* self-similarity: ``sim_m = (1 / n_m) sum_i cos(x_i, xbar_m)``. A block with ``sim_m <
+  simthresh`` is not represented by its mean, so it is never skipped: such a query block
+  attends every key block, such a key block is attended by every query block;
+* predicted block scores: ``P[m, :] = softmax_j(scale * qbar_m . kbar_j)`` over key blocks
+  (key blocks without a valid key get 0);
+* selection per query block: the fewest highest-scoring key blocks whose cumulative ``P``
+  reaches ``cdf`` (``count = #{r : sum_{r' < r} P_sorted[r'] < cdf}``), or with ``topk`` the
+  ``ceil(topk * n_blocks)`` highest; at least ``min_blocks``; plus the forced blocks: every text
+  key block, the key blocks that are not self-similar, and with ``sink`` the first key block.
+  Text query blocks and query blocks that are not self-similar keep every key block.
+
+Each row lists its key blocks in descending predicted score, so the kernel meets the largest
+scores first (which helps the in-kernel skip rule). ``cdf = 1`` or ``topk = 1`` is dense
+attention. Everything runs on the tensors' device with no host synchronisation (the counts stay
+on the device; the plan's width is the number of key blocks).
+
+Defaults: SpargeAttn publishes thresholds tuned per model; with none for a given model fastdit
+uses ``cdf = 0.95``, ``simthresh = 0.6`` (cosine to the block mean; real DiT queries and keys
+share a large mean, so their tiles pass), ``min_blocks = 1``, no sink, 128-token blocks (tile
+target 2x8x8 for video, 1x8x16 for images; the paper's query blocks are 128 tokens) and, as for
+sliding tile, the first quarter of the denoising steps dense.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fastdit.plan import BlockPlan
+
+from .base import option, register_method
+from .block_sparse import BlockSparseConfig, BlockSparseMethod
+from .sta import choose_tile, padding_fraction, tile_permutation
+
+VIDEO_TILE = (2, 8, 8)
+IMAGE_TILE = (1, 8, 16)
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+@dataclass
+class SpargeConfig(BlockSparseConfig):
+    """Options of sparge (see the module docstring).
+
+    Attributes:
+        tile: target ``(tt, th, tw)`` tokens per block, fitted to each grid (padding under 10%).
+            None: 2x8x8 for video, 1x8x16 for images (128 tokens).
+        simthresh: blocks whose mean cosine similarity to their own mean is below this are never
+            skipped; in [-1, 1] (-1: every block is trusted).
+        cdf: per query block, keep the fewest top-scoring key blocks whose predicted mass reaches
+            this; in (0, 1] (1: dense).
+        topk: instead of ``cdf``, keep this fraction of the key blocks (rounded up); in (0, 1] or
+            None.
+        min_blocks: keep at least this many key blocks per query block (>= 1).
+        sink: always keep the first key block.
+        dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 0.
+        skip_threshold, correction, refresh_every: see ``BlockSparseConfig``.
+    """
+
+    tile: tuple | None = option(None, "target tokens per block (tt, th, tw), fitted to each grid; empty: 2x8x8 "
+                                "(1x8x16 for images)", widget="triple")
+    simthresh: float = option(0.6, "blocks less self-similar than this (mean cosine to the block mean) are never "
+                              "skipped", range=(-1.0, 1.0), widget="slider")
+    cdf: float = option(0.95, "keep the fewest top-scoring key blocks whose predicted mass reaches this",
+                        range=(0.0, 1.0), widget="slider")
+    topk: float | None = option(None, "instead of cdf: keep this fraction of key blocks per query block; empty: "
+                                "use cdf", range=(0.0, 1.0), widget="number")
+    min_blocks: int = option(1, "at least this many key blocks per query block", range=(1, None), widget="number")
+    sink: bool = option(False, "always keep the first key block (attention sink)", widget="checkbox")
+
+    def validate(self):
+        super().validate()
+        if self.tile is not None:
+            if not isinstance(self.tile, (tuple, list)) or len(self.tile) != 3 or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in self.tile
+            ):
+                raise ValueError(f"tile must be three positive ints (tt, th, tw), got {self.tile!r}")
+            self.tile = tuple(self.tile)
+        if not _number(self.simthresh) or not -1.0 <= self.simthresh <= 1.0:
+            raise ValueError(f"simthresh must be a number in [-1, 1] (a cosine similarity), got {self.simthresh!r}")
+        if not _number(self.cdf) or not 0.0 < self.cdf <= 1.0:
+            raise ValueError(f"cdf must be a number in (0, 1] (predicted attention mass kept), got {self.cdf!r}")
+        if self.topk is not None and (not _number(self.topk) or not 0.0 < self.topk <= 1.0):
+            raise ValueError(f"topk must be a fraction in (0, 1] of the key blocks, or None, got {self.topk!r}")
+        if isinstance(self.min_blocks, bool) or not isinstance(self.min_blocks, int) or self.min_blocks < 1:
+            raise ValueError(f"min_blocks must be an int >= 1, got {self.min_blocks!r}")
+        if not isinstance(self.sink, bool):
+            raise ValueError(f"sink must be True or False, got {self.sink!r}")
+
+
+def pooled_blocks(x, weight, block):
+    """Mean ``(B, H, n, D)`` float32 and self-similarity ``(B, H, n)`` of each block of ``block``
+    tokens of kernel-order ``x`` ``(B, H, n * block, D)``; ``weight`` ``(B|1, n * block)`` is 1 for
+    valid tokens, 0 otherwise. A block without a valid token has mean 0 and similarity 1."""
+    batch, heads, length, dim = x.shape
+    n = length // block
+    xb = x.view(batch, heads, n, block, dim)
+    w = weight.view(weight.shape[0], 1, n, 1, block).to(x.dtype)
+    count = weight.view(weight.shape[0], 1, n, block).float().sum(-1)  # (B|1, 1, n)
+    # Weighted sums as a matmul: accumulates in float32 without a float32 copy of x.
+    total = (w @ xb).squeeze(-2).float()  # (B, H, n, D)
+    mean = total / count.clamp_min(1.0)[..., None]
+    norms = torch.linalg.vector_norm(xb, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (B, H, n, block)
+    mean_norm = torch.linalg.vector_norm(mean, dim=-1).clamp_min(1e-12)  # (B, H, n)
+    dots = (xb @ mean.to(x.dtype)[..., None]).squeeze(-1).float()  # (B, H, n, block)
+    cosine = dots / (norms * mean_norm[..., None])
+    similarity = (cosine * weight.view(weight.shape[0], 1, n, block).float()).sum(-1) / count.clamp_min(1.0)
+    similarity = torch.where(count > 0, similarity, torch.ones_like(similarity))
+    return mean, similarity, count
+
+
+def select_blocks(probs, forced_keys, full_rows, config, n_blocks):
+    """``(kv_indices, kv_counts)`` int32 from predicted block scores ``probs`` ``(B, H, n, n)``,
+    key blocks always kept ``forced_keys`` ``(B|1, H|1, n)`` and query blocks kept whole
+    ``full_rows`` ``(B|1, H|1, n)``: the rule of the module docstring, kept blocks in score order."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(n_blocks, device=probs.device)
+    if config.topk is not None:
+        count = torch.full(probs.shape[:-1], min(n_blocks, math.ceil(config.topk * n_blocks)), device=probs.device)
+    elif config.cdf >= 1.0:
+        count = torch.full(probs.shape[:-1], n_blocks, device=probs.device)
+    else:
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the higher-ranked blocks
+        count = (before < config.cdf).sum(-1)
+    count = count.clamp(min=min(config.min_blocks, n_blocks))
+    keep = rank < count[..., None]  # in score order
+    keep = keep | forced_keys[..., None, :].expand_as(probs).gather(-1, order) | full_rows[..., None]
+    kv_counts = keep.sum(-1, dtype=torch.int32)
+    # Kept blocks first, each group still in descending score (a stable sort of the keep flags).
+    position = (~keep).to(torch.uint8).sort(dim=-1, stable=True).indices
+    kv_indices = order.gather(-1, position).to(torch.int32)
+    return kv_indices, kv_counts
+
+
+@register_method
+class Sparge(BlockSparseMethod):
+    name = "sparge"
+    config_cls = SpargeConfig
+    default_options = {"dense_steps": 0.25, "dense_layers": 0}
+    #: fastdit's tiny models have random weights: attention is near uniform there and their
+    #: queries are not self-similar, so a fixed fraction of 64-token blocks (4x4x4 tiles) is kept.
+    tiny_options = {"tile": (4, 4, 4), "topk": 0.125, "simthresh": -1.0}
+
+    def tile_for(self, layout):
+        target = self.config.tile or (VIDEO_TILE if layout.frames > 1 else IMAGE_TILE)
+        return choose_tile(layout.grid, target)
+
+    def prepare(self, layout, heads, device):
+        """The static part: tile-order permutation, padding validity and block roles; the plan's
+        own lists are dense (``select`` replaces them every call)."""
+        tile = self.tile_for(layout)
+        block = math.prod(tile)
+        perm, n_video, n_text = tile_permutation(layout, tile, block)
+        n_blocks = n_video + n_text
+        indices = torch.arange(n_blocks, dtype=torch.int32).expand(1, 1, n_blocks, n_blocks).contiguous()
+        counts = torch.full((1, 1, n_blocks), n_blocks, dtype=torch.int32)
+        text_blocks = torch.zeros(n_blocks, dtype=torch.bool)
+        text_blocks[n_video:] = True
+        sink = torch.zeros(n_blocks, dtype=torch.bool)
+        sink[0] = self.config.sink
+        return BlockPlan(
+            kv_indices=indices.to(device), kv_counts=counts.to(device), block_m=block, block_n=block,
+            seq_len=layout.seq_len, perm=perm.to(device), kv_valid=(perm >= 0)[None].to(device),
+            padding_fraction=padding_fraction(layout.grid, tile), name=f"sparge_t{'x'.join(map(str, tile))}",
+            info={"tile": tile, "text_blocks": text_blocks.to(device), "always_keys": (text_blocks | sink).to(device)},
+        )
+
+    def select(self, ctx, q, k):
+        static = self.prepared(ctx.layout, 1, q.device)
+        plan, _ = self.predict(static, q, k, ctx.key_mask, ctx.query_mask, ctx.scale)
+        return plan
+
+    def predict(self, static, q, k, key_mask=None, query_mask=None, scale=None):
+        """The dynamic plan of one call and the pieces it came from (a dict, for tests and reports)."""
+        block, n_blocks = static.block_m, static.num_kv_blocks
+        index = static.gather_index
+        q_kernel, k_kernel = q.index_select(2, index), k.index_select(2, index)
+        key_ok = static.kernel_kv_valid(key_mask)
+        query_ok = static.kv_valid
+        if query_mask is not None:
+            query_ok = query_mask.to(torch.bool)[:, index] & static.kv_valid
+        q_mean, q_sim, _ = pooled_blocks(q_kernel, query_ok, block)
+        k_mean, k_sim, k_count = pooled_blocks(k_kernel, key_ok, block)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scores = (q_mean @ k_mean.transpose(-1, -2)) * scale
+        scores = scores.masked_fill((k_count == 0)[..., None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no valid key: all 0
+        text_blocks, always = static.info["text_blocks"], static.info["always_keys"]
+        forced_keys = always | (k_sim < self.config.simthresh)
+        full_rows = text_blocks | (q_sim < self.config.simthresh)
+        kv_indices, kv_counts = select_blocks(probs, forced_keys, full_rows, self.config, n_blocks)
+        # A shallow copy keeps the static permutation and its inverse (rebuilding the plan would
+        # recompute them, with a host synchronisation).
+        plan = copy.copy(static)
+        plan.__dict__.pop("density", None)
+        plan.kv_indices, plan.kv_counts, plan.dynamic = kv_indices, kv_counts, True
+        plan.info = {"tile": static.info["tile"]}
+        return plan, {"probs": probs, "q_similarity": q_sim, "k_similarity": k_sim, "forced_keys": forced_keys,
+                      "full_rows": full_rows}
