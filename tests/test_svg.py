@@ -18,9 +18,9 @@ from fastdit.methods import svg
 NO_DENSE = dict(dense_steps=0, dense_layers=0)
 
 
-def run_svg(q, k, v, layout, key_mask=None, backend="torch", **options):
-    out, info = fastdit.attention(q, k, v, "svg", layout=layout, key_mask=key_mask, backend=backend,
-                                  return_info=True, **{**NO_DENSE, **options})
+def run_svg(q, k, v, layout, key_mask=None, backend="torch", step=0, state=None, **options):
+    out, info = fastdit.attention(q, k, v, "svg", layout=layout, key_mask=key_mask, backend=backend, step=step,
+                                  state=state, return_info=True, **{**NO_DENSE, **options})
     return out, info["plan"], info
 
 
@@ -71,8 +71,7 @@ def reference_mask(layout, pattern, density, block):
                     lo, hi = 0, hi - lo
                 if hi > n_units - 1:
                     lo, hi = max(0, lo - (hi - n_units + 1)), n_units - 1
-                keys = range(lo * unit, (hi + 1) * unit)
-                keep = any(j == x // block for x in keys)
+                keep = lo * unit // block <= j <= ((hi + 1) * unit - 1) // block  # j overlaps [lo U, (hi + 1) U)
             mask[q_tok, k_tok] = keep
     return mask
 
@@ -158,9 +157,7 @@ def test_selection_equals_direct_argmin_of_sample_errors():
     key_mask = torch.ones(2, layout.seq_len, dtype=torch.bool)
     key_mask[1, :2] = False
     _, plan, _ = run_svg(q, k, v, layout, key_mask=key_mask, density=0.3, block_size=6, n_samples=9)
-    prepared = fastdit.functional._INSTANCES[next(k_ for k_ in fastdit.functional._INSTANCES
-                                                  if "density=0.3" in k_[1] and "n_samples=9" in k_[1])]
-    samples = next(iter(prepared._cache.values())).samples
+    samples = svg.layout_plan(layout, svg.SVGConfig(density=0.3, block_size=6, n_samples=9), "cpu").samples
     assert samples.numel() == 9 and bool((samples >= 5).all()), "samples are video rows"
     expected = direct_errors(q, k, v, layout, svg.PATTERNS, 0.3, 6, samples, key_mask)
     assert torch.allclose(plan.info["errors"].double(), expected, rtol=1e-3, atol=1e-6)
@@ -242,12 +239,29 @@ def test_triton_interpreter_matches_torch():
     assert torch.allclose(a, b, atol=1e-4)
 
 
+def test_skip_threshold_and_cached_correction_run_per_head():
+    layout = TokenLayout((3, 4, 5), 4, "prefix")
+    q, k, v = randn_qkv(layout, seed=8)
+    opts = dict(density=0.34, block_size=7)
+    plain, plan, _ = run_svg(q, k, v, layout, **opts)
+    same, _, _ = run_svg(q, k, v, layout, skip_threshold=float("inf"), **opts)
+    assert torch.allclose(plain, same, atol=1e-6)  # an infinite threshold skips nothing
+    skipped, _, _ = run_svg(q, k, v, layout, skip_threshold=0.0, **opts)
+    assert torch.isfinite(skipped).all() and not torch.allclose(skipped, plain)
+    state = {}
+    refresh, _, info = run_svg(q, k, v, layout, correction="cached", refresh_every=2, step=0, **opts, state=state)
+    assert info["dense"]  # a refresh step: the plan and its complement, i.e. dense attention
+    dense, _ = dense_reference(q, k, v)
+    assert torch.allclose(refresh.double(), dense, atol=1e-5)
+    corrected, _, info = run_svg(q, k, v, layout, correction="cached", refresh_every=2, step=1, **opts, state=state)
+    assert not info["dense"] and torch.allclose(corrected.double(), dense, atol=1e-4)  # same inputs: exact
+
+
 def test_n_samples_beyond_the_video_is_clamped():
     layout = TokenLayout((2, 3, 3), 4, "prefix")
     q, k, v = randn_qkv(layout, seed=5)
     out, plan, _ = run_svg(q, k, v, layout, n_samples=10_000, density=0.5, block_size=4)
-    method = fastdit.functional._INSTANCES[next(k_ for k_ in fastdit.functional._INSTANCES if "n_samples=10000" in k_[1])]
-    samples = next(iter(method._cache.values())).samples
+    samples = svg.layout_plan(layout, svg.SVGConfig(n_samples=10_000, density=0.5, block_size=4), "cpu").samples
     assert torch.equal(samples, layout.video_positions())  # every video row, no text row
     assert torch.isfinite(out).all()
 
@@ -257,8 +271,10 @@ def test_one_frame_drops_spatial_and_runs_sparse():
     q, k, v = randn_qkv(layout, seed=6)
     out, plan, info = run_svg(q, k, v, layout, density=0.25, block_size=6)
     assert plan.info["patterns"] == ("temporal", "textural") and info["density"] < 0.7
-    assert torch.equal(plan.token_mask(0, batch=0) if plan.choice[0, 0] == 0 else
-                       reference_mask(layout, "temporal", 0.25, 6), reference_mask(layout, "temporal", 0.25, 6))
+    for b in range(2):
+        for head in range(3):  # temporal is a band of neighbouring tokens in raster order here
+            name = plan.info["patterns"][int(plan.choice[b, head])]
+            assert torch.equal(plan.token_mask(head, batch=b), reference_mask(layout, name, 0.25, 6))
     dense_out, _, info = run_svg(q, k, v, layout, patterns=("spatial",))
     assert info["dense"] and torch.allclose(dense_out, fastdit.attention(q, k, v, "dense", layout=layout))
 
@@ -276,14 +292,19 @@ def test_defaults_and_dense_first_layer():
 
 # -- bad options, at patch time ----------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def tiny_wan():
+    from tiny_models import TINY
+
+    return TINY["wan"].build(0)
+
+
 @pytest.mark.parametrize("option,value", [("density", 0.0), ("density", 1.5), ("density", float("nan")),
                                           ("density", True), ("n_samples", 0), ("n_samples", 2.5),
                                           ("block_size", 0), ("patterns", ()), ("patterns", ("spatial", "banded")),
                                           ("correction", "pooled")])
-def test_bad_options_raise_at_patch_time_naming_the_option(option, value):
-    from tiny_models import TINY
-
-    model = TINY["wan"].build(0)
+def test_bad_options_raise_at_patch_time_naming_the_option(option, value, tiny_wan):
+    model = tiny_wan
     with pytest.raises(ValueError, match=option):
         fastdit.patch(model, "svg", **{option: value})
     with pytest.raises(ValueError, match=option):
