@@ -6,8 +6,9 @@ Layers, bottom to top (docs/architecture.md draws them):
   1 data types                    layout, plan, context, stats, masks, jsonutil
   2 methods                       fastdit.methods.*
   3 patch and model adapters      patching, intercept, steps, functional, pipelines.*
-  4 libraries with entry points   compare, video, support, options, pictures, eval.*, app.*
-  5 command line                  cli, cli_eval, cli_common, python -m fastdit.eval
+  4 libraries with entry points   compare, video, support, options, pictures, calibration,
+                                  calibration_candidates, plan_file, eval.*, app.*
+  5 command line                  cli, cli_eval, cli_common, cli_calibrate, python -m fastdit.eval
 """
 import ast
 import importlib.util
@@ -23,9 +24,9 @@ LAYERS = [
     ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.masks", "fastdit.jsonutil"),
     ("fastdit.methods",),
     ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines"),
-    ("fastdit.compare", "fastdit.video", "fastdit.support", "fastdit.options", "fastdit.pictures", "fastdit.eval",
-     "fastdit.app"),
-    ("fastdit.cli", "fastdit.cli_eval", "fastdit.cli_common", "fastdit.eval.__main__"),
+    ("fastdit.compare", "fastdit.video", "fastdit.support", "fastdit.options", "fastdit.pictures",
+     "fastdit.calibration", "fastdit.calibration_candidates", "fastdit.plan_file", "fastdit.eval", "fastdit.app"),
+    ("fastdit.cli", "fastdit.cli_eval", "fastdit.cli_common", "fastdit.cli_calibrate", "fastdit.eval.__main__"),
 ]
 
 
@@ -91,6 +92,7 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n != "fastdit"))
 def test_imports_point_down(name):
     mine = layer_of(name)
+    assert mine is not None, f"{name} has no layer (see test_every_module_has_a_layer)"
     upward = sorted(t for t in GRAPH[name] if t != "fastdit" and layer_of(t) is not None and layer_of(t) > mine)
     assert not upward, f"{name} (layer {mine}) imports higher layers: {upward}"
     if mine <= 3:
@@ -139,3 +141,29 @@ def test_repository_folders_do_not_load_twice_under_top_level_names():
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "torch.Size([1, 1, 8, 4])" in result.stdout
+
+
+MAX_LINES = 500
+
+
+def test_no_python_file_over_500_lines():
+    """Every tracked ``.py`` file of the repository stays at most ``MAX_LINES`` lines: a longer one is
+    split by role (see how eval/bench_*.py and tests/model_matrix.py are cut)."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs the git checkout (git ls-files)")
+    listed = subprocess.run(["git", "ls-files", "-z", "--", "*.py"], cwd=root, capture_output=True, check=True)
+    files = [name for name in listed.stdout.decode().split("\0") if name]
+    assert files, "git ls-files found no Python file"
+    lengths = {}
+    for name in files:
+        path = root / name
+        if path.is_file():  # a tracked file deleted in the working tree is not there to count
+            with open(path, "rb") as handle:
+                lengths[name] = sum(1 for _ in handle)
+    over = sorted((n, name) for name, n in lengths.items() if n > MAX_LINES)
+    assert not over, f"files over {MAX_LINES} lines (split them by role): " + ", ".join(
+        f"{name} ({n})" for n, name in reversed(over))
