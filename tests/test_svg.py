@@ -180,17 +180,15 @@ def positional_heads(grid, kinds, dim=32, batch=1, sharpness=12.0, seed=0):
     return qk, qk.clone(), torch.randn(batch, len(kinds), n, dim, generator=g)
 
 
-def structured_or_own(grid, kinds):
-    """C1's structured generator when it is there, else the one-hot construction above."""
-    try:
-        from fastdit.eval.structured import structured_qkv
-    except ImportError:
-        return positional_heads(grid, kinds)
+def structured(grid, kinds):
+    """``fastdit.eval.structured``'s Fourier-feature heads (a second, smoother construction)."""
+    from fastdit.eval.structured import structured_qkv
+
     q, k, v, _, _ = structured_qkv(grid=grid, heads=len(kinds), head_dim=64, kinds=kinds, seed=0)
     return q, k, v
 
 
-@pytest.mark.parametrize("make", [positional_heads, structured_or_own], ids=["one-hot", "structured"])
+@pytest.mark.parametrize("make", [positional_heads, structured], ids=["one-hot", "structured"])
 def test_picks_spatial_for_a_local_head_and_temporal_for_a_temporal_head(make):
     grid = (6, 4, 5)
     q, k, v = make(grid, ("spatial", "temporal"))
@@ -282,6 +280,9 @@ def test_one_frame_drops_spatial_and_runs_sparse():
 def test_defaults_and_dense_first_layer():
     config = fastdit.methods.get_method("svg").resolve(svg.SVGConfig())
     assert (config.dense_steps, config.dense_layers, config.n_samples) == (0.25, 1, 64)
+    chosen = svg.SVGConfig(patterns="textural, temporal")
+    chosen.validate()
+    assert chosen.patterns == ("temporal", "textural")  # the CLI's text form, in canonical order
     layout = TokenLayout((2, 3, 4))
     q, k, v = randn_qkv(layout)
     _, info = fastdit.attention(q, k, v, "svg", layout=layout, dense_steps=0, block_size=4, return_info=True)
@@ -302,7 +303,7 @@ def tiny_wan():
 @pytest.mark.parametrize("option,value", [("density", 0.0), ("density", 1.5), ("density", float("nan")),
                                           ("density", True), ("n_samples", 0), ("n_samples", 2.5),
                                           ("block_size", 0), ("patterns", ()), ("patterns", ("spatial", "banded")),
-                                          ("correction", "pooled")])
+                                          ("patterns", "spatial,radial"), ("correction", "pooled")])
 def test_bad_options_raise_at_patch_time_naming_the_option(option, value, tiny_wan):
     model = tiny_wan
     with pytest.raises(ValueError, match=option):

@@ -95,7 +95,8 @@ class SVGConfig(BlockSparseConfig):
         n_samples: query rows sampled per call to choose each head's pattern (>= 1; clamped to the
             number of video tokens at call time).
         block_size: kernel block (query and key), >= 1.
-        patterns: the candidate patterns, a non-empty subset of spatial, temporal, textural.
+        patterns: the candidate patterns, a non-empty subset of spatial, temporal, textural (a
+            sequence, or one comma-separated string); kept in that canonical order (the tie-break).
         dense_steps: see ``MethodConfig``; default 0.25 (the first quarter of the steps dense).
         dense_layers: see ``MethodConfig``; default 1 (the first layer dense).
     """
@@ -117,7 +118,9 @@ class SVGConfig(BlockSparseConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        patterns = (self.patterns,) if isinstance(self.patterns, str) else self.patterns
+        patterns = self.patterns
+        if isinstance(patterns, str):  # "spatial,temporal" as the CLI's --set and the app's text box give it
+            patterns = tuple(p.strip() for p in patterns.split(",") if p.strip())
         if (not isinstance(patterns, (tuple, list)) or not patterns or any(p not in PATTERNS for p in patterns)
                 or len(set(patterns)) != len(patterns)):
             raise ValueError(f"patterns must be a non-empty list of distinct names from {PATTERNS}, "
