@@ -165,19 +165,39 @@ class AttentionForward:
                 result = self.original(*args, **kwargs)
         else:
             result = self.original(*args, **kwargs)
-        if _SEEN.get() == seen:
+        if _SEEN.get() == seen and not self._cache_hooked():
             _note_fallback(self.patch_id, self.layer, "the layer's attention did not go through SDPA or fastdit's "
                            "backend (another attention backend or a custom processor)")
         return result
 
+    def _cache_hooked(self):
+        """A diffusers hook on the module (``enable_cache``: PyramidAttentionBroadcast, FasterCache)
+        may skip the attention and reuse its cached output: no call then is no fallback."""
+        module = self.module_ref()
+        registry = None if module is None else module.__dict__.get("_diffusers_hook")
+        return bool(getattr(registry, "hooks", None))
+
     def remove(self):
         module = self.module_ref()
-        if module is None or module.__dict__.get("forward") is not self:
+        if module is None:
+            return
+        if module.__dict__.get("forward") is not self:
+            # Wrapped since by a diffusers hook (``enable_cache`` with PyramidAttentionBroadcast or
+            # FasterCache hooks attention modules): unlink from its chain, so that removing the hook
+            # later restores the module's own forward, not this one.
+            self._unlink_from_diffusers_hooks(module)
             return
         if self._previous is self._missing:
             del module.__dict__["forward"]
         else:
             module.forward = self._previous
+
+    def _unlink_from_diffusers_hooks(self, module):
+        registry = module.__dict__.get("_diffusers_hook")
+        for ref in getattr(registry, "_fn_refs", ()):
+            for name in ("forward", "original_forward"):
+                if getattr(ref, name, None) is self:
+                    setattr(ref, name, self.original)
 
 
 # ---------------------------------------------------------------------------------------------
