@@ -1,0 +1,352 @@
+"""Benchmark: every attention method on structured video-like inputs, per head kind.
+
+Run ``python -m fastdit.eval.bench_methods --methods sta,sparge,svg`` (options below). Inputs come
+from ``fastdit.eval.structured`` (see its docstring: heads whose attention is spatially local,
+temporal or global, by construction), one input set per head kind with every head of that kind,
+the same for every method. Methods run at ``dense_steps=0, dense_layers=0`` (every call sparse)
+through the method protocol, exactly as ``fastdit.attention`` runs them.
+
+Method list: comma-separated ``name`` or ``name:option=value:option=value`` (values as the CLI's
+``--set`` reads them, e.g. ``sparge:topk=0.2``, ``sta:tile=(4,4,8)``). ``--corrections
+pooled,cached`` adds, for every block-sparse method, one variant per correction. When ``sta`` runs
+(its first entry, at any options), ``sparge`` and ``svg`` also run at sta's density of each kind
+(``sparge`` with ``topk``, ``svg`` with ``density``, labelled ``@sta``; ``--match`` adds options
+to those runs, e.g. ``--match x:tile=(2,4,4)``) so the claims below compare like with like.
+
+Default size: Wan2.1 480p x 81 frames (21x30x52 = 32760 video tokens), 2 heads, D=64, where the
+5% prediction-cost claim applies (a GPU run). On a CPU pass a smaller grid, e.g. ``--frames 12
+--height 16 --width 24 --methods sta:tile=(2,4,4),sparge,svg --match x:tile=(2,4,4)``.
+Unknown methods are reported and skipped.
+
+Columns, per method and head kind (one call over all heads of that kind):
+  * ``density``: query-key score computations performed / dense attention's (``info["density"]``
+    of ``fastdit.attention``; padding slots excluded, text included);
+  * ``rel_l2``: ``||out - dense|| / ||dense||`` over the video query rows, dense being float32
+    SDPA on the same inputs;
+  * ``select_ms``: ``method.select(ctx, q, k)`` alone (block-sparse methods; the prediction of
+    dynamic ones, a cache lookup for static ones); ``attention_ms``: ``run_plan`` on that plan
+    (block-sparse methods), or a dense SDPA of the shape the method really attended
+    (``ctx.info["attention_shape"]``, token methods); ``total_ms``: the whole call;
+    ``outside_ms`` = total - attention (selection, gathers, pooling, caches, corrections);
+    ``saved_ms`` = dense SDPA - attention (the attention time the method saves);
+  * ``peak_mb``: peak memory of one untimed call above what was allocated before it (CUDA only);
+  * ``select/dense``: the selection time over dense SDPA's (sparge's prediction cost claim:
+    at most 5% at N >= 32k on the GPU).
+
+Timings: ``--warmup`` untimed calls, then the median of ``--runs`` timed ones; CUDA events with
+synchronisation around every call on the GPU, ``perf_counter`` on the CPU. ``correction=cached``
+variants first run one refresh call (step 0) on inputs perturbed by 10% toward another draw of
+the generator (consecutive denoising steps are close, not equal), then are measured at step 1.
+
+Claims printed at the end (each "holds" / "fails" / "not run"): on temporal heads sparge@sta and
+svg@sta have lower error than sta at no more than sta's density (+0.02); every correction lowers
+its method's error (all kinds, same plan density).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+
+import torch
+
+from fastdit.context import AttentionContext, CallState
+from fastdit.eval import bench_common as common
+from fastdit.eval.structured import structured_qkv
+from fastdit.functional import _info
+from fastdit.intercept import plain_sdpa
+from fastdit.jsonutil import dump_json
+from fastdit.methods import get_method, method_names
+from fastdit.methods.block_sparse import BlockSparseMethod
+from fastdit.options import parse_value
+from fastdit.plan import run_plan
+
+KINDS = ("spatial", "temporal", "global")
+CLAIM_SLACK = 0.02
+
+
+def split_top_level(text, sep=","):
+    """Split on ``sep`` outside parentheses and brackets (option values may hold tuples)."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "([" and 1 or char in ")]" and -1 or 0
+        if char == sep and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_methods(text):
+    """``[(label, name, options)]`` from ``name`` / ``name:opt=value:...`` items."""
+    specs = []
+    for item in split_top_level(text):
+        name, *pairs = split_top_level(item, ":")
+        options = {}
+        for pair in pairs:
+            if "=" not in pair:
+                raise ValueError(f"method option {pair!r} of {item!r} must be option=value")
+            key, value = pair.split("=", 1)
+            options[key.strip()] = parse_value(value)
+        specs.append((item, name.strip(), options))
+    return specs
+
+
+def make_call(method, layout, q, k, v, state=None, step=0, num_steps=8, backend="auto"):
+    """``(ctx, run)``: an ``AttentionContext`` as ``fastdit.attention`` builds it, and a function
+    running the method on it (a fresh ``ctx.info`` each call)."""
+    heads = q.shape[1]
+    ctx = AttentionContext(
+        layer=0, layer_name="layer0", step=step, num_steps=num_steps, branch=0, layout=layout,
+        call=CallState(num_steps), local_layer=0, head_offset=0, num_heads=heads, total_heads=heads,
+        state={} if state is None else state, backend=backend,
+        dense_fn=lambda: plain_sdpa(q, k, v),
+    )
+    ctx.call.rounds = step
+
+    def run():
+        ctx.info = {}
+        return method(ctx, q, k, v)
+
+    return ctx, run
+
+
+def video_error(out, ref, layout):
+    rows = layout.video_positions(out.device)
+    return common.rel_error(out[:, :, rows], ref[:, :, rows])
+
+
+def measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda):
+    """One method variant on one kind's inputs: a dict of the columns (see the module docstring)."""
+    cls = get_method(name)
+    config = cls.resolve(cls.make_config(**{"dense_steps": 0, "dense_layers": 0, **options}), None)
+    method = cls(config)
+    q, k, v, layout = inputs.q, inputs.k, inputs.v, inputs.layout
+    method.check_heads(q.shape[1])
+    state, step = {}, 0
+    if getattr(config, "correction", None) == "cached":  # a refresh step first, on nearby inputs
+        _, refresh = make_call(method, layout, *refresh_inputs, state=state, step=0, backend=args.backend)
+        refresh()
+        step = 1
+    ctx, run = make_call(method, layout, q, k, v, state=state, step=step, backend=args.backend)
+    with torch.no_grad():
+        out = run()
+        info = _info(ctx, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        row = {"density": info["density"], "rel_l2": video_error(out, ref, layout),
+               "finite": bool(torch.isfinite(out).all())}
+        row["total_ms"] = common.time_fn(run, args.runs, args.warmup, cuda)
+        row["select_ms"] = row["attention_ms"] = None
+        if isinstance(method, BlockSparseMethod) and "plan" in ctx.info:
+            # svg's select also takes v (it scores patterns by sampled outputs)
+            takes_v = "v" in inspect.signature(method.select).parameters
+            select = (lambda: method.select(ctx, q, k, v)) if takes_v else (lambda: method.select(ctx, q, k))
+            row["select_ms"] = common.time_fn(select, args.runs, args.warmup, cuda)
+            plan = select()
+            try:
+                row["attention_ms"] = common.time_fn(lambda: run_plan(q, k, v, plan, backend=args.backend),
+                                                     args.runs, args.warmup, cuda)
+            except Exception as error:  # a plan run_plan cannot take alone: report the derived value
+                row["attention_note"] = common.first_line(error)
+                row["attention_ms"] = row["total_ms"] - row["select_ms"]
+        elif "attention_shape" in ctx.info:
+            queries, keys = ctx.info["attention_shape"]
+            shaped = [torch.randn(q.shape[0], q.shape[1], n, q.shape[3], device=q.device, dtype=q.dtype)
+                      for n in (queries, keys, keys)]
+            row["attention_shape"] = (queries, keys)
+            row["attention_ms"] = common.time_fn(lambda: plain_sdpa(*shaped), args.runs, args.warmup, cuda)
+        elif ctx.info.get("dense") or name == "dense":
+            row["attention_ms"] = row["total_ms"]
+        if row["attention_ms"] is not None:
+            row["outside_ms"] = row["total_ms"] - row["attention_ms"]
+            row["saved_ms"] = dense_ms - row["attention_ms"]
+        if row["select_ms"] is not None:
+            row["select_over_dense"] = row["select_ms"] / dense_ms
+        row["peak_mb"] = common.peak_memory_mb(run, cuda) if cuda else None
+    return row
+
+
+def kind_inputs(kind, args, device, dtype, seed=0):
+    return structured_qkv((args.frames, args.height, args.width), heads=args.heads, head_dim=args.head_dim,
+                          kinds=(kind,) * args.heads, text_len=args.text, text_position="suffix",
+                          seed=seed, device=device, dtype=dtype)
+
+
+def nearby(a, b, amount=0.1):
+    """``a`` moved ``amount`` of the way toward ``b`` (a neighbouring denoising step's inputs)."""
+    return [x + amount * (y - x) for x, y in zip(a, b)]
+
+
+def variants(specs, corrections, registered):
+    """The runs: each spec, same-density companions of sta, and correction variants."""
+    runs, skipped = [], []
+    for label, name, options in specs:
+        if name not in registered:
+            skipped.append((label, f"unknown method {name!r}; registered: {', '.join(registered)}"))
+            continue
+        runs.append((label, name, options, None))
+    has_sta = any(name == "sta" for _, name, _, _ in runs)
+    if has_sta:
+        for name, option in (("sparge", "topk"), ("svg", "density")):
+            if name in registered and any(n == name for _, n, _, _ in runs):
+                runs.append((f"{name}@sta", name, {}, option))
+    extra = []
+    for label, name, options, same in runs:
+        fields = getattr(get_method(name).config_cls, "__dataclass_fields__", {})
+        if "correction" in fields and "correction" not in options:
+            for correction in corrections:
+                extra.append((f"{label}:correction={correction}", name, {**options, "correction": correction}, same))
+    return runs + extra, skipped
+
+
+def run_benchmark(args):
+    device = common.pick_device(args.device, args.threads)
+    cuda = device.type == "cuda"
+    dtype = getattr(torch, args.dtype)
+    registered = method_names()
+    specs = parse_methods(args.methods)
+    runs, skipped = variants(specs, [c for c in split_top_level(args.corrections) if c != "none"], registered)
+    for label, message in skipped:
+        print(f"skipped {label}: {message}", file=sys.stderr)
+    results = {"meta": {**common.machine(device), "grid": (args.frames, args.height, args.width),
+                        "heads": args.heads, "head_dim": args.head_dim, "text": args.text, "dtype": args.dtype,
+                        "runs": args.runs, "warmup": args.warmup, "backend": args.backend},
+               "skipped": dict(skipped), "rows": [], "claims": {}}
+    results["meta"]["tokens"] = args.frames * args.height * args.width + args.text
+    for kind in split_top_level(args.kinds):
+        if kind not in KINDS:
+            raise SystemExit(f"--kinds: unknown head kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if kind == "temporal" and args.frames < 2:
+            continue
+        inputs = kind_inputs(kind, args, device, dtype)
+        other = kind_inputs(kind, args, device, dtype, seed=1)
+        refresh_inputs = nearby(inputs[:3], other[:3])
+        with torch.no_grad():
+            ref = plain_sdpa(*(t.float() for t in inputs[:3]))
+            dense_ms = common.time_fn(lambda: plain_sdpa(*inputs[:3]), args.runs, args.warmup, cuda)
+        results["rows"].append({"method": "dense", "kind": kind, "density": 1.0, "rel_l2": 0.0,
+                                "total_ms": dense_ms, "attention_ms": dense_ms})
+        sta_density = None
+        sta_match = dict(parse_methods(args.match)[0][2]) if args.match else {}
+        for label, name, options, same in runs:
+            options = dict(options)
+            if same is not None:
+                if sta_density is None:
+                    continue
+                options[same] = min(1.0, sta_density)
+                options.update(sta_match)
+            try:
+                row = measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda)
+            except Exception as error:
+                row = {"error": common.first_line(error, 300)}
+                print(f"{label} on {kind} heads failed: {row['error']}", file=sys.stderr)
+            row.update(method=label, kind=kind, options=options)
+            if name == "sta" and sta_density is None and "density" in row:
+                sta_density = row["density"]
+                row["same_density_reference"] = True
+            results["rows"].append(row)
+    results["claims"] = claims(results["rows"])
+    return results
+
+
+def _find(rows, method, kind):
+    return next((r for r in rows if r["method"] == method and r["kind"] == kind and "rel_l2" in r), None)
+
+
+def claims(rows):
+    """The claims of the module docstring: ``{claim: "holds" | "fails ..." | "not run"}``."""
+    found = {}
+    sta_label = next((r["method"] for r in rows if r.get("same_density_reference")), "sta")
+    sta = _find(rows, sta_label, "temporal")
+    for name in ("sparge@sta", "svg@sta"):
+        other = _find(rows, name, "temporal")
+        key = f"{name.split('@')[0]} lower error than sta at the same density on temporal heads"
+        if sta is None or other is None:
+            found[key] = "not run"
+        elif other["density"] > sta["density"] + CLAIM_SLACK:
+            found[key] = f"fails: density {other['density']:.3f} above sta's {sta['density']:.3f}"
+        else:
+            found[key] = ("holds" if other["rel_l2"] < sta["rel_l2"] else "fails") + (
+                f" ({other['rel_l2']:.4f} vs {sta['rel_l2']:.4f})")
+    for row in rows:
+        label = row["method"]
+        if ":correction=" not in label or "rel_l2" not in row:
+            continue
+        base = _find(rows, label.split(":correction=")[0], row["kind"])
+        key = f"{label} lowers the error on {row['kind']} heads"
+        if base is None:
+            found[key] = "not run"
+        elif base["rel_l2"] < 1e-6:
+            found[key] = "not run (no error to lower: the plan is dense)"
+        else:
+            found[key] = ("holds" if row["rel_l2"] < base["rel_l2"] else "fails") + (
+                f" ({row['rel_l2']:.4f} vs {base['rel_l2']:.4f})")
+    return found
+
+
+def print_table(results, file=None):
+    file = sys.stdout if file is None else file
+    meta = results["meta"]
+    print(f"structured inputs {meta['grid']} + {meta['text']} text = {meta['tokens']} tokens, {meta['heads']} heads, "
+          f"D={meta['head_dim']}, {meta['dtype']}, {meta['device']}; median of {meta['runs']} runs", file=file)
+    header = (f"{'method':34} {'kind':8} {'density':>7} {'rel_l2':>8} {'select':>8} {'attn':>8} {'total':>8} "
+              f"{'outside':>8} {'saved':>8} {'sel/dns':>7} {'peakMB':>7}")
+    print(header, file=file)
+    print("-" * len(header), file=file)
+    for row in results["rows"]:
+        if "error" in row:
+            print(f"{row['method'][:34]:34} {row['kind']:8} ERROR {row['error']}", file=file)
+            continue
+        f = common.fmt
+        print(f"{row['method'][:34]:34} {row['kind']:8} {f(row.get('density'), '7.3f')} {f(row.get('rel_l2'), '8.4f')} "
+              f"{f(row.get('select_ms'), '8.2f')} {f(row.get('attention_ms'), '8.2f')} {f(row.get('total_ms'), '8.2f')} "
+              f"{f(row.get('outside_ms'), '8.2f')} {f(row.get('saved_ms'), '8.2f')} "
+              f"{f(row.get('select_over_dense'), '7.3f')} {f(row.get('peak_mb'), '7.1f')}", file=file)
+    print("times in ms per call (all heads of the kind)", file=file)
+    for claim, verdict in results["claims"].items():
+        print(f"claim: {claim}: {verdict}", file=file)
+    for label, message in results["skipped"].items():
+        print(f"skipped {label}: {message}", file=file)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench_methods", description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", default="sta,sparge,svg", help="comma-separated name or name:option=value:...")
+    parser.add_argument("--corrections", default="none", help="extra correction variants: pooled,cached")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="head kinds to run: spatial,temporal,global")
+    parser.add_argument("--match", default="", help="options for the @sta runs, as x:option=value:...")
+    parser.add_argument("--frames", type=int, default=21)
+    parser.add_argument("--height", type=int, default=30)
+    parser.add_argument("--width", type=int, default=52)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--text", type=int, default=0, help="text tokens after the video")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", default=None, help="write the results here")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.runs < 1 or args.warmup < 0:
+        raise SystemExit("--runs must be >= 1 and --warmup >= 0")
+    try:
+        parse_methods(args.methods)
+    except ValueError as error:
+        raise SystemExit(str(error))
+    results = run_benchmark(args)
+    print_table(results)
+    if args.json:
+        dump_json(args.json, results)
+        print(f"wrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
