@@ -216,3 +216,27 @@ def test_block_sparse_option_on_dense_is_rejected_at_patch_time(option):
     q = torch.randn(1, 1, 16, 16)
     with pytest.raises(ValueError, match=name):
         fastdit.attention(q, q, q, "dense", layout=layout, **option)
+
+
+def test_cached_with_text_and_key_mask():
+    """Joint attention (text prefix, a key mask with holes in video and text): a refresh step
+    equals masked dense attention; the next step with unchanged inputs too; masked keys never
+    leak into the residual."""
+    layout = TokenLayout((3, 4, 5), text_len=6, text_position="prefix")
+    q, k, v = _structured(7, layout, dim=16)
+    key_mask = torch.rand(2, layout.seq_len, generator=torch.Generator().manual_seed(8)) > 0.25
+    key_mask[:, 0] = True
+    opts = dict(tile=(1, 2, 3), window=(1, 1, 1), dense_steps=0, correction="cached", refresh_every=5)
+    dense, _ = dense_reference(q, k, v, key_mask[:, None, None, :])
+    state = {}
+    for step in (0, 1):
+        out, info = fastdit.attention(q, k, v, "sta", layout=layout, key_mask=key_mask, backend="torch", state=state,
+                                      step=step, return_info=True, **opts)
+        assert info["dense"] == (step == 0)
+        assert torch.isfinite(out).all() and _rel(out, dense) < 1e-5
+    # a changed value at a masked key changes nothing
+    v2 = v.clone()
+    v2[0, :, ~key_mask[0]] += 100.0
+    out2 = fastdit.attention(q, k, v2, "sta", layout=layout, key_mask=key_mask, backend="torch", state={}, step=0,
+                             **opts)
+    assert torch.allclose(out2[:1], dense[:1].float(), atol=1e-5)
