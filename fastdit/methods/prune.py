@@ -47,19 +47,14 @@ from fastdit.plan import BlockPlan
 from . import base
 from .base import Method, MethodConfig, option, register_method
 
-#: Query / key block of the dense-over-keys plans given to the engine (the Triton kernel splits
-#: it into its own tiles; the CPU engine runs one fused attention per query block).
-ENGINE_BLOCK = 256
-
-
 @functools.lru_cache(maxsize=64)
 def dense_plan(n_q, n_k, device):
-    """A plan in which each of ``ceil(n_q / ENGINE_BLOCK)`` query blocks attends every key block."""
-    n_qb, n_kb = -(-n_q // ENGINE_BLOCK), -(-n_k // ENGINE_BLOCK)
-    indices = torch.arange(n_kb, dtype=torch.int32, device=device).expand(1, 1, n_qb, n_kb).contiguous()
-    counts = torch.full((1, 1, n_qb), n_kb, dtype=torch.int32, device=device)
-    return BlockPlan(kv_indices=indices, kv_counts=counts, block_m=ENGINE_BLOCK, block_n=ENGINE_BLOCK,
-                     seq_len=n_q, name="dense_over_keys", info={"dense": True})
+    """One query block of all ``n_q`` rows attending one key block of all ``n_k`` keys: the Triton
+    kernel cuts it into its own tiles, and the CPU engine runs a single fused attention call."""
+    indices = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
+    counts = torch.ones(1, 1, 1, dtype=torch.int32, device=device)
+    return BlockPlan(kv_indices=indices, kv_counts=counts, block_m=max(n_q, 1), block_n=max(n_k, 1), seq_len=n_q,
+                     name="dense_over_keys", info={"dense": True})
 
 
 def compact_attention(q_rows, k, v, key_mask, scale, backend):
@@ -137,9 +132,9 @@ class Prune(Method):
     name = "prune"
     config_cls = PruneConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
-    #: The tiny models (8 x 32 x 48 tokens, 8 steps): reuse three quarters of the blocks between
-    #: full steps every 4 steps, ramped over the first eighth of the steps.
-    tiny_options = {"ratio": 0.75, "refresh_every": 4, "warmup": 0.125}
+    #: The tiny models (8 x 32 x 48 tokens, 8 steps): reuse 60% of the blocks between full steps
+    #: every 4 steps, ramped over the first step after a full one.
+    tiny_options = {"ratio": 0.6, "refresh_every": 4, "warmup": 0.125}
 
     def pruned_fraction(self, ctx):
         """``r_s`` of this step (see the schedule in the module docstring)."""
