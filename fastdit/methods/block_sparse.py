@@ -13,7 +13,10 @@ plan each accepts
   and head, the following sparse steps add it back, rescaled by the softmax mass).
 
 The formulas of both corrections are in ``corrections.py``; the skip rule's exact statement is in
-``fastdit.kernels.block_sparse``.
+``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64 sub-tiles, cut by
+the plan blocks; the kernel then uses exactly those tiles instead of autotuned ones). A call with
+the rule on records ``ctx.info["skipped_subtiles"]`` and ``["walked_subtiles"]`` (device tensors
+per (batch, head)).
 
 Refresh steps of ``"cached"``: the sparse steps ``s`` with ``(s - first) % refresh_every == 0``,
 ``first`` the first step after ``dense_steps`` (so the first sparse step refreshes), and any step
