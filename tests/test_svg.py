@@ -310,3 +310,22 @@ def test_bad_options_raise_at_patch_time_naming_the_option(option, value, tiny_w
         fastdit.patch(model, "svg", **{option: value})
     with pytest.raises(ValueError, match=option):
         svg.SVGConfig(**{option: value}).validate()
+
+
+def test_tiny_wan_runs_sparse_and_remove_restores_bit_identical(tiny_wan):
+    """The matrix in test_models runs svg at its tiny preset (128-token blocks: dense-like on its
+    small grids); here a really sparse plan runs through a patched model."""
+    from tiny_models import TINY, run
+
+    kwargs = TINY["wan"].inputs(tiny_wan, (4, 5, 7))
+    before = run(tiny_wan, kwargs)
+    patch = fastdit.patch(tiny_wan, "svg", backend="torch", density=0.25, block_size=8, n_samples=16, **NO_DENSE)
+    try:
+        out = run(tiny_wan, kwargs)
+        stats = patch.stats
+    finally:
+        patch.remove()
+    assert torch.isfinite(out).all() and not torch.allclose(out, before, atol=1e-5)
+    assert stats.sparse_calls == len(patch.layers) and stats.fallback_calls == 0
+    assert stats.effective_density < 0.7
+    assert torch.equal(run(tiny_wan, kwargs), before)
