@@ -176,3 +176,23 @@ def test_pipeline_second_call_equals_first():
         assert p.stats.effective_density < 1.0  # step 1 pruned (in both CFG calls)
         second = generate()
     assert np.isfinite(first).all() and np.array_equal(first, second)
+
+
+def test_gpu_plan_shape_and_triton_interpreter_equal_the_cpu_path():
+    from fastdit.methods.prune import ENGINE_BLOCK, _dense_plan
+    from fastdit.plan import run_plan
+
+    q, k, v = qkv(1, 2, 2 * ENGINE_BLOCK + 37, 8, seed=50)  # not a multiple of the GPU block
+    multi = _dense_plan(q.shape[2], k.shape[2], torch.device("cpu"), False).validate()
+    assert multi.kv_indices.shape[-2:] == (3, 3) and multi.block_m == ENGINE_BLOCK
+    assert torch.allclose(run_plan(q, k, v, multi, backend="torch").double(), dense64(q, k, v), atol=1e-5)
+    layout = TokenLayout((1, 5, 7), 3, "suffix")
+    outs = {}
+    for backend in ("torch", "triton"):  # tests run Triton in the interpreter on the CPU
+        state, outs[backend] = {}, []
+        for step in range(2):
+            q, k, v = qkv(1, 2, layout.seq_len, 16, seed=60 + step)
+            outs[backend].append(fastdit.attention(q, k, v, "prune", layout=layout, step=step, num_steps=2, state=state,
+                                                   ratio=0.5, block_size=8, warmup=0.0, backend=backend))
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -47,13 +47,28 @@ from fastdit.plan import BlockPlan
 from . import base
 from .base import Method, MethodConfig, option, register_method
 
-@functools.lru_cache(maxsize=64)
+#: Query / key block of the dense-over-keys plans on GPUs: a fixed size, so that the Triton
+#: autotuner (keyed by the block sizes) tunes once, whatever the number of kept rows.
+ENGINE_BLOCK = 128
+
+
 def dense_plan(n_q, n_k, device):
-    """One query block of all ``n_q`` rows attending one key block of all ``n_k`` keys: the Triton
-    kernel cuts it into its own tiles, and the CPU engine runs a single fused attention call."""
-    indices = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
-    counts = torch.ones(1, 1, 1, dtype=torch.int32, device=device)
-    return BlockPlan(kv_indices=indices, kv_counts=counts, block_m=max(n_q, 1), block_n=max(n_k, 1), seq_len=n_q,
+    """Every query attending every key. On the CPU one block pair of all rows and all keys (the CPU
+    engine then runs a single fused attention call instead of a loop over query blocks); elsewhere
+    ``ENGINE_BLOCK`` blocks, each query block listing every key block."""
+    return _dense_plan(n_q, n_k, device, torch.device(device).type == "cpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_plan(n_q, n_k, device, single_block):
+    if single_block:
+        block_m, block_n = max(n_q, 1), max(n_k, 1)
+    else:
+        block_m = block_n = ENGINE_BLOCK
+    n_qb, n_kb = -(-n_q // block_m), -(-n_k // block_n)
+    indices = torch.arange(n_kb, dtype=torch.int32, device=device).expand(1, 1, n_qb, n_kb).contiguous()
+    counts = torch.full((1, 1, n_qb), n_kb, dtype=torch.int32, device=device)
+    return BlockPlan(kv_indices=indices, kv_counts=counts, block_m=block_m, block_n=block_n, seq_len=n_q,
                      name="dense_over_keys", info={"dense": True})
 
 

@@ -21,15 +21,17 @@ al., NeurIPS 2024), its three techniques:
 * **Attention sharing across CFG** (ASC, ``share_cfg``), on the steps between full steps (full
   steps compute both branches). Which branch is computed: the *conditional* one.
 
-  - Two transformer calls per step (Wan, Flux / HunyuanVideo true CFG: diffusers calls the
-    conditional pass first): call 0 computes and keeps its output; call 1 (unconditional)
-    returns call 0's output of the same layer and step.
-  - One batched call (CogVideoX, LTX, ...: diffusers concatenates ``[uncond, cond]`` along the
-    batch): the second half (conditional) is computed, and its video rows are copied to the first
-    half; the unconditional half's text / conditioning query rows are still computed (against
-    its own keys), since text is never shared. The batched case is recognised from step history:
-    a layer that saw no second call in earlier steps, with an even batch.
-  - No-op when the pipeline runs no CFG (``ctx.cfg`` False or unknown).
+  - Two transformer calls per step (Wan: diffusers calls the conditional pass first): call 0
+    computes and keeps its output; call 1 (unconditional) returns call 0's output of the same
+    layer and step.
+  - One batched call (LTX, ...: diffusers concatenates ``[uncond, cond]`` along the batch): the
+    second half (conditional) is computed, and its video rows are copied to the first half; the
+    unconditional half's text / conditioning query rows are still computed (against its own
+    keys), since text is never shared. The batched case is recognised from step history: a layer
+    that saw no second call in earlier steps, with an even batch.
+  - No-op when the pipeline runs no CFG or does not say (``ctx.cfg`` False or None: fastdit reads
+    the pipeline's ``do_classifier_free_guidance``, which e.g. CogVideoX, Flux and HunyuanVideo
+    in diffusers 0.42 do not have), and for a bare transformer.
 
 Memory, per patched layer and CFG branch, in the model dtype: the residual ``(B, H, S, D)``; with
 ``share_steps`` also the last output; with ``share_cfg`` a reference to call 0's output.
