@@ -49,7 +49,8 @@ STA = {"video": dict(tile=(1, 2, 2), window=(3, 1, 3)), "image": dict(tile=(1, 2
 #: A second grid per kind, not a multiple of the tile, with H and W the other way round.
 OTHER_GRID = {"video": (2, 7, 5), "image": (1, 7, 5)}
 #: Options of the other methods, so their plans are sparse at tiny sizes.
-OPTIONS = {"radial": {"video": dict(block_size=64)}}
+OPTIONS = {"radial": {"video": dict(block_size=64)},
+           "sparge": {"video": dict(tile=(1, 2, 2)), "image": dict(tile=(1, 2, 2))}}
 COMMON = dict(dense_steps=0, dense_layers=0)
 MAX_DENSITY = 0.7
 
