@@ -148,25 +148,31 @@ class _Recorder:
         scale = ctx.scale if ctx.scale is not None else 1.0 / math.sqrt(dim)
         scores = torch.einsum("bhrd,bhsd->bhrs", q[:, :, rows].double(), k.double()) * scale
         scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
+        # exp once (float64: a window that leaves out the row maximum must not underflow); each
+        # candidate then only zeroes its dropped keys: softmax over the kept keys = p / sum(p kept)
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
         values = v.double()
-        reference = torch.softmax(scores, -1) @ values
+        reference = (weights @ values) / weights.sum(-1, keepdim=True)
         ref2 = reference.pow(2).sum(dim=(0, 2, 3))
         err2 = torch.zeros(heads, len(self.candidates), dtype=torch.float64, device=q.device)
         dens = torch.zeros(heads, len(self.candidates), dtype=torch.float64)
         video = slice(layout.video_start, layout.video_start + layout.video_len)
+        axis_masks = {}  # (axis, width) -> (rows, video keys): candidates share their per-axis widths
         for c, candidate in enumerate(self.candidates):
-            window = candidate["window"]
-            allowed = torch.ones(len(rows), seq, dtype=torch.bool, device=q.device)
-            inside = torch.ones(len(rows), layout.video_len, dtype=torch.bool, device=q.device)
-            for axis, (w, n) in enumerate(zip(window, n_tiles)):
+            allowed = torch.ones(len(rows), seq, dtype=torch.float64, device=q.device)
+            inside = None
+            for axis, (w, n) in enumerate(zip(candidate["window"], n_tiles)):
                 w = n if w == 0 else min(w, n)
-                start = (row_coords[:, axis] - w // 2).clamp(0, n - w)
-                key_axis = coords[:, axis]
-                inside &= (key_axis[None] >= start[:, None]) & (key_axis[None] < start[:, None] + w)
+                if (axis, w) not in axis_masks:
+                    start = (row_coords[:, axis] - w // 2).clamp(0, n - w)
+                    key_axis = coords[:, axis]
+                    axis_masks[axis, w] = (key_axis[None] >= start[:, None]) & (key_axis[None] < start[:, None] + w)
+                inside = axis_masks[axis, w] if inside is None else inside & axis_masks[axis, w]
             allowed[:, video] = inside
-            out = torch.softmax(scores.masked_fill(~allowed[None, None], float("-inf")), -1) @ values
+            kept = weights * allowed
+            out = (kept @ values) / kept.sum(-1, keepdim=True)
             err2[:, c] = (out - reference).pow(2).sum(dim=(0, 2, 3))
-            dens[:, c] = self._sta_density(layout, window)
+            dens[:, c] = self._sta_density(layout, candidate["window"])
         return err2.cpu(), ref2.cpu(), dens
 
     # -- other methods: the whole call through fastdit.attention ------------------------------
