@@ -107,3 +107,46 @@ def test_heads_per_rank_come_from_the_global_head_index():
     with pytest.raises(ValueError, match=f"{HEADS} heads"):
         from cp_worker import build
         fastdit.patch(build("wan"), "sta", window=[(1, 1, 1)] * (HEADS // 2), tile=(1, 2, 2))
+
+
+@pytest.mark.parametrize("command", ["compare", "eval"])
+def test_cp_without_a_launcher_is_a_clear_error(command, monkeypatch, capsys, tmp_path):
+    from fastdit.cli import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    extra = ["--prompts", str(prompts)] if command == "eval" else []
+    with pytest.raises(SystemExit) as info:
+        main([command, "--cp", "2", "--out", str(tmp_path / "out"), *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cp" in err and "torchrun --nproc_per_node 2" in err and command in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compare_under_torchrun_writes_one_report(tmp_path):
+    """``torchrun --nproc_per_node 2 -m fastdit.cli compare --cp 2`` on the tiny model: one report by
+    rank 0, latency of the slowest rank, the method ran on both ranks without fallbacks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    from cp_worker import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
+           "fastdit.cli", "compare", "--cp", "2", "--steps", "2", "--frames", "5", "--height", "64", "--width", "96",
+           "--methods", "dense,sta", "--set", "sta.tile=1,2,2", "--set", "sta.window=1,1,1", "--set", "sta.dense_steps=0", "--no-warmup",
+           "--out", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["context_parallel"]["ulysses_degree"] == 2
+    rows = {row["method"]: row for row in report["runs"]}
+    assert rows["sta"]["fallback_calls"] == 0 and rows["sta"]["density"] < 1.0
+    assert rows["sta"]["psnr_db"] is not None and rows["sta"]["latency_s"] > 0
+    assert done.stdout.count("method  latency") == 1  # the table is printed once, by rank 0
