@@ -56,3 +56,6 @@ class EvalConfig:
     vbench_python: str | None = None
     vbench_dimensions: list | None = None
     plots: bool = True
+    #: Ulysses context-parallel degree (``--cp``): each sample is split over this many processes
+    #: of the launcher; the groups of processes share the samples. None: one process per sample.
+    cp: int | None = None

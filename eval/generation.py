@@ -130,16 +130,28 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
     from fastdit.video import to_uint8
 
     log = log or Log(state)
+    parallel = None
+    if cfg.cp is not None:  # groups of cfg.cp processes split each sample; the groups share the samples
+        from fastdit import parallel as cp
+
+        parallel = cp.setup(cfg.cp)
     by_setting = {}
     for sample in samples:
         by_setting.setdefault(sample.setting.name, []).append(sample)
-    mine = [s for group in by_setting.values() for s in shard(state, group)]
+    if parallel is None:
+        mine = [s for group in by_setting.values() for s in shard(state, group)]
+    else:
+        mine = [s for group in by_setting.values() for s in cp.group_share(parallel, group)]
     todo = [s for s in mine if load_record(cfg, s) is None]
+    if parallel is not None:
+        cp.barrier()  # every rank of a group read the same stored samples before its leader writes new ones
     log(f"{len(mine) - len(todo)} of {len(mine)} samples of this process already done; generating {len(todo)}",
         all_ranks=several(state))
     if not todo:
         return 0
-    pipe = load_pipe(cfg, process_device(cfg, state))
+    pipe = load_pipe(cfg, process_device(cfg, state) if parallel is None else str(parallel.device))
+    if parallel is not None:
+        cp.enable(pipe, parallel)
     kwargs = call_kwargs(pipe, cfg, log, check_call)
     if cfg.warmup:
         warmup(pipe, cfg, todo, kwargs)
@@ -150,6 +162,11 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
     for sample in bar:
         bar.set_postfix_str(f"{sample.setting.name} p{sample.prompt_index} s{sample.seed}")
         result, wall = timed_generate(pipe, sample, kwargs, cfg.backend)
+        if parallel is not None:  # the group's slowest rank; density: the mean over the group's ranks
+            result.latency_s, wall = cp.reduce(result.latency_s, "max", parallel), cp.reduce(wall, "max", parallel)
+            result.density = cp.reduce(result.density, "mean", parallel)
+            if not parallel.is_group_leader:
+                continue
         frames8 = to_uint8(np.asarray(result.frames))
         record = sample_record(cfg, sample, result, wall, frames8.shape, shown_call, str(getattr(pipe, "device", "")))
         store_sample(cfg, sample, frames8, record)

@@ -37,11 +37,26 @@ def cmd_compare(args):
                        f"{', '.join(fastdit.method_names())}")
     options = parse_options(args.set, methods)
     check_generation_arguments(args)
+    parallel = None
+    if args.cp is not None:
+        from fastdit import parallel as cp
+
+        if cp.launched_world() is not None and cp.launched_world()[1] != args.cp:
+            raise CLIError(f"argument --cp: compare splits one sample over all {cp.launched_world()[1]} processes; "
+                           f"launch {args.cp} (torchrun --nproc_per_node {args.cp})")
+        try:
+            parallel = cp.setup(args.cp)
+        except ValueError as error:
+            raise CLIError(f"argument --cp: {error}") from None
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
-        pipe = load_pipeline(args.model, args.device, dtype)
+        pipe = load_pipeline(args.model, args.device or (parallel and str(parallel.device)), dtype)
     except ModelNotFoundError as error:
         raise CLIError(f"argument --model: {error}") from None
+    if parallel is not None:
+        cp.enable(pipe, parallel)
+        if not parallel.is_main and hasattr(pipe, "set_progress_bar_config"):
+            pipe.set_progress_bar_config(disable=True)  # one progress bar, rank 0's
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
     options = tiny_method_presets(args.model, methods, options)
     if args.negative_prompt is not None:
@@ -49,7 +64,10 @@ def cmd_compare(args):
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
     print(f"model {args.model} on {pipe.device}: {shown}")
     report = compare(pipe, methods, args.prompt, args.seed, call_kwargs, args.out, model_name=args.model,
-                     method_options=options, backend=args.backend, fps=args.fps, warmup=not args.no_warmup)
+                     method_options=options, backend=args.backend, fps=args.fps, warmup=not args.no_warmup,
+                     parallel=parallel)
+    if parallel is not None and not parallel.is_main:
+        return 0
     print()
     print(format_table(report["runs"]))
     for row in report["runs"]:
@@ -92,6 +110,9 @@ def build_parser():
     compare.add_argument("--out", default="fastdit_compare", help="output folder (mp4 per run, report.json)")
     compare.add_argument("--fps", type=positive_int, default=16)
     compare.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
+    compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
+                         help="Ulysses context parallelism over N processes of a launcher "
+                              "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")
     compare.set_defaults(func=cmd_compare)
 
     methods = sub.add_parser("methods", help="list the available attention methods")

@@ -41,6 +41,9 @@ def add_eval_arguments(parser):
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--cp", type=positive_int, default=None, metavar="N",
+                        help="split each sample over N processes (Ulysses context parallelism); the launcher's "
+                             "processes form groups of N that share the samples")
     parser.add_argument("--lpips-net", default="alex", choices=["alex", "vgg"])
     parser.add_argument("--lpips-weights", default=None,
                         help="folder with the LPIPS files (default $FASTDIT_LPIPS_WEIGHTS or ~/.cache/fastdit/lpips)")
@@ -147,7 +150,7 @@ def config_from_args(args):
         fid_frames=args.fid_frames, clip_model=args.clip_model,
         vbench_python=args.vbench_python or os.environ.get("FASTDIT_VBENCH_PYTHON") or None,
         vbench_dimensions=[d.strip() for d in args.vbench_dimensions.split(",") if d.strip()] if args.vbench_dimensions else None,
-        plots=not args.no_plots,
+        plots=not args.no_plots, cp=args.cp,
     )
 
 
@@ -166,6 +169,13 @@ def cmd_eval(args):
     from fastdit.eval.runner import run_eval
 
     cfg = config_from_args(args)
+    if cfg.cp is not None:
+        from fastdit.parallel import check_degree
+
+        try:
+            check_degree(cfg.cp, "eval")
+        except ValueError as error:
+            raise CLIError(f"argument --cp: {error}") from None
     try:
         run_eval(cfg, make_state(args.device), check_call=size_check(cfg))
     except EvalError as error:

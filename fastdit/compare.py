@@ -49,6 +49,10 @@ class Generation:
     extra: dict = field(default_factory=dict)
 
 
+def _silent(*_args, **_kwargs):
+    pass
+
+
 def _sync(device):
     if str(device).startswith("cuda") and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -139,19 +143,29 @@ def format_table(rows):
 
 
 def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_compare", model_name="",
-            method_options=None, backend="auto", fps=16, warmup=True, log=print):
+            method_options=None, backend="auto", fps=16, warmup=True, log=print, parallel=None):
     """Dense first, then each method with the same seed; writes mp4s and ``report.json``.
 
     Args:
         methods: method names; ``"dense"`` (the unpatched pipeline) is always run first.
         method_options: method name -> options for ``fastdit.patch``.
+        parallel: a ``fastdit.parallel.ParallelSetup`` when the pipeline runs under context
+            parallelism (every rank calls ``compare``): latency is the slowest rank's, densities
+            the mean over ranks (each holds an equal share of the heads), and rank 0 alone logs
+            and writes the videos and the report.
     Returns the report dict ``{"model", "device", "prompt", "seed", "call", "runs": [...]}``.
     """
+    from fastdit.parallel import reduce
+
     method_options = method_options or {}
+    main = parallel is None or parallel.is_main
+    if not main:
+        log = _silent
     methods = ["dense"] + [m for m in methods if m != "dense"]
     for method in methods:
         fastdit.methods.get_method(method)  # unknown names fail before any work
-    os.makedirs(out_dir, exist_ok=True)
+    if main:
+        os.makedirs(out_dir, exist_ok=True)
     device = pipeline_device(pipe)
     if warmup:  # first-call costs (allocation, kernel compilation) stay out of the timings
         warm = {**(call_kwargs or {}), "num_inference_steps": 1, "output_type": "latent"}
@@ -164,7 +178,14 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
     for index, method in enumerate(methods):
         log(f"[{index + 1}/{len(methods)}] {method}")
         result = generate(pipe, prompt, seed, call_kwargs, method, method_options.get(method), backend)
-        path = write_video(os.path.join(out_dir, f"{method}.mp4"), result.frames, fps=fps)
+        if parallel is not None:
+            result.latency_s = reduce(result.latency_s, "max")
+            result.peak_memory_mb = reduce(result.peak_memory_mb, "max")
+            result.density = reduce(result.density, "mean")
+            result.extra["sparse_density"] = reduce(result.extra.get("sparse_density"), "mean")
+        path = os.path.join(out_dir, f"{method}.mp4")
+        if main:
+            write_video(path, result.frames, fps=fps)
         row = {"method": method, "options": result.options, "latency_s": result.latency_s, "speedup": 1.0,
                "psnr_db": None, "ssim": None, "video": os.path.abspath(path),
                "density": result.density, "padding_fraction": result.padding_fraction,
@@ -178,5 +199,9 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
     report = {"model": model_name, "device": str(device), "prompt": prompt, "seed": seed,
               "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, (int, float, str, bool))},
               "versions": {"fastdit": fastdit.__version__, "torch": torch.__version__}, "runs": runs}
-    dump_json(os.path.join(out_dir, "report.json"), report)  # inf PSNR -> null, tuples -> lists
+    if parallel is not None:
+        report["context_parallel"] = {"ulysses_degree": parallel.degree, "world_size": parallel.world,
+                                      "latency": "slowest rank", "density": "mean over ranks"}
+    if main:
+        dump_json(os.path.join(out_dir, "report.json"), report)  # inf PSNR -> null, tuples -> lists
     return report

@@ -79,8 +79,11 @@ def plain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 @torch.library.custom_op("fastdit::patched_attention", mutates_args=())
 def patched_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                       dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, patch_id: int,
-                      layer: int) -> torch.Tensor:
-    """One intercepted attention call of patched layer ``layer`` of patch ``patch_id``."""
+                      layer: int, head_offset: int = 0, shards: int = 1) -> torch.Tensor:
+    """One intercepted attention call of patched layer ``layer`` of patch ``patch_id``.
+
+    Under Ulysses context parallelism (``shards`` > 1) the call holds the heads ``head_offset ..``
+    of the layer over the whole sequence, its tokens in shard order (see ``Patch.handle_call``)."""
     call = {"query": query, "key": key, "value": value, "attn_mask": attn_mask, "dropout_p": dropout_p,
             "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
     _SEEN.set(_SEEN.get() + 1)
@@ -88,13 +91,14 @@ def patched_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if patch is None:  # removed since this graph was compiled: the model's own attention
         out = plain_sdpa(**call)
     else:
-        out = patch.handle_call(layer, call, lambda: plain_sdpa(**call))
+        out = patch.handle_call(layer, call, lambda: plain_sdpa(**call), head_offset=head_offset, shards=shards)
     # Outputs of a custom op must be fresh, contiguous tensors (the fake says so).
     return out.contiguous()
 
 
 @patched_attention.register_fake
-def _patched_attention_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, patch_id, layer):
+def _patched_attention_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, patch_id, layer,
+                            head_offset=0, shards=1):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
@@ -212,24 +216,70 @@ def _backend_registry():
     return AttentionBackendName, _AttentionBackendRegistry
 
 
-def _route_function(patch_id, layer, native):
+def ring_refusal(where):
+    """The error for ring attention (fastdit runs under Ulysses context parallelism only)."""
+    return ValueError(
+        f"fastdit does not run under ring attention ({where}): a ring step holds one shard of the keys, and "
+        "fastdit's block plans span the whole key range. Use Ulysses context parallelism instead: "
+        "ContextParallelConfig(ulysses_degree=N) (every fastdit method runs there, exactly as in one process)."
+    )
+
+
+def _routed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, patch_id, layer, head_offset=0,
+            shards=1):
+    """``(B, S, H, D)`` tensors in, through the op (or the model's own attention with gradients)."""
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _note_fallback(patch_id, layer, "gradients requested (fastdit's attention is inference-only)")
+        out = plain_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    else:
+        out = torch.ops.fastdit.patched_attention(
+            q, k, v, attn_mask, float(dropout_p), bool(is_causal), None if scale is None else float(scale),
+            bool(enable_gqa), patch_id, layer, int(head_offset), int(shards),
+        )
+    return out.permute(0, 2, 1, 3)
+
+
+def _ulysses_attention(patch_id, layer, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       parallel_config):
+    """Ulysses context parallelism through diffusers' own all-to-all (``TemplatedUlyssesAttention``):
+    it hands each rank ``H / N`` heads over the whole sequence, whose tokens arrive in shard order
+    (rank 0's local sequence, then rank 1's, ...); fastdit runs the method there, knowing which
+    heads (``head_offset``) and how the sequence was sharded (``shards``)."""
+    from diffusers.models.attention_dispatch import _native_attention_backward_op, _templated_context_parallel_attention
+
+    cp = parallel_config.context_parallel_config
+    if cp.ring_degree > 1:
+        raise ring_refusal(f"ring_degree={cp.ring_degree}")
+    if getattr(cp, "ulysses_anything", False):
+        raise ValueError("fastdit runs under Ulysses context parallelism with heads that divide evenly "
+                         "(ulysses_anything=False); ulysses_anything=True is not supported")
+    degree = cp.ulysses_degree
+    if query.shape[2] % degree:
+        raise ValueError(f"Ulysses degree {degree} does not divide the {query.shape[2]} attention heads")
+    local_heads = query.shape[2] // degree
+    offset = cp._ulysses_local_rank * local_heads
+
+    def forward_op(_ctx, q, k, v, mask, p, causal, s, gqa, return_lse, _save_ctx=True, _parallel_config=None):
+        if return_lse:
+            raise ValueError("fastdit's Ulysses attention does not return the log-sum-exp")
+        return _routed(q, k, v, mask, p, causal, s, gqa, patch_id, layer, offset, degree)
+
+    return _templated_context_parallel_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
+        forward_op=forward_op, backward_op=_native_attention_backward_op, _parallel_config=parallel_config,
+    )
+
+
+def _route_function(patch_id, layer):
     """The backend function of one layer: diffusers passes ``(B, S, H, D)`` tensors."""
 
     def fastdit_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                           enable_gqa=False, _parallel_config=None):
-        if _parallel_config is not None:  # context parallelism: diffusers' own native path
-            return native(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, _parallel_config=_parallel_config)
-        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            _note_fallback(patch_id, layer, "gradients requested (fastdit's attention is inference-only)")
-            out = plain_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        else:
-            out = torch.ops.fastdit.patched_attention(
-                q, k, v, attn_mask, float(dropout_p), bool(is_causal), None if scale is None else float(scale),
-                bool(enable_gqa), patch_id, layer,
-            )
-        return out.permute(0, 2, 1, 3)
+        if _parallel_config is not None and _parallel_config.context_parallel_config is not None:
+            return _ulysses_attention(patch_id, layer, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                      enable_gqa, _parallel_config)
+        return _routed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, patch_id, layer)
 
     return fastdit_attention
 
@@ -248,14 +298,15 @@ class BackendRoute:
         value = f"fastdit_p{patch_id}_l{layer}"
         member = str.__new__(names, value)
         member._name_, member._value_ = value.upper(), value
-        native = registry._backends[names.NATIVE]
-        registry.register(member)(_route_function(patch_id, layer, native))
+        # Context-parallel capable: under Ulysses the function runs the method on its rank's heads.
+        registry.register(member, supports_context_parallel=True)(_route_function(patch_id, layer))
         self.member = member
 
     def remove(self):
         _, registry = _backend_registry()
         for table in (registry._backends, registry._constraints, registry._supported_arg_names):
             table.pop(self.member, None)
+        registry._supports_context_parallel.discard(self.member.value)
 
 
 _ROUTE_WORKS = None

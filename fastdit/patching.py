@@ -33,7 +33,8 @@ from fastdit.context import (
     set_transformer_call,
     transformer_call,
 )
-from fastdit.intercept import AttentionForward, BackendRoute, backend_route_available, register_patch, unregister_patch
+from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, register_patch, ring_refusal,
+                               unregister_patch)
 from fastdit.layout import TokenLayout
 from fastdit.masks import key_mask_from_attn_mask
 from fastdit.methods.base import OptionError, get_method
@@ -204,8 +205,10 @@ class Patch:
             self._warned.add(key)
         warnings.warn(f"fastdit: {message}", stacklevel=3)
 
-    def handle_call(self, layer, call, original):
-        """Run one intercepted attention call of patched layer ``layer``."""
+    def handle_call(self, layer, call, original, head_offset=0, shards=1):
+        """Run one intercepted attention call of patched layer ``layer`` (under Ulysses context
+        parallelism: heads ``head_offset ..`` of the layer, tokens in the order of ``shards``
+        concatenated local sequences, see ``shard_order``)."""
         q, k, v = call["query"], call["key"], call["value"]
         if q.dim() != 4 or k.dim() != 4:
             return self._fallback(layer, f"attention input of rank {q.dim()} (expected (B, H, S, D))", 0, original)
@@ -236,13 +239,25 @@ class Patch:
         key_mask, query_mask, mask_ok = key_mask_from_attn_mask(call["attn_mask"], batch, seq, seq)
         if not mask_ok:
             return self._fallback(layer, "the model's attention mask is not a key mask", size, original)
+        order = None
+        if shards > 1:  # Ulysses: back to the model's token order, and out again below
+            order = shard_order(layout, shards)
+            if order is None:
+                return self._fallback(layer, f"a sequence of {layout.describe()} does not split evenly into {shards} "
+                                      "context-parallel shards", size, original)
+            order = order.to(q.device)
+            q, k, v = (t.index_select(2, order) for t in (q, k, v))
+            key_mask, query_mask = (None if m is None else m.index_select(1, order) for m in (key_mask, query_mask))
         ctx = AttentionContext(
             layer=layer, layer_name=self.layers[layer], step=info.call.step, num_steps=info.call.num_steps,
             branch=info.branch, layout=layout, call=info.call, local_layer=spec.local_index, key_mask=key_mask,
-            query_mask=query_mask, head_offset=0, num_heads=heads, total_heads=heads, scale=call["scale"],
-            cfg=info.cfg, state=info.call.layer_state(layer, info.branch), backend=self.backend, dense_fn=original,
+            query_mask=query_mask, head_offset=head_offset, num_heads=heads, total_heads=heads * shards,
+            scale=call["scale"], cfg=info.cfg, state=info.call.layer_state(layer, info.branch), backend=self.backend,
+            dense_fn=original if order is None else _in_model_order(original, order),
         )
         out = self._method(ctx, q, k, v)
+        if order is not None:
+            out = out.index_select(2, torch.argsort(order))
         self._count(ctx, size)
         if self.record_masks:
             plan = ctx.info.get("plan")
@@ -357,6 +372,46 @@ class Patch:
         return f"<fastdit.Patch {self.method} on {self.family}, {len(self.layers)} layers, {state}>"
 
 
+def _check_parallelism(transformer):
+    """Refuse ring attention at patch time (fastdit runs under Ulysses context parallelism)."""
+    parallel = getattr(transformer, "_parallel_config", None)
+    cp = getattr(parallel, "context_parallel_config", None)
+    if cp is not None and getattr(cp, "ring_degree", 1) > 1:
+        raise ring_refusal(f"{type(transformer).__name__} has ring_degree={cp.ring_degree}")
+
+
+def shard_order(layout, shards):
+    """Where each model-order token sits in a Ulysses call's sequence, or None when the streams do
+    not split evenly.
+
+    Diffusers' context parallelism splits each input stream (video, and text where the model's
+    plan splits it) into ``shards`` equal chunks along the sequence; a rank's processor joins its
+    chunks in the model's order (``[text_r | video_r]`` for a text prefix, ``[video_r | text_r]``
+    for a suffix), and the all-to-all concatenates the ranks' sequences. So the call's token at
+    position ``r * L/N + (offset of the stream) + i`` is token ``i`` of chunk ``r`` of that stream.
+    Returns a long tensor ``order`` with ``order[model token] = call position``.
+    """
+    video, text = layout.video_len, layout.text_len
+    if video % shards or text % shards:
+        return None
+    v_chunk, t_chunk = video // shards, text // shards
+    local = v_chunk + t_chunk
+    video_index = torch.arange(video)
+    text_index = torch.arange(text)
+    prefix = layout.text_position == "prefix"
+    video_pos = (video_index // v_chunk) * local + (t_chunk if prefix else 0) + video_index % v_chunk
+    text_pos = (text_index // t_chunk) * local + (0 if prefix else v_chunk) + text_index % t_chunk if text else text_index
+    order = torch.empty(layout.seq_len, dtype=torch.long)
+    order[layout.video_positions()] = video_pos
+    order[layout.text_positions()] = text_pos
+    return order
+
+
+def _in_model_order(original, order):
+    """The model's own attention of a Ulysses call, returned in model token order."""
+    return lambda: original().index_select(2, order)
+
+
 def _unwrap(module):
     """The module behind ``torch.compile(module)``."""
     return getattr(module, "_orig_mod", module) if isinstance(module, torch.nn.Module) else module
@@ -431,6 +486,8 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             raise AlreadyPatchedError(
                 f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
             )
+    for _, transformer in transformers:
+        _check_parallelism(transformer)
     config = method_cls.resolve(config, adapter)
     method_cls.check_family(adapter, config)
     method_obj = method_cls(config)

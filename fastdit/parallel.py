@@ -1,0 +1,143 @@
+"""Context parallelism for fastdit's entry points: diffusers' Ulysses across the processes of a launcher.
+
+fastdit has no parallel runtime of its own. ``--cp N`` on ``fastdit compare`` puts the pipeline's
+transformer(s) under diffusers' context parallelism (``ContextParallelConfig(ulysses_degree=N)``),
+and fastdit's methods run inside diffusers' all-to-all on each rank's heads (``fastdit.intercept``).
+The processes come from a launcher::
+
+    torchrun --nproc_per_node 2 -m fastdit.cli compare --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --cp 2
+
+With ``world size = d * N`` processes the ranks form a ``(d, 1, N)`` mesh (data, ring, ulysses):
+each group of ``N`` consecutive ranks splits one sample; the ``d`` groups are free for other work
+(``fastdit eval`` shards prompts over them). Ring attention is not offered: fastdit refuses it
+(its block plans span the whole key range).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ParallelSetup:
+    """This process's place: ``rank`` of ``world``; ``degree`` ranks split each sample;
+    ``group`` is the index of this rank's context-parallel group; ``config`` the diffusers config."""
+
+    rank: int
+    world: int
+    degree: int
+    group: int
+    device: torch.device
+    config: object
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def groups(self):
+        return self.world // self.degree
+
+    @property
+    def is_group_leader(self):
+        """The first rank of its group: the one that stores the group's results."""
+        return self.rank % self.degree == 0
+
+
+def launched_world():
+    """``(rank, world, local rank)`` from the launcher's environment, or None without one."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def check_degree(degree, command="compare"):
+    """Raise ValueError unless ``degree`` can run here (before any model is loaded)."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"--cp must be a positive int (the Ulysses degree), got {degree!r}")
+    world = launched_world()
+    if degree > 1 and world is None:
+        raise ValueError(f"--cp {degree} needs a distributed launcher, e.g. "
+                         f"torchrun --nproc_per_node {degree} -m fastdit.cli {command} ... --cp {degree}")
+    if world is not None and (degree > world[1] or world[1] % degree):
+        raise ValueError(f"--cp {degree} does not fit the launcher's {world[1]} processes: the degree must divide "
+                         "the world size")
+
+
+@contextlib.contextmanager
+def _cpu_accelerator_count():
+    """Diffusers 0.42 places rank ``r`` on device ``r % torch.accelerator.device_count()`` even on
+    a CPU (gloo) mesh, where the count is 0; count the CPU as one device while the mesh is built."""
+    if torch.cuda.is_available():
+        yield
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    original = getattr(accelerator, "device_count", None)
+    if accelerator is None or original is None:
+        yield
+        return
+    accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        accelerator.device_count = original
+
+
+def setup(degree):
+    """Initialise the process group (NCCL on CUDA, gloo on the CPU) and the Ulysses mesh."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    check_degree(degree)
+    rank, world, local_rank = launched_world()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world // degree, 1, degree), mesh_dim_names=("data", "ring", "ulysses"))
+    config = ContextParallelConfig(ulysses_degree=degree, mesh=mesh["ring", "ulysses"])
+    return ParallelSetup(rank, world, degree, rank // degree, device, config)
+
+
+def enable(pipe, parallel):
+    """Put the pipeline's transformer(s) under context parallelism (patching before or after both work)."""
+    with _cpu_accelerator_count():
+        for name in ("transformer", "transformer_2"):
+            transformer = getattr(pipe, name, None)
+            if transformer is not None:
+                transformer.enable_parallelism(config=parallel.config)
+
+
+def reduce(value, op="max", parallel=None):
+    """``value`` (a float) reduced (``"max"`` or ``"mean"``) over the ranks of ``parallel``'s
+    context-parallel group (every rank when None); the value itself without a process group. Every
+    rank of the group must call it (a None value on one rank and not on another is an error)."""
+    if value is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    group = None if parallel is None else parallel.config._ulysses_mesh.get_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM,
+                                 group=group)
+    if op == "mean":
+        tensor /= torch.distributed.get_world_size(group)
+    return float(tensor.item())
+
+
+def group_share(parallel, items):
+    """The contiguous share of ``items`` of this rank's group (the first groups take one more when
+    the count does not divide), the same for every rank of the group."""
+    items = list(items)
+    base, extra = divmod(len(items), parallel.groups)
+    start = parallel.group * base + min(parallel.group, extra)
+    return items[start:start + base + (parallel.group < extra)]
+
+
+def barrier():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
