@@ -56,7 +56,7 @@ def _register_defaults():
 
     defaults = {
         "sta": _sta_candidates,
-        "sparge": lambda layout: [{"cdf": c} for c in (0.99, 0.95, 0.9, 0.8)] + [{"topk": t} for t in (0.5, 0.3, 0.1)],
+        "sparge": lambda layout: [{"cdf": c, "topk": None} for c in (0.99, 0.95, 0.9, 0.8)] + [{"topk": t} for t in (0.5, 0.3, 0.1)],
         "svg": lambda layout: [{"density": d} for d in (0.5, 0.3, 0.2, 0.1)],
         "todo": lambda layout: [{"factor": f} for f in (2, 3, 4)],
         "tome": lambda layout: [{"ratio": r} for r in (0.25, 0.5, 0.75)],
