@@ -332,3 +332,11 @@ def backend_route_available():
             except Exception:  # noqa: BLE001 - any failure means: use the mode instead
                 _ROUTE_WORKS = False
     return _ROUTE_WORKS
+
+
+def check_parallelism(transformer):
+    """Refuse ring attention at patch time (fastdit runs under Ulysses context parallelism)."""
+    parallel = getattr(transformer, "_parallel_config", None)
+    cp = getattr(parallel, "context_parallel_config", None)
+    if cp is not None and getattr(cp, "ring_degree", 1) > 1:
+        raise ring_refusal(f"{type(transformer).__name__} has ring_degree={cp.ring_degree}")

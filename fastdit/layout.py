@@ -78,3 +78,30 @@ class TokenLayout:
         t, h, w = self.grid
         text = f" + {self.text_len} text ({self.text_position})" if self.text_len else ""
         return f"{t}x{h}x{w} video tokens{text}"
+
+
+def shard_order(layout, shards):
+    """Where each model-order token sits in a Ulysses call's sequence, or None when the streams do
+    not split evenly.
+
+    Diffusers' context parallelism splits each input stream (video, and text where the model's
+    plan splits it) into ``shards`` equal chunks along the sequence; a rank's processor joins its
+    chunks in the model's order (``[text_r | video_r]`` for a text prefix, ``[video_r | text_r]``
+    for a suffix), and the all-to-all concatenates the ranks' sequences. So the call's token at
+    position ``r * L/N + (offset of the stream) + i`` is token ``i`` of chunk ``r`` of that stream.
+    Returns a long tensor ``order`` with ``order[model token] = call position``.
+    """
+    video, text = layout.video_len, layout.text_len
+    if video % shards or text % shards:
+        return None
+    v_chunk, t_chunk = video // shards, text // shards
+    local = v_chunk + t_chunk
+    video_index = torch.arange(video)
+    text_index = torch.arange(text)
+    prefix = layout.text_position == "prefix"
+    video_pos = (video_index // v_chunk) * local + (t_chunk if prefix else 0) + video_index % v_chunk
+    text_pos = (text_index // t_chunk) * local + (0 if prefix else v_chunk) + text_index % t_chunk if text else text_index
+    order = torch.empty(layout.seq_len, dtype=torch.long)
+    order[layout.video_positions()] = video_pos
+    order[layout.text_positions()] = text_pos
+    return order

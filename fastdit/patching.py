@@ -33,9 +33,9 @@ from fastdit.context import (
     set_transformer_call,
     transformer_call,
 )
-from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, register_patch, ring_refusal,
-                               unregister_patch)
-from fastdit.layout import TokenLayout
+from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_parallelism,
+                               register_patch, unregister_patch)
+from fastdit.layout import TokenLayout, shard_order
 from fastdit.masks import key_mask_from_attn_mask
 from fastdit.methods.base import OptionError, get_method
 from fastdit.stats import PatchStats
@@ -372,41 +372,6 @@ class Patch:
         return f"<fastdit.Patch {self.method} on {self.family}, {len(self.layers)} layers, {state}>"
 
 
-def _check_parallelism(transformer):
-    """Refuse ring attention at patch time (fastdit runs under Ulysses context parallelism)."""
-    parallel = getattr(transformer, "_parallel_config", None)
-    cp = getattr(parallel, "context_parallel_config", None)
-    if cp is not None and getattr(cp, "ring_degree", 1) > 1:
-        raise ring_refusal(f"{type(transformer).__name__} has ring_degree={cp.ring_degree}")
-
-
-def shard_order(layout, shards):
-    """Where each model-order token sits in a Ulysses call's sequence, or None when the streams do
-    not split evenly.
-
-    Diffusers' context parallelism splits each input stream (video, and text where the model's
-    plan splits it) into ``shards`` equal chunks along the sequence; a rank's processor joins its
-    chunks in the model's order (``[text_r | video_r]`` for a text prefix, ``[video_r | text_r]``
-    for a suffix), and the all-to-all concatenates the ranks' sequences. So the call's token at
-    position ``r * L/N + (offset of the stream) + i`` is token ``i`` of chunk ``r`` of that stream.
-    Returns a long tensor ``order`` with ``order[model token] = call position``.
-    """
-    video, text = layout.video_len, layout.text_len
-    if video % shards or text % shards:
-        return None
-    v_chunk, t_chunk = video // shards, text // shards
-    local = v_chunk + t_chunk
-    video_index = torch.arange(video)
-    text_index = torch.arange(text)
-    prefix = layout.text_position == "prefix"
-    video_pos = (video_index // v_chunk) * local + (t_chunk if prefix else 0) + video_index % v_chunk
-    text_pos = (text_index // t_chunk) * local + (0 if prefix else v_chunk) + text_index % t_chunk if text else text_index
-    order = torch.empty(layout.seq_len, dtype=torch.long)
-    order[layout.video_positions()] = video_pos
-    order[layout.text_positions()] = text_pos
-    return order
-
-
 def _in_model_order(original, order):
     """The model's own attention of a Ulysses call, returned in model token order."""
     return lambda: original().index_select(2, order)
@@ -487,7 +452,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
                 f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
             )
     for _, transformer in transformers:
-        _check_parallelism(transformer)
+        check_parallelism(transformer)
     config = method_cls.resolve(config, adapter)
     method_cls.check_family(adapter, config)
     method_obj = method_cls(config)

@@ -12,7 +12,7 @@ import torch
 import fastdit
 from fastdit.layout import TokenLayout
 from fastdit.methods import get_method
-from fastdit.patching import shard_order
+from fastdit.layout import shard_order
 
 from cp_worker import HEADS, run, run_parallel
 
