@@ -12,12 +12,15 @@ from . import pipelines  # noqa: F401 - registers the model families' method def
 from .context import AttentionContext
 from .functional import attention
 from .layout import TokenLayout
-from .methods import DenseConfig, Method, MethodConfig, RadialConfig, STAConfig, method_names
+from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, PruneConfig, RadialConfig, SpargeConfig,
+                      STAConfig, SVGConfig, ToDoConfig, ToMeConfig, WindowConfig, method_names)
 from .patching import AlreadyPatchedError, Patch, patch
 from .stats import PatchStats
 from .plan import BlockPlan, run_plan
 
 __version__ = "0.1.0"
 
-__all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "DenseConfig", "Method", "MethodConfig", "Patch",
-           "PatchStats", "RadialConfig", "STAConfig", "TokenLayout", "attention", "method_names", "methods", "patch", "run_plan"]
+__all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "BlockSparseConfig", "DenseConfig", "Method",
+           "MethodConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVGConfig", "SpargeConfig",
+           "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "method_names", "methods", "patch",
+           "run_plan"]

@@ -10,12 +10,19 @@ from .base import (Method, MethodConfig, OptionError, get_method, method_names, 
                    tiny_presets)
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .dense import DenseConfig
+from .prune import PruneConfig
 from .radial import RadialConfig
+from .sparge import SpargeConfig
 from .sta import STAConfig
+from .svg import SVGConfig
+from .todo import ToDoConfig
+from .tome import ToMeConfig
+from .window import WindowConfig
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 del _module
 
 __all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
-           "RadialConfig", "STAConfig", "get_method", "method_names", "option", "register_method", "tiny_presets"]
+           "PruneConfig", "RadialConfig", "STAConfig", "SVGConfig", "SpargeConfig", "ToDoConfig", "ToMeConfig",
+           "WindowConfig", "get_method", "method_names", "option", "register_method", "tiny_presets"]
