@@ -10,8 +10,8 @@ side evaluates every candidate setting on the same ``q, k, v``. Errors are measu
 ``rows`` video query rows per call (default 256): the whole rows would not fit at real sizes (at
 HunyuanVideo 720p, S = 115,456 keys, one head's scores for 256 rows are 256 x S float32 = 118 MB,
 for all S rows 53 GB), and 256 rows estimate a relative L2 error to about 1/sqrt(256) = 6% of
-itself, enough to compare against a budget. Nothing is stored between calls but four numbers per
-(step bucket, layer, head, candidate); k and v are never kept.
+itself, enough to compare against a budget. Nothing is stored between calls but sums per
+(step bucket, layer, head, candidate) (squared error, squared reference, density); k and v are never kept.
 
 For ``sta`` the candidates are windows (``{"window": (wt, wh, ww)}``, 0 = the whole axis) and
 each is evaluated exactly on the sampled rows (the window's key mask of those rows, text keys
