@@ -4,7 +4,10 @@ Run ``python -m fastdit.eval.bench_attention`` (``--quick`` for a short CPU smok
 table and writes JSON (``--out``, default ``bench_results/attention_<device>_<timestamp>.json``).
 ``--path kernel`` (default) times the engine on synthetic plans (below); ``--path patched`` times
 what a patched layer runs, with each method's own plan (section "Patched path"); ``--path both``
-does both in one run.
+does both in one run. ``--path methods``, which ``--methods`` without ``--path`` implies, compares
+every method on structured video-like inputs per head kind (spatial, temporal, global): density,
+relative L2 error against dense attention, selection and attention time, and the time token
+methods spend outside attention (``fastdit.eval.bench_methods``, which takes the remaining flags).
 
 Cases
   * everywhere: B=1, H=2, D=64, float32, N in {8192, 32768}, plans at densities
@@ -95,7 +98,7 @@ def parser():
                    help="run the correctness pass first (default: on with a GPU)")
     p.add_argument("--no-check", dest="check", action="store_false")
     p.add_argument("--check-only", action="store_true", help="run the correctness pass and exit")
-    p.add_argument("--path", choices=("kernel", "patched", "both"), default="kernel",
+    p.add_argument("--path", choices=("kernel", "patched", "both", "methods"), default="kernel",
                    help="kernel: the engine on synthetic plans (default); patched: fastdit.attention / run_plan "
                         "with the methods' own plans next to the kernel alone and dense SDPA; both: one run of each")
     p.add_argument("--methods", default="sta,radial", help="methods of the patched path (comma-separated)")
@@ -110,7 +113,23 @@ def parser():
     return p
 
 
+def _methods_mode(argv):
+    """``--path methods``, or ``--methods`` without a ``--path``: the per-method table on structured inputs."""
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--path"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--path=")]
+    has_methods = any(a == "--methods" or a.startswith("--methods=") for a in argv)
+    return "methods" in paths or (has_methods and not paths)
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _methods_mode(argv):
+        from .bench_methods import main as methods_main
+
+        rest = [a for i, a in enumerate(argv) if a not in ("--path", "--path=methods")
+                and not (i and argv[i - 1] == "--path")]
+        methods_main(rest)
+        return 0
     try:
         return _main(parser().parse_args(argv))
     except KeyboardInterrupt:  # e.g. a time cap's SIGINT: the JSON holds every row written so far

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for fastdit, in four timed parts (each under its own time cap, so one slow part cannot
+# GPU check for fastdit, in five timed parts (each under its own time cap, so one slow part cannot
 # eat the run):
 #
 #   kernel   correctness pass (Triton vs the float64 reference and the torch fallback), then the
@@ -7,9 +7,12 @@
 #            on synthetic plans; Wan 480p and HunyuanVideo 720p sliding tile      (cap T_KERNEL=130 s)
 #   patched  the patched path: fastdit.attention / run_plan with sta's and radial's own plans (text
 #            tokens and key mask included) next to the kernel alone and dense SDPA   (T_PATCHED=60 s)
+#   methods  every method on structured video-like q/k/v per head kind at Wan 480p's 32760 tokens:
+#            density, error against dense, selection / attention / outside-attention time, the
+#            corrections, the same-density claims (bench_attention --methods)       (T_METHODS=60 s)
 #   wan      one transformer forward, Wan2.1-T2V-1.3B at 480p x 81 frames, dense / sta / radial,
-#            eager and torch.compile'd (bf16, random weights)                        (T_WAN=170 s)
-#   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=170 s)
+#            eager and torch.compile'd (bf16, random weights)                        (T_WAN=150 s)
+#   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=150 s)
 #            (a dense forward is ~12 PFLOP: the eager rows fit the cap, the compiled ones, three
 #            whole-model compiles of 60 blocks, do not and are skipped by the budget; run them
 #            with: GPU_CHECK_PARTS=hunyuan T_HY=580 TRANSFORMER_ARGS="--modes compiled" bash ...)
@@ -46,15 +49,17 @@ PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null 2>&1 || PY=python
 STAMP="$(date +%Y%m%d-%H%M%S)"
 LOG="$OUT_DIR/gpu_check_$STAMP.log"
-PARTS="${GPU_CHECK_PARTS:-kernel,patched,wan,hunyuan}"
+PARTS="${GPU_CHECK_PARTS:-kernel,patched,methods,wan,hunyuan}"
 T_KERNEL="${T_KERNEL:-130}"
 T_PATCHED="${T_PATCHED:-60}"
-T_WAN="${T_WAN:-170}"
-T_HY="${T_HY:-170}"
+T_METHODS="${T_METHODS:-60}"
+T_WAN="${T_WAN:-150}"
+T_HY="${T_HY:-150}"
 HY_FRAMES="${HY_FRAMES:-129}"
 # extra arguments (word-split), e.g. a CPU dry run of the script's logic:
 #   GPU_CHECK_PARTS=patched,wan ATTENTION_ARGS=--quick TRANSFORMER_ARGS="--scale tiny" bash scripts/gpu_check.sh
 ATTENTION_ARGS="${ATTENTION_ARGS:-}"
+METHODS_ARGS="${METHODS_ARGS:---dtype bfloat16 --runs 3}"
 TRANSFORMER_ARGS="${TRANSFORMER_ARGS:-}"
 unset TRITON_INTERPRET            # real GPU kernels, never the CPU interpreter
 export PYTHONUNBUFFERED=1
@@ -156,6 +161,11 @@ fi
 if want patched; then
     part patched "$T_PATCHED" "$PY" -m fastdit.eval.bench_attention --no-check --path patched \
         --out "$OUT_DIR/attention_patched_$STAMP.json" $ATTENTION_ARGS
+fi
+if want methods; then
+    part methods "$T_METHODS" "$PY" -m fastdit.eval.bench_attention --path methods \
+        --methods sta,radial,sparge,svg,todo,tome,prune,window --corrections pooled,cached \
+        --json "$OUT_DIR/attention_methods_$STAMP.json" $METHODS_ARGS
 fi
 if want wan; then
     if [ "$HAVE_DIFFUSERS" = 1 ]; then
