@@ -53,7 +53,7 @@ import torch
 from fastdit.context import AttentionContext, CallState
 from fastdit.eval import bench_common as common
 from fastdit.eval.structured import structured_qkv
-from fastdit.functional import _info
+from fastdit.functional import call_info
 from fastdit.intercept import plain_sdpa
 from fastdit.jsonutil import dump_json
 from fastdit.methods import get_method, method_names
@@ -133,7 +133,7 @@ def measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda):
     ctx, run = make_call(method, layout, q, k, v, state=state, step=step, backend=args.backend)
     with torch.no_grad():
         out = run()
-        info = _info(ctx, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        info = call_info(ctx, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         row = {"density": info["density"], "rel_l2": video_error(out, ref, layout),
                "finite": bool(torch.isfinite(out).all())}
         row["total_ms"] = common.time_fn(run, args.runs, args.warmup, cuda)

@@ -10,6 +10,7 @@
 from . import methods
 from . import pipelines  # noqa: F401 - registers the model families' method defaults
 from .context import AttentionContext
+from .calibration import calibrate
 from .functional import attention
 from .layout import TokenLayout
 from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, PruneConfig, RadialConfig, SpargeConfig,
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 
 __all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "BlockSparseConfig", "DenseConfig", "Method",
            "MethodConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVGConfig", "SpargeConfig",
-           "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "method_names", "methods", "patch",
+           "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "calibrate", "method_names", "methods", "patch",
            "run_plan"]

@@ -42,7 +42,8 @@ import torch
 
 from fastdit.methods.base import Method, MethodConfig, get_method, option
 from fastdit.methods.sta import SlidingTile
-from fastdit.calibration_candidates import _CANDIDATES, _sta_candidates, candidates_for, register_candidates, select_plan
+from fastdit.calibration_candidates import (candidates_for, has_candidates, register_candidates, select_plan,
+                                            sta_candidates)
 from fastdit.plan_file import PLAN_FORMAT, PLAN_VERSION, model_facts, write_plan
 
 __all__ = ["calibrate", "candidates_for", "register_candidates", "select_plan"]
@@ -104,7 +105,7 @@ class _Recorder:
     def observe(self, ctx, q, k, v):
         self.grids.add(tuple(ctx.layout.grid))
         if self.candidates is None:  # defaults resolved on the first call (they depend on the grid)
-            self.candidates = (_sta_candidates(ctx.layout, self._tile(ctx.layout)) if self.method == "sta"
+            self.candidates = (sta_candidates(ctx.layout, self._tile(ctx.layout)) if self.method == "sta"
                                else candidates_for(self.method, ctx.layout))
         rows = _sample_rows(ctx.layout, self.rows, self.seed + ctx.layer).to(q.device)
         with torch.no_grad():
@@ -229,7 +230,7 @@ def _check_arguments(method, prompts, budget, steps, candidates, rows):
         candidates = [_as_candidate(method_cls.name, c) for c in candidates]
         if not candidates:
             raise ValueError("candidates is empty; give None for the method's defaults")
-    elif method_cls.name != "sta" and not _CANDIDATES.get(method_cls.name):
+    elif method_cls.name != "sta" and not has_candidates(method_cls.name):
         raise ValueError(f"method {method_cls.name!r} has no default candidates; pass candidates=[{{option: value}}, ...]")
     return method_cls, prompts, steps, candidates
 

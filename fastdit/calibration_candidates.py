@@ -18,7 +18,7 @@ import torch
 
 from fastdit.methods.base import get_method
 
-__all__ = ["candidates_for", "register_candidates", "select_plan"]
+__all__ = ["candidates_for", "has_candidates", "register_candidates", "select_plan", "sta_candidates"]
 
 _CANDIDATES = {}
 
@@ -26,6 +26,11 @@ _CANDIDATES = {}
 def register_candidates(method, function):
     """Register ``function(layout) -> [options, ...]``: the default candidate settings of ``method``."""
     _CANDIDATES[method] = function
+
+
+def has_candidates(method):
+    """Whether ``method`` has registered default candidates."""
+    return method in _CANDIDATES
 
 
 def candidates_for(method, layout=None):
@@ -37,7 +42,7 @@ def candidates_for(method, layout=None):
     return [c for c in function(layout) if set(c) <= fields]
 
 
-def _sta_candidates(layout, tile=(6, 8, 8)):
+def sta_candidates(layout, tile=(6, 8, 8)):
     """Windows from 1 tile up to the whole axis: per axis the odd widths 1, 3, 5 below the axis' tile
     count, and 0 (the whole axis)."""
     import itertools
@@ -55,7 +60,7 @@ def _register_defaults():
     from fastdit.methods.base import method_names
 
     defaults = {
-        "sta": _sta_candidates,
+        "sta": sta_candidates,
         "sparge": lambda layout: [{"cdf": c, "topk": None} for c in (0.99, 0.95, 0.9, 0.8)] + [{"topk": t} for t in (0.5, 0.3, 0.1)],
         "svg": lambda layout: [{"density": d} for d in (0.5, 0.3, 0.2, 0.1)],
         "todo": lambda layout: [{"factor": f} for f in (2, 3, 4)],

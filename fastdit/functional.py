@@ -90,10 +90,11 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     out = instance(ctx, q, k, v)
     if not return_info:
         return out
-    return out, _info(ctx, batch, heads, seq, k.shape[2])
+    return out, call_info(ctx, batch, heads, seq, k.shape[2])
 
 
-def _info(ctx, batch, heads, seq, keys):
+def call_info(ctx, batch, heads, seq, keys):
+    """The ``info`` dict of ``fastdit.attention(..., return_info=True)`` for a finished call context."""
     plan = ctx.info.get("plan")
     total = float(seq) * keys
     if ctx.info.get("dense") or (plan is None and "performed" not in ctx.info):

@@ -413,7 +413,7 @@ def _check_backend(backend, transformers):
                              "the CPU with TRITON_INTERPRET=1 set before fastdit is imported); use backend='auto' or 'torch'")
 
 
-def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", **options):
+def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", plan=None, **options):
     """Replace the DiT attention of a diffusers pipeline (or transformer) with ``method``.
 
     Args:
@@ -424,6 +424,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             ``options`` override its fields.
         record_masks: keep each layer's latest plan so ``Patch.mask(layer, head)`` can draw it.
         backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
+        plan: a plan file written by ``fastdit.calibrate`` or ``fastdit.methods.sta.load_strategy``
+            (a path, or the loaded dict): its settings per (step bucket, layer, head) become the
+            method's options (keyword ``options`` still override them). A plan for another method,
+            model family, transformer class, layer or head count is refused, naming the mismatch.
 
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
@@ -439,6 +443,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     """
     from fastdit.pipelines import find_adapter
 
+    if plan is not None:  # checked against the model before anything is installed
+        from fastdit.plan_file import plan_options_for
+
+        options = {**plan_options_for(plan, target, method), **options}
     method_cls = get_method(method)
     config = method_cls.make_config(config, **options)
     transformers, scheduler = _targets(target)

@@ -5,9 +5,9 @@ Layers, bottom to top (docs/architecture.md draws them):
   0 kernels                       fastdit.kernels.*
   1 data types                    layout, plan, context, stats, masks, jsonutil
   2 methods                       fastdit.methods.*
-  3 patch and model adapters      patching, intercept, steps, functional, pipelines.*
+  3 patch and model adapters      patching, intercept, steps, functional, plan_file, pipelines.*
   4 libraries with entry points   compare, parallel, video, support, options, pictures, calibration,
-                                  calibration_candidates, plan_file, eval.*, app.*
+                                  calibration_candidates, eval.*, app.*
   5 command line                  cli, cli_eval, cli_common, cli_calibrate, python -m fastdit.eval
 """
 import ast
@@ -23,9 +23,10 @@ LAYERS = [
     ("fastdit.kernels",),
     ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.masks", "fastdit.jsonutil"),
     ("fastdit.methods",),
-    ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines"),
+    ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
+     "fastdit.plan_file"),
     ("fastdit.compare", "fastdit.parallel", "fastdit.video", "fastdit.support", "fastdit.options", "fastdit.pictures",
-     "fastdit.calibration", "fastdit.calibration_candidates", "fastdit.plan_file", "fastdit.eval", "fastdit.app"),
+     "fastdit.calibration", "fastdit.calibration_candidates", "fastdit.eval", "fastdit.app"),
     ("fastdit.cli", "fastdit.cli_eval", "fastdit.cli_common", "fastdit.cli_calibrate", "fastdit.eval.__main__"),
 ]
 
