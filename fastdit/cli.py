@@ -10,6 +10,7 @@ import sys
 
 from fastdit.cli_common import (
     ArgumentParser,
+    apply_plan_argument,
     CLIError,
     add_generation_arguments,
     call_arguments,
@@ -58,7 +59,7 @@ def cmd_compare(args):
         if not parallel.is_main and hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)  # one progress bar, rank 0's
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
-    options = tiny_method_presets(args.model, methods, options)
+    options = apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options), options)
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
@@ -110,6 +111,8 @@ def build_parser():
     compare.add_argument("--out", default="fastdit_compare", help="output folder (mp4 per run, report.json)")
     compare.add_argument("--fps", type=positive_int, default=16)
     compare.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
+    compare.add_argument("--plan", default=None, metavar="FILE",
+                         help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be in --methods")
     compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
                          help="Ulysses context parallelism over N processes of a launcher "
                               "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")

@@ -106,6 +106,22 @@ def check_method_options(method, options, what):
 
 
 
+def apply_plan_argument(path, methods, options, user_options):
+    """``--plan FILE``: the plan's method runs with ``plan=FILE`` and the options the user set
+    (``--set``) on top; the tiny models' presets do not apply to it (the plan fixes its own tile)."""
+    from fastdit.plan_file import PlanError, load_plan
+
+    if path is None:
+        return options
+    try:
+        method = load_plan(path)["method"]
+    except PlanError as error:
+        raise CLIError(f"argument --plan: {error}") from None
+    if method not in methods:
+        raise CLIError(f"argument --plan: {path} is a plan for method {method!r}; add it to --methods")
+    return {**options, method: {"plan": path, **user_options.get(method, {})}}
+
+
 def parse_options(settings, methods):
     """``["sta.tile=6,8,8", ...]`` -> ``{"sta": {"tile": (6, 8, 8)}}``."""
     options = {}

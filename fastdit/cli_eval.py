@@ -41,6 +41,8 @@ def add_eval_arguments(parser):
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--plan", default=None, metavar="FILE",
+                        help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be in --methods")
     parser.add_argument("--cp", type=positive_int, default=None, metavar="N",
                         help="split each sample over N processes (Ulysses context parallelism); the launcher's "
                              "processes form groups of N that share the samples")
@@ -110,7 +112,8 @@ def config_from_args(args):
     import os
 
     import fastdit
-    from fastdit.cli_common import CLIError, check_generation_arguments, check_method_options, parse_options
+    from fastdit.cli_common import (CLIError, apply_plan_argument, check_generation_arguments, check_method_options,
+                                    parse_options)
     from fastdit.eval.config import EvalConfig, EvalError
     from fastdit.eval.prompts import load_prompts
     from fastdit.eval.settings import tiny_method_presets
@@ -141,7 +144,8 @@ def config_from_args(args):
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
     return EvalConfig(
-        out=args.out, model=args.model, methods=methods, options=tiny_method_presets(args.model, methods, options),
+        out=args.out, model=args.model, methods=methods,
+        options=apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options), options),
         grid=grid, prompts=prompts, prompts_file=args.prompts, seeds=parse_seeds(args.seeds),
         metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
         call={k: v for k, v in call.items() if v is not None}, device=args.device, dtype=args.dtype,
