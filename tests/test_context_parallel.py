@@ -131,6 +131,7 @@ def test_compare_under_torchrun_writes_one_report(tmp_path):
     rank 0, latency of the slowest rank, the method ran on both ranks without fallbacks."""
     import json
     import os
+    import signal
     import subprocess
     import sys
 
@@ -142,7 +143,15 @@ def test_compare_under_torchrun_writes_one_report(tmp_path):
            "fastdit.cli", "compare", "--cp", "2", "--steps", "2", "--frames", "5", "--height", "64", "--width", "96",
            "--methods", "dense,sta", "--set", "sta.tile=1,2,2", "--set", "sta.window=1,1,1", "--set", "sta.dense_steps=0", "--no-warmup",
            "--out", str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    # A new session, so that a hung worker is killed with the launcher (not left behind) on timeout.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["context_parallel"]["ulysses_degree"] == 2
