@@ -58,9 +58,13 @@ def run(family, method, options, parallel=None, patch_first=True):
         patch = fastdit.patch(model, method, backend="torch", **options)
     if parallel is not None and patch_first:
         model.enable_parallelism(config=parallel)
-    with torch.no_grad():
-        out = model(**inputs(family))[0]
-    return out, (None if patch is None else patch.stats.as_dict())
+    try:
+        with torch.no_grad():
+            out = model(**inputs(family))[0]
+        return out, (None if patch is None else patch.stats.as_dict())
+    finally:
+        if patch is not None:  # the private backends it registered with diffusers go with it
+            patch.remove()
 
 
 def free_port():
