@@ -13,17 +13,24 @@ HEADS = 4
 
 
 def build(family, seed=0):
-    """Tiny Wan (video only) and Flux (text prefix) with 4 heads, so Ulysses degree 2 gives 2 each."""
+    """Tiny Wan (video only), Flux (text prefix) and Qwen-Image (text prefix with padded text: a key
+    mask) with 4 heads, so Ulysses degree 2 gives 2 each."""
     torch.manual_seed(seed)
     if family == "wan":
         from diffusers import WanTransformer3DModel
         return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=8,
                                      in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
                                      num_layers=2, rope_max_seq_len=64).eval()
-    from diffusers import FluxTransformer2DModel
-    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=16, num_attention_heads=HEADS, joint_attention_dim=32,
-                                   pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)).eval()
+    if family == "qwen":
+        from diffusers import QwenImageTransformer2DModel
+        model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                            attention_head_dim=16, num_attention_heads=HEADS, joint_attention_dim=32,
+                                            axes_dims_rope=(4, 6, 6)).eval()
+    else:
+        from diffusers import FluxTransformer2DModel
+        model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                       attention_head_dim=16, num_attention_heads=HEADS, joint_attention_dim=32,
+                                       pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)).eval()
     with torch.no_grad():  # zero-initialised gates would hide attention from the output
         for param in model.parameters():
             if param.numel() and not bool(param.any()):
@@ -37,6 +44,12 @@ def inputs(family):
         return dict(hidden_states=torch.randn(1, 4, 4, 8, 12, generator=g), timestep=torch.full((1,), 900.0),
                     encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
     h, w = 6, 8
+    if family == "qwen":  # the last 3 of 6 text tokens are padding: rank 1's text shard is all padding
+        mask = torch.ones(1, 6, dtype=torch.long)
+        mask[:, 3:] = 0
+        return dict(hidden_states=torch.randn(1, h * w, 16, generator=g), encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+                    encoder_hidden_states_mask=mask, timestep=torch.tensor([0.5]), img_shapes=[[(1, h, w)]],
+                    return_dict=False)
     ids = torch.zeros(h, w, 3)
     ids[..., 1] = torch.arange(h)[:, None]
     ids[..., 2] = torch.arange(w)[None]

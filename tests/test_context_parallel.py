@@ -3,7 +3,10 @@
 Ulysses: every method gives the single-process output (max abs diff <= 1e-5 in fp32), with
 per-head settings (which index the layer's global heads), patched before or after
 ``enable_parallelism``, for a video-only model (Wan) and joint attention with a text prefix
-(Flux). Ring attention is refused with a message that names Ulysses.
+(Flux), and with a padding key mask (Qwen-Image, whose last text shard is all padding). Ring
+attention is refused with a message that names Ulysses. HunyuanVideo (text suffix) has no
+context-parallel plan in diffusers 0.42 (``enable_parallelism`` refuses it); the suffix order is
+checked by ``test_shard_order_matches_the_chunked_sequences``.
 """
 import numpy as np
 import pytest
@@ -18,7 +21,8 @@ from cp_worker import HEADS, run, run_parallel
 
 #: Per-head windows differ between the heads each rank gets (0, 1 on rank 0; 2, 3 on rank 1).
 STA = {"wan": dict(tile=(1, 2, 2), window=[(1, 1, 1), (3, 1, 3), (3, 3, 3), (1, 3, 1)]),
-       "flux": dict(tile=(1, 2, 2), window=[(1, 1, 1), (1, 1, 3), (1, 3, 3), (1, 3, 1)])}
+       "flux": dict(tile=(1, 2, 2), window=[(1, 1, 1), (1, 1, 3), (1, 3, 3), (1, 3, 1)]),
+       "qwen": dict(tile=(1, 1, 2), window=[(1, 1, 1), (1, 1, 3), (1, 3, 3), (1, 3, 1)])}
 
 
 def method_options(method, family):
@@ -72,7 +76,7 @@ def test_shard_order_refuses_uneven_streams():
 
 def test_every_method_under_ulysses_equals_one_process():
     jobs, expected = [], {}
-    for family in ("wan", "flux"):
+    for family in ("wan", "flux", "qwen"):
         for method in fastdit.method_names():
             if not applicable(method, family):
                 continue
