@@ -72,7 +72,7 @@ def cmd_compare(args):
     print()
     print(format_table(report["runs"]))
     for row in report["runs"]:
-        if row.get("padding_fraction") is not None:
+        if row.get("plans"):
             print(f"{row['method']}: plans {', '.join(row.get('plans', []))}; padding {100 * row['padding_fraction']:.1f}% of tokens")
         for reason, count in (row.get("fallbacks") or {}).items():
             print(f"{row['method']}: {count} fallback call(s) ran the model's own attention: {reason}")
