@@ -9,19 +9,9 @@ import math
 import pytest
 import torch
 
-import fastdit.kernels as fk
 from fastdit.kernels import block_sparse_attention, skip_reference, skip_subtiles_walked
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - platform without triton
-    HAS_TRITON = False
-
-ON_GPU = torch.cuda.is_available() and not fk.triton_interpreter_enabled()
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-TRITON_OK = HAS_TRITON and (ON_GPU or fk.triton_interpreter_enabled())
+from kernel_backends import DEVICE, TRITON_OK  # shared with the other kernel tests
 BACKENDS = [
     pytest.param("torch", id="torch"),
     pytest.param("triton", id="triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")),
