@@ -166,12 +166,16 @@ class Method:
 
     def prepared(self, layout, heads, device):
         """``prepare`` through the bounded per-instance cache (keyed by layout, heads, device)."""
-        key = (layout, int(heads), str(device))
+        return self.cached_plan((layout, int(heads), str(device)), lambda: self.prepare(layout, heads, device))
+
+    def cached_plan(self, key, build):
+        """The plan under ``key`` in the bounded per-instance LRU cache, built by ``build()`` (and
+        validated once) when missing; ``build`` may return None (run dense), which is cached too."""
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        plan = self.prepare(layout, heads, device)
+        plan = build()
         if plan is not None:
             plan.validate()  # once per plan: calls then skip the engine's per-call validation
         with self._lock:

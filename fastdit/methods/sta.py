@@ -296,21 +296,12 @@ class SlidingTile(BlockSparseMethod):
     def windows_plan(self, layout, windows, device):
         """The plan of per-head ``windows`` on ``layout`` (cached), or None when every head covers the
         whole grid (the call then runs the model's own attention)."""
-        key = ("windows", layout, tuple(windows), str(device))
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        tile = self.tile_for(layout)
-        n_tiles = [-(-g // t) for g, t in zip(layout.grid, tile)]
-        covers = all(all(w == 0 or w >= n for w, n in zip(window, n_tiles)) for window in windows)
-        plan = None if covers else self.build_plan(layout, list(windows), device).validate()
-        with self._lock:
-            self._cache[key] = plan
-            self.plans_built += 1
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return plan
+        def build():
+            n_tiles = [-(-g // t) for g, t in zip(layout.grid, self.tile_for(layout))]
+            covers = all(all(w == 0 or w >= n for w, n in zip(window, n_tiles)) for window in windows)
+            return None if covers else self.build_plan(layout, list(windows), device)
+
+        return self.cached_plan(("windows", layout, tuple(windows), str(device)), build)
 
     def prepare(self, layout, heads, device):
         self.check_heads(heads)
