@@ -50,8 +50,9 @@ MAX_PADDING = 0.10
 
 
 @dataclass
-class STAConfig(BlockSparseConfig):
-    """Options of sliding-tile attention.
+class TileWindowOptions:
+    """The 3-D tile window shared by sliding tile (``STAConfig``) and window attention
+    (``WindowConfig``): declared and checked once here.
 
     Attributes:
         tile: ``(tt, th, tw)`` tokens per tile. None: chosen per resolution by ``choose_tile``
@@ -61,9 +62,6 @@ class STAConfig(BlockSparseConfig):
         fit_tile: treat ``tile`` as a target fitted to each call's grid (``choose_tile`` around
             it, padding under 10%) instead of using it exactly; the tiny models' preset does, so
             every entry point (compare, eval, the app) fits it the same way, where the plan is built.
-        dense_steps: see ``MethodConfig``; default 0.25 (the first quarter of steps dense).
-        dense_layers: see ``MethodConfig``; default 0.
-        skip_threshold, correction, refresh_every: see ``BlockSparseConfig``.
     """
 
     tile: tuple | None = option(None, "tokens per tile (tt, th, tw); empty: chosen per resolution around 6x8x8",
@@ -72,12 +70,10 @@ class STAConfig(BlockSparseConfig):
                                   "or one triple per head", widget="triple")
     fit_tile: bool = option(False, "fit the tile to each grid (padding under 10%) instead of using it exactly",
                             widget="checkbox")
-    strategy: dict | None = option(None, "per (step bucket, layer, head) windows: {'s_l_h': (wt, wh, ww)}, "
-                                   "0 = whole axis; step i uses the bucket with the largest start <= i; "
-                                   "unnamed heads and earlier steps use window", widget="text")
 
-    def validate(self):
-        super().validate()
+    def check_tile_window(self):
+        """Check ``tile``, ``window`` and ``fit_tile`` and put them in canonical form (a tuple tile;
+        one window as a tuple, per-head windows as a list); ValueError names the option."""
         if not isinstance(self.fit_tile, bool):
             raise ValueError(f"fit_tile must be True or False, got {self.fit_tile!r}")
         if self.tile is not None:
@@ -94,6 +90,27 @@ class STAConfig(BlockSparseConfig):
         windows = _windows(self.window)
         # one window as a tuple (any sequence of three ints is accepted), per-head windows as a list
         self.window = windows if _is_per_head(self.window) else windows[0]
+
+
+@dataclass
+class STAConfig(BlockSparseConfig, TileWindowOptions):
+    """Options of sliding-tile attention.
+
+    Attributes:
+        tile, window, fit_tile: see ``TileWindowOptions``.
+        strategy: per (step bucket, layer, head) windows (see the module docstring).
+        dense_steps: see ``MethodConfig``; default 0.25 (the first quarter of steps dense).
+        dense_layers: see ``MethodConfig``; default 0.
+        skip_threshold, correction, refresh_every: see ``BlockSparseConfig``.
+    """
+
+    strategy: dict | None = option(None, "per (step bucket, layer, head) windows: {'s_l_h': (wt, wh, ww)}, "
+                                   "0 = whole axis; step i uses the bucket with the largest start <= i; "
+                                   "unnamed heads and earlier steps use window", widget="text")
+
+    def validate(self):
+        super().validate()
+        self.check_tile_window()
         if self.strategy is not None:
             self.strategy = normalize_strategy(self.strategy)
 

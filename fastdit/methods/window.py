@@ -50,17 +50,17 @@ from fastdit.plan import run_plan as run_window_plan
 
 from .base import Method, MethodConfig, option, register_method
 from .prune import check_positive_int, compact_attention, full_attention, is_refresh_step
-from .sta import DEFAULT_WINDOW, STAConfig, SlidingTile
+from .sta import STAConfig, SlidingTile, TileWindowOptions
 
 BAND_BLOCK = 64
 
 
 @dataclass
-class WindowConfig(MethodConfig):
+class WindowConfig(MethodConfig, TileWindowOptions):
     """Options of window attention with residual caching (see the module docstring).
 
     Attributes:
-        tile, window, fit_tile: the 3-D tile window, as for ``"sta"`` (``STAConfig``).
+        tile, window, fit_tile: the 3-D tile window, as for ``"sta"`` (``TileWindowOptions``).
         band: tokens attended on each side in model order (rounded up to 64-token blocks)
             instead of the 3-D window; None: the 3-D window.
         refresh_every: a full step (full + window attention, residual refreshed) every N steps.
@@ -70,12 +70,6 @@ class WindowConfig(MethodConfig):
         share_cfg: compute the conditional branch and reuse it for the unconditional one.
     """
 
-    tile: tuple | None = option(None, "tokens per tile (tt, th, tw); empty: chosen per resolution around 6x8x8",
-                                widget="triple")
-    window: tuple | list = option(DEFAULT_WINDOW, "tiles attended around each query tile (wt, wh, ww), odd; "
-                                  "or one triple per head", widget="triple")
-    fit_tile: bool = option(False, "fit the tile to each grid (padding under 10%) instead of using it exactly",
-                            widget="checkbox")
     band: int | None = option(None, "1-D band: tokens attended on each side in model order (64-token blocks) "
                               "instead of the 3-D window; empty: the 3-D window", range=(1, None), widget="number")
     refresh_every: int = option(4, "a full step (full + window attention, residual refreshed) every N steps",
@@ -89,11 +83,11 @@ class WindowConfig(MethodConfig):
 
     def validate(self):
         super().validate()
-        self.tile_config()  # tile, window, fit_tile checked exactly as sliding tile checks them
+        self.check_tile_window()
         if self.band is not None:
             check_positive_int("band", self.band)
         check_positive_int("refresh_every", self.refresh_every)
-        for name in ("share_steps", "share_cfg", "fit_tile"):
+        for name in ("share_steps", "share_cfg"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         value = self.share_threshold
@@ -102,9 +96,9 @@ class WindowConfig(MethodConfig):
         self.share_threshold = float(value)
 
     def tile_config(self):
+        """The ``STAConfig`` of this window (the sliding-tile plans window attention runs on)."""
         config = STAConfig(tile=self.tile, window=self.window, fit_tile=self.fit_tile, dense_steps=0, dense_layers=0)
         config.validate()
-        self.tile, self.window = config.tile, config.window
         return config
 
 
