@@ -61,11 +61,12 @@ def debug_enabled():
     return os.environ.get("FASTDIT_DEBUG", "0").lower() in ("1", "true", "yes", "on")
 
 
-def _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid):
-    for name, t in (("q", q), ("k", k), ("v", v), ("kv_indices", kv_indices), ("kv_counts", kv_counts)):
+def check_qkv(q, k, v, kv_valid=None):
+    """The engine's rules for ``q``, ``k``, ``v`` and ``kv_valid`` (shared by the fixed-size and the
+    variable-size API): ValueError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have rank 4 (B, H, N, D), got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
@@ -74,13 +75,28 @@ def _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid):
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    batch, heads, n_q, dim = q.shape
+    batch, heads, _, dim = q.shape
     if k.shape[0] != batch or k.shape[1] != heads or k.shape[3] != dim:
         raise ValueError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in (B, H, _, D)")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
     if dim > MAX_HEAD_DIM or dim < 1:
         raise ValueError(f"head dim {dim} is not supported; any head dim from 1 to {MAX_HEAD_DIM} works")
+    if kv_valid is not None:
+        if not isinstance(kv_valid, torch.Tensor) or kv_valid.dtype != torch.bool:
+            raise ValueError("kv_valid must be a bool tensor of shape (B|1, Nk)")
+        if kv_valid.dim() != 2 or kv_valid.shape[0] not in (1, batch) or kv_valid.shape[1] != k.shape[2]:
+            raise ValueError(f"kv_valid shape {tuple(kv_valid.shape)} must be ({batch} or 1, {k.shape[2]})")
+        if kv_valid.device != q.device:
+            raise ValueError(f"kv_valid is on {kv_valid.device} but q is on {q.device}")
+
+
+def _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid):
+    for name, t in (("q", q), ("k", k), ("v", v), ("kv_indices", kv_indices), ("kv_counts", kv_counts)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_qkv(q, k, v, kv_valid)
+    batch, heads, n_q, dim = q.shape
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
             raise ValueError(f"{name} must be a positive int, got {b!r}")
@@ -104,13 +120,6 @@ def _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid):
     for name, t in (("kv_indices", kv_indices), ("kv_counts", kv_counts)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if kv_valid is not None:
-        if not isinstance(kv_valid, torch.Tensor) or kv_valid.dtype != torch.bool:
-            raise ValueError("kv_valid must be a bool tensor of shape (B|1, Nk)")
-        if kv_valid.dim() != 2 or kv_valid.shape[0] not in (1, batch) or kv_valid.shape[1] != k.shape[2]:
-            raise ValueError(f"kv_valid shape {tuple(kv_valid.shape)} must be ({batch} or 1, {k.shape[2]})")
-        if kv_valid.device != q.device:
-            raise ValueError(f"kv_valid is on {kv_valid.device} but q is on {q.device}")
 
 
 def _pick_backend(backend, device):
