@@ -1,0 +1,100 @@
+"""Batched k-means on the device, for svg2's semantic-aware permutation.
+
+Sparse VideoGen 2 (Yang, Xi et al., 2025, "Sparse VideoGen2: Accelerate Video Generation with
+Sparse Attention via Semantic-Aware Permutation") clusters each head's queries and keys with plain
+Euclidean (L2) k-means; so does this module. ``G`` independent problems (one per (batch, head))
+run at once: ``x`` ``(G, N, D)``, ``centroids`` ``(G, C, D)``.
+
+One iteration (Lloyd's):
+
+* assignment: ``label_i = argmin_c |x_i - c|^2 = argmax_c (2 x_i . c - |c|^2)`` (``|x_i|^2`` is
+  the same for every ``c``): one batched matrix product ``x @ centroids^T``; the first cluster on
+  ties (``argmax``);
+* update: ``c = mean of the valid x_i labelled c``; a cluster with no valid point keeps its
+  previous centroid (it may win points back in a later iteration).
+
+``kmeans`` runs ``iters`` iterations and returns the last assignment, the centroids updated from
+it and the valid sizes, so the three agree (``centroids[c]`` is the mean of the valid points with
+label ``c``, for every non-empty ``c``). Invalid points (``valid`` False: masked keys) get a label
+like any point, so a permutation can place them, but never move a centroid or count in a size.
+
+Everything is torch on the input's device with no host synchronisation (no ``.item()``, no
+data-dependent shapes). The ``(G, N, C)`` scores are computed in chunks of problems so that at most
+``SCORE_BUDGET`` float32 entries are held at once. Half-precision inputs are clustered in float32;
+float64 stays float64 (tests).
+"""
+from __future__ import annotations
+
+import torch
+
+#: float32 entries of the (problems, points, clusters) score table held at once.
+SCORE_BUDGET = 1 << 26
+
+
+def _work_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def assign(x, centroids):
+    """Label of each point: index of its nearest centroid (L2), long ``(G, N)``."""
+    x = x.to(_work_dtype(x))
+    centroids = centroids.to(x.dtype)
+    groups, points = x.shape[:2]
+    clusters = centroids.shape[1]
+    labels = torch.empty(groups, points, dtype=torch.long, device=x.device)
+    norms = centroids.square().sum(-1)  # (G, C)
+    chunk = max(1, SCORE_BUDGET // max(1, points * clusters))
+    for g0 in range(0, groups, chunk):
+        g1 = min(groups, g0 + chunk)
+        scores = torch.baddbmm(norms[g0:g1, None, :], x[g0:g1], centroids[g0:g1].transpose(1, 2), beta=-1.0, alpha=2.0)
+        labels[g0:g1] = scores.argmax(-1)
+    return labels
+
+
+def update(x, labels, centroids, valid=None):
+    """Centroids as the means of their valid points (empty clusters keep ``centroids``) and the
+    valid sizes: ``((G, C, D), float (G, C))``."""
+    x = x.to(_work_dtype(x))
+    groups, points, dim = x.shape
+    clusters = centroids.shape[1]
+    weight = torch.ones(groups, points, dtype=x.dtype, device=x.device) if valid is None else valid.to(x.dtype)
+    sizes = torch.zeros(groups, clusters, dtype=x.dtype, device=x.device).scatter_add_(1, labels, weight)
+    sums = torch.zeros(groups, clusters, dim, dtype=x.dtype, device=x.device)
+    sums.scatter_add_(1, labels[..., None].expand(groups, points, dim), x * weight[..., None])
+    means = sums / sizes.clamp(min=1.0)[..., None]
+    return torch.where(sizes[..., None] > 0, means, centroids.to(x.dtype)), sizes
+
+
+def kmeans(x, centroids, iters, valid=None):
+    """``iters`` iterations of batched L2 k-means from ``centroids`` (see the module docstring).
+
+    Args:
+        x: ``(G, N, D)`` points.
+        centroids: ``(G, C, D)`` initial centroids.
+        iters: iterations (>= 1).
+        valid: bool ``(G, N)`` or None: points that move centroids and count in sizes.
+
+    Returns:
+        ``(centroids, labels, sizes)``: ``(G, C, D)`` in the working dtype (float32, or float64 for
+        float64 input), long ``(G, N)`` labels of the last assignment, and float ``(G, C)`` counts
+        of valid points per cluster.
+    """
+    if iters < 1:
+        raise ValueError(f"kmeans: iters must be >= 1, got {iters!r}")
+    if x.dim() != 3 or centroids.dim() != 3 or x.shape[0] != centroids.shape[0] or x.shape[2] != centroids.shape[2]:
+        raise ValueError(f"kmeans: x must be (G, N, D) and centroids (G, C, D), got {tuple(x.shape)} and "
+                         f"{tuple(centroids.shape)}")
+    centroids = centroids.to(_work_dtype(x))
+    for _ in range(iters):
+        labels = assign(x, centroids)
+        centroids, sizes = update(x, labels, centroids, valid)
+    return centroids, labels, sizes
+
+
+def spread_init(x, clusters):
+    """Deterministic cold-start centroids: the points at ``clusters`` evenly spaced positions
+    ``floor((c + 1/2) N / C)`` of each problem (for video tokens in model order: spread over the
+    frames and the frame), ``(G, C, D)``."""
+    points = x.shape[1]
+    index = ((torch.arange(clusters, device=x.device, dtype=torch.float64) + 0.5) * points / clusters).long()
+    return x.index_select(1, index.clamp(max=points - 1)).to(_work_dtype(x))
