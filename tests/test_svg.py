@@ -303,7 +303,7 @@ def tiny_wan():
 @pytest.mark.parametrize("option,value", [("density", 0.0), ("density", 1.5), ("density", float("nan")),
                                           ("density", True), ("n_samples", 0), ("n_samples", 2.5),
                                           ("block_size", 0), ("patterns", ()), ("patterns", ("spatial", "banded")),
-                                          ("patterns", "spatial,radial"), ("correction", "pooled")])
+                                          ("patterns", "spatial,radial"), ("correction", "blocks")])
 def test_bad_options_raise_at_patch_time_naming_the_option(option, value, tiny_wan):
     model = tiny_wan
     with pytest.raises(ValueError, match=option):

@@ -62,8 +62,8 @@ steps (and Sparse VideoGen the first layers) dense, where attention is not yet s
 
 Corrections (``BlockSparseConfig``): ``skip_threshold`` applies inside the one engine call, in
 each head's kernel order; ``correction="cached"`` works as for every block-sparse method (its
-complement plan keeps the per-head orders); ``"pooled"`` pools key blocks in one token order for
-all heads and is refused.
+complement plan keeps the per-head orders); ``"pooled"`` pools each head's dropped key blocks in
+that head's own kernel order (``head_inverses``).
 
 Statistics: the recorded ``BlockPlan`` is dynamic and its ``kv_counts`` are the chosen patterns'
 per (batch, head). The selection (one score product and ``1 + P`` value products over the ``n``
@@ -133,9 +133,6 @@ class SVGConfig(BlockSparseConfig):
             raise ValueError(f"patterns must be a non-empty list of distinct names from {PATTERNS}, "
                              f"got {self.patterns!r}")
         self.patterns = tuple(p for p in PATTERNS if p in patterns)  # canonical order: the tie-break
-        if self.correction == "pooled":
-            raise ValueError("correction='pooled' needs one token order for all heads; svg orders each head its own "
-                             "way: use correction='none' or 'cached'")
 
 
 # -- static block lists -------------------------------------------------------------------------------
