@@ -17,8 +17,23 @@ else:
         skip_subtiles_walked,
         triton_interpreter_enabled,
     )
-    from .op import block_sparse_attention_op, block_sparse_attention_skip_op, check_block_plan
-    from .reference import dense_reference, plan_to_token_mask, skip_reference, validate_plan
+    from .block_sparse_varlen import block_sparse_attention_varlen
+    from .op import (
+        block_sparse_attention_op,
+        block_sparse_attention_skip_op,
+        block_sparse_attention_varlen_op,
+        check_block_plan,
+        check_varlen_plan,
+    )
+    from .reference import (
+        dense_reference,
+        plan_to_token_mask,
+        skip_reference,
+        validate_plan,
+        validate_varlen_plan,
+        varlen_reference,
+        varlen_to_token_mask,
+    )
 
     __all__ = [
         "BACKENDS",
@@ -26,12 +41,18 @@ else:
         "block_sparse_attention",
         "block_sparse_attention_op",
         "block_sparse_attention_skip_op",
+        "block_sparse_attention_varlen",
+        "block_sparse_attention_varlen_op",
         "check_skip_options",
         "check_block_plan",
+        "check_varlen_plan",
         "dense_reference",
         "plan_to_token_mask",
         "skip_reference",
         "skip_subtiles_walked",
         "triton_interpreter_enabled",
         "validate_plan",
+        "validate_varlen_plan",
+        "varlen_reference",
+        "varlen_to_token_mask",
     ]

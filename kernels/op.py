@@ -12,6 +12,9 @@
   skip rule (``skip_threshold`` in natural-log units, the rule's sub-tile sizes ``skip_m`` x
   ``skip_n``); returns ``(out, lse, skipped)``, ``skipped`` int32 ``(B, H)``. A separate op, so
   the plain op's schema and compiled graphs stay as they were.
+* ``fastdit::block_sparse_attention_varlen`` (``block_sparse_attention_varlen_op``): the same
+  with variable-size blocks given by offsets (``block_sparse_varlen.py``); returns ``(out, lse)``.
+  ``fastdit::check_varlen_plan`` (``check_varlen_plan``) is its plan check, built like the next one.
 * ``fastdit::check_block_plan`` (``check_block_plan``): ``validate_plan`` as an op; raises
   ``ValueError`` naming the first bad entry, else returns a copy of ``kv_counts`` that the wrapper
   feeds to the attention op. The data dependency keeps the check in compiled graphs (an op whose
@@ -24,7 +27,8 @@ import torch
 
 from .block_sparse_skip_torch import block_sparse_attention_skip_torch
 from .block_sparse_torch import block_sparse_attention_torch
-from .reference import validate_plan
+from .block_sparse_varlen_torch import block_sparse_attention_varlen_torch
+from .reference import validate_plan, validate_varlen_plan
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -127,4 +131,54 @@ def check_block_plan(kv_indices, kv_counts, n_kv_blocks, n_q_blocks, n_k, block_
 
 @check_block_plan.register_fake
 def _check_block_plan_fake(kv_indices, kv_counts, n_kv_blocks, n_q_blocks, n_k, block_n):
+    return torch.empty_like(kv_counts)
+
+
+@torch.library.custom_op(
+    "fastdit::block_sparse_attention_varlen",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor k_offsets, Tensor kv_indices, "
+    "Tensor kv_counts, float scale, Tensor? kv_valid, str backend) -> (Tensor, Tensor)",
+)
+def block_sparse_attention_varlen_op(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale, kv_valid,
+                                     backend):
+    """``(out, lse)`` of variable-size block-sparse attention on already-validated inputs."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton":
+        from .block_sparse_varlen_triton import block_sparse_attention_varlen_triton
+
+        out, lse = block_sparse_attention_varlen_triton(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts,
+                                                        scale, kv_valid)
+    else:
+        out, lse = block_sparse_attention_varlen_torch(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts,
+                                                       scale, kv_valid)
+    return out.contiguous(), lse.contiguous()
+
+
+@block_sparse_attention_varlen_op.register_fake
+def _block_sparse_attention_varlen_fake(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale, kv_valid,
+                                        backend):
+    batch, heads, n_q, dim = q.shape
+    return q.new_empty((batch, heads, n_q, dim)), q.new_empty((batch, heads, n_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "fastdit::check_varlen_plan",
+    mutates_args=(),
+    schema="(Tensor q_offsets, Tensor k_offsets, Tensor kv_indices, Tensor kv_counts, int n_q, int n_k) -> Tensor",
+)
+def check_varlen_plan(q_offsets, k_offsets, kv_indices, kv_counts, n_q, n_k):
+    """Raise ``ValueError("invalid variable-size block plan: ...")`` unless ``validate_varlen_plan``
+    finds nothing; return a copy of ``kv_counts`` (the data dependency keeps it in compiled graphs)."""
+    problems = validate_varlen_plan(q_offsets, k_offsets, kv_indices, kv_counts, n_q, n_k)
+    if problems:
+        raise ValueError("invalid variable-size block plan: " + "; ".join(problems))
+    return kv_counts.clone()
+
+
+@check_varlen_plan.register_fake
+def _check_varlen_plan_fake(q_offsets, k_offsets, kv_indices, kv_counts, n_q, n_k):
     return torch.empty_like(kv_counts)

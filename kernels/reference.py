@@ -7,6 +7,8 @@ semantics the kernels must reproduce.
 * ``plan_to_token_mask`` -- expands a block plan (``kv_indices`` / ``kv_counts``) to that mask.
 * ``validate_plan``      -- the plan rules: count range, index range, duplicates (vectorised).
 * ``skip_reference``     -- the skip rule (``skip_threshold``) walked literally, in float64.
+* ``varlen_to_token_mask`` / ``varlen_reference`` / ``validate_varlen_plan`` -- the same for
+  plans with variable-size blocks given by offsets (``block_sparse_attention_varlen``).
 """
 from __future__ import annotations
 
@@ -215,3 +217,94 @@ def skip_reference(q, k, v, kv_indices, kv_counts, block_m, block_n, skip_thresh
     mask &= key_ok[:, None, None, :]
     out, lse = dense_reference(q.cpu(), k.cpu(), v.cpu(), mask, scale)
     return {"out": out, "lse": lse, "skipped": skipped, "walked": walked, "mask": mask, "margin": margin}
+
+
+# --------------------------------------------------------------------------------------------------
+# Variable-size blocks (block boundaries given by offsets)
+# --------------------------------------------------------------------------------------------------
+
+def varlen_to_token_mask(q_offsets, k_offsets, kv_indices, kv_counts, n_q, n_k, kv_valid=None):
+    """Token-level boolean mask ``(B, H, n_q, n_k)`` of a variable-size block plan (small sizes).
+
+    Query block ``m`` of (batch, head) ``(b, h)`` is the rows ``[q_offsets[b, h, m],
+    q_offsets[b, h, m + 1])``, key block ``j`` the keys ``[k_offsets[b, h, j], k_offsets[b, h, j + 1])``
+    (leading dims of size 1 broadcast). Query ``i`` of block ``m`` attends key ``t`` iff ``t`` lies
+    in one of the key blocks ``kv_indices[b, h, m, :kv_counts[b, h, m]]`` and ``kv_valid[b, t]``
+    (when given). ``B`` / ``H`` are the broadcast leading dims of all the arguments. Written as
+    plain loops over blocks: the independent statement the kernels are tested against.
+    """
+    tensors = [q_offsets, k_offsets, kv_indices, kv_counts]
+    batch = max(int(t.shape[0]) for t in tensors + ([kv_valid] if kv_valid is not None else []))
+    heads = max(int(t.shape[1]) for t in tensors)
+    qo, ko, idx, cnt = (t.cpu().long() for t in tensors)
+    mask = torch.zeros(batch, heads, n_q, n_k, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            qo_bh = qo[b % qo.shape[0], h % qo.shape[1]].tolist()
+            ko_bh = ko[b % ko.shape[0], h % ko.shape[1]].tolist()
+            idx_bh = idx[b % idx.shape[0], h % idx.shape[1]].tolist()
+            cnt_bh = cnt[b % cnt.shape[0], h % cnt.shape[1]].tolist()
+            for m in range(len(qo_bh) - 1):
+                for j in idx_bh[m][:cnt_bh[m]]:
+                    mask[b, h, qo_bh[m]:qo_bh[m + 1], ko_bh[j]:ko_bh[j + 1]] = True
+    if kv_valid is not None:
+        mask &= kv_valid.cpu().to(torch.bool)[:, None, None, :]
+    return mask
+
+
+def varlen_reference(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale=None, kv_valid=None):
+    """``(out, lse)`` in float64 of attention under a variable-size block plan: ``dense_reference``
+    under ``varlen_to_token_mask`` (rows with no attended key: out 0, lse -inf)."""
+    mask = varlen_to_token_mask(q_offsets, k_offsets, kv_indices, kv_counts, q.shape[2], k.shape[2], kv_valid)
+    return dense_reference(q.cpu(), k.cpu(), v.cpu(), mask, scale)
+
+
+def _offset_problems(name, offsets, total, flags):
+    """Messages for the offsets rules whose ``flags`` (first, last, monotone) are set."""
+    problems = []
+    first, last, falling = flags
+    if first:
+        where = (offsets[..., 0] != 0).nonzero()[0].tolist() + [0]
+        problems.append(f"{_at(name, where)} = {int(offsets[tuple(where)])}: the first offset must be 0")
+    if last:
+        end = offsets.shape[-1] - 1
+        where = (offsets[..., -1] != total).nonzero()[0].tolist() + [end]
+        problems.append(f"{_at(name, where)} = {int(offsets[tuple(where)])}: the last offset must be "
+                        f"{total} (the number of {'queries' if name == 'q_offsets' else 'keys'})")
+    if falling:
+        drop = offsets[..., 1:] < offsets[..., :-1]
+        where = drop.nonzero()[0].tolist()
+        before = where[:2] + [where[2]]
+        where[2] += 1
+        problems.append(f"{_at(name, where)} = {int(offsets[tuple(where)])} is below {_at(name, before)} = "
+                        f"{int(offsets[tuple(before)])}: offsets must be non-decreasing "
+                        f"({int(drop.sum())} decreasing steps)")
+    return problems
+
+
+def validate_varlen_plan(q_offsets, k_offsets, kv_indices, kv_counts, n_q, n_k):
+    """Check a variable-size block plan; return a list of problems (empty when it is valid).
+
+    The rules of ``block_sparse_attention_varlen``: ``q_offsets`` ``(B|1, H|1, Mq + 1)`` and
+    ``k_offsets`` ``(B|1, H|1, Mk + 1)`` are int32 / int64, start at 0, end at ``n_q`` / ``n_k``
+    and never decrease (empty blocks are fine); ``kv_indices`` / ``kv_counts`` follow
+    ``validate_plan`` with ``Mq`` query blocks and ``Mk`` key blocks. Vectorised: one host sync for
+    the offsets, then ``validate_plan``'s two.
+    """
+    problems = []
+    for name, t in (("q_offsets", q_offsets), ("k_offsets", k_offsets)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+            problems.append(f"{name} must be an int32 or int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        elif t.dim() != 3 or t.shape[-1] < 1:
+            problems.append(f"{name} must have shape (B|1, H|1, blocks + 1), got {tuple(t.shape)}")
+    if problems:
+        return problems
+    n_q_blocks, n_k_blocks = q_offsets.shape[-1] - 1, k_offsets.shape[-1] - 1
+    flags = []
+    for t, total in ((q_offsets, n_q), (k_offsets, n_k)):
+        flags += [(t[..., 0] != 0).any(), (t[..., -1] != total).any(), (t[..., 1:] < t[..., :-1]).any()]
+    flags = torch.stack(flags).tolist()
+    problems += _offset_problems("q_offsets", q_offsets, n_q, flags[:3])
+    problems += _offset_problems("k_offsets", k_offsets, n_k, flags[3:])
+    problems += validate_plan(kv_indices, kv_counts, n_k_blocks, n_q_blocks)
+    return problems
