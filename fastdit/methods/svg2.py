@@ -1,0 +1,382 @@
+"""Sparse VideoGen 2 ("svg2"): semantic-aware permutation by k-means clusters of queries and keys.
+
+After "Sparse VideoGen2: Accelerate Video Generation with Sparse Attention via Semantic-Aware
+Permutation" (Yang, Xi et al., 2025). Per call, batch element ``b`` and head ``h`` (all ``B*H`` at
+once, on the device, no host synchronisation):
+
+1. Clustering: the video queries are clustered into ``Cq = q_clusters`` and the video keys into
+   ``Ck = k_clusters`` clusters by batched L2 k-means (``fastdit.methods.kmeans``; SVG2 uses plain
+   Euclidean k-means as well). Cold start: the centroids are the tokens at ``Cq`` (``Ck``) evenly
+   spaced positions of the video in model order (spread over frames and the frame; deterministic),
+   then ``init_iters`` iterations. Warm start (``warm_start=True``, as the paper): the centroids of
+   the previous call of the same layer and CFG branch (kept in ``ctx.state``, which fastdit resets
+   at every pipeline call) are reused, with ``kmeans_iters`` iterations, while the layout, batch,
+   heads, head dimension, cluster counts and device are unchanged; anything else is a cold start.
+   Without warm start every call is a cold start. Masked keys (``ctx.key_mask``) are placed but
+   move no centroid and count in no size; so are query rows that ``ctx.query_mask`` drops.
+2. Permutation: queries are sorted by query cluster, keys (and values) by key cluster (a stable
+   sort: model order inside a cluster), so every cluster is a contiguous variable-size block; the
+   text / conditioning tokens follow in one query block and one key block of their own.
+3. Scoring: with centroids ``cq_m``, ``ck_j`` and ``n_j`` valid keys in key cluster ``j``,
+
+       p[m, j] = n_j exp(scale cq_m . ck_j) / sum_j' n_j' exp(scale cq_m . ck_j')
+
+   (the softmax of centroid scores, each key cluster counted ``n_j`` times; empty key clusters get
+   0). This predicts the attention mass query cluster ``m`` puts on key cluster ``j``.
+4. Selection: per query cluster, the key clusters in descending ``p``, keeping the fewest whose
+   cumulative ``p`` reaches ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
+   least 1); ``top_p = 1`` keeps every key cluster (dense attention, exactly). Every video query
+   cluster also keeps the text key block; the text query block keeps every key block: text rows
+   and columns stay dense.
+5. Attention on the kept (query cluster, key cluster) pairs: one call of the variable-size engine
+   ``fastdit.kernels.block_sparse_attention_varlen`` for all heads (heads folded into the batch,
+   since every head has its own two permutations and key validity), then un-permutation.
+
+Cluster counts are clamped per call to the number of video tokens (the video length is known only
+at call time, as svg's ``n_samples``); counts < 1 are refused when the method is configured.
+
+Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2 uses 100 / 100 on Wan 720p and
+400 / 1000 on HunyuanVideo 720p), ``top_p = 0.9``, ``kmeans_iters = 2`` (SVG2's
+``kmeans_iter_step``), ``init_iters = 20`` (SVG2: 50), ``dense_steps = 0.25``, ``dense_layers = 1``.
+
+Corrections: ``correction="cached"`` works (its complement plan keeps the offsets and lists the
+key clusters not kept); ``"pooled"`` pools fixed key blocks in one token order and
+``skip_threshold`` is a rule of the fixed-block engine: both are refused when configured.
+
+Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
+token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
+and scoring are overhead in the timings (``eval/bench_methods.py`` reports them separately).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fastdit.kernels import block_sparse_attention_varlen, validate_varlen_plan
+from fastdit.plan import BlockPlan
+
+from .base import option, register_method
+from .block_sparse import BlockSparseConfig, BlockSparseMethod
+from .kmeans import kmeans, spread_init
+
+#: ``ctx.state`` key of the warm-start centroids.
+STATE_KEY = "svg2_centroids"
+
+
+def _int_at_least_one(config, name):
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}"
+                         + (" (counts above the number of video tokens are clamped per call)"
+                            if name.endswith("_clusters") else ""))
+
+
+@dataclass
+class SVG2Config(BlockSparseConfig):
+    """Options of svg2 (see the module docstring).
+
+    Attributes:
+        q_clusters: query clusters per (batch, head), >= 1 (clamped to the video tokens per call).
+        k_clusters: key clusters per (batch, head), >= 1 (clamped likewise).
+        top_p: per query cluster, keep the fewest key clusters whose predicted mass reaches this;
+            in (0, 1] (1: dense).
+        kmeans_iters: k-means iterations of a warm-started call (>= 1).
+        init_iters: k-means iterations of a cold start (>= 1).
+        warm_start: start from the previous call's centroids while the layout is unchanged.
+        dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 1.
+        correction: ``"none"`` or ``"cached"`` (``"pooled"`` is refused); ``skip_threshold`` must
+            stay None (the variable-size engine has no skip rule).
+    """
+
+    q_clusters: int = option(100, "query clusters per head (k-means), clamped to the video tokens", range=(1, None),
+                             widget="number")
+    k_clusters: int = option(500, "key clusters per head (k-means), clamped to the video tokens", range=(1, None),
+                             widget="number")
+    top_p: float = option(0.9, "per query cluster, keep the fewest key clusters whose predicted mass reaches this",
+                          range=(0.0, 1.0), widget="slider")
+    kmeans_iters: int = option(2, "k-means iterations of a warm-started call", range=(1, None), widget="number")
+    init_iters: int = option(20, "k-means iterations of a cold start (first call, or a changed layout)",
+                             range=(1, None), widget="number")
+    warm_start: bool = option(True, "start k-means from the previous call's centroids while the layout is unchanged",
+                              widget="checkbox")
+
+    def validate(self):
+        super().validate()
+        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters"):
+            _int_at_least_one(self, name)
+        value = self.top_p
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 < value <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1] (predicted attention mass kept per query cluster), "
+                             f"got {value!r}")
+        self.top_p = float(value)
+        if not isinstance(self.warm_start, bool):
+            raise ValueError(f"warm_start must be True or False, got {self.warm_start!r}")
+        if self.correction == "pooled":
+            raise ValueError("correction='pooled' needs fixed key blocks in one token order; svg2 permutes every head "
+                             "by its own clusters: use correction='none' or 'cached'")
+        if self.skip_threshold is not None:
+            raise ValueError("skip_threshold is not supported by svg2 (its variable-size cluster blocks run on an "
+                             "engine without the skip rule): leave it None")
+
+
+# -- scoring and selection ----------------------------------------------------------------------
+
+def cluster_scores(q_centroids, k_centroids, k_sizes, scale):
+    """``p[m, j]`` of the module docstring: float32 ``(G, Cq, Ck)``, rows summing to 1 (0 when no
+    key cluster has a valid key)."""
+    logits = torch.bmm(q_centroids.float(), k_centroids.float().transpose(1, 2)).mul_(scale)
+    sizes = k_sizes.float()[:, None, :]
+    logits = logits + torch.where(sizes > 0, sizes.clamp(min=1.0).log(), torch.full_like(sizes, float("-inf")))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
+def select_clusters(probs, top_p):
+    """``(order, counts)``: key clusters of each query cluster in descending ``p`` (long
+    ``(G, Cq, Ck)``) and how many of them are kept (long ``(G, Cq)``, >= 1)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    clusters = probs.shape[-1]
+    if top_p >= 1.0:  # every cluster, whatever the float rounding of the cumulative sum
+        return order, torch.full(probs.shape[:-1], clusters, dtype=torch.long, device=probs.device)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the higher-ranked clusters
+    return order, (before < top_p).sum(-1).clamp(min=1)
+
+
+def block_lists(order, counts, has_text):
+    """int32 ``(kv_indices (G, Mq, Mk), kv_counts (G, Mq))``: each video query cluster's kept key
+    clusters (in descending score), then the text key block ``Ck`` when there is text; the text
+    query block (last row) keeps every key block."""
+    groups, q_clusters, k_clusters = order.shape
+    if not has_text:
+        return order.to(torch.int32), counts.to(torch.int32)
+    device = order.device
+    width = k_clusters + 1
+    slot = torch.arange(width, device=device).expand(groups, q_clusters, width)
+    count = counts[..., None]
+    source = (slot - (slot > count).long()).clamp(max=k_clusters - 1)  # skip over the text slot
+    video_rows = torch.where(slot == count, torch.full_like(slot, k_clusters), order.gather(-1, source))
+    text_row = torch.arange(width, device=device).expand(groups, 1, width)
+    indices = torch.cat([video_rows, text_row], 1).to(torch.int32)
+    kv_counts = torch.cat([counts + 1, torch.full((groups, 1), width, dtype=torch.long, device=device)], 1)
+    return indices.contiguous(), kv_counts.to(torch.int32)
+
+
+def cluster_permutation(labels, clusters, video, text):
+    """Kernel order of one side: ``(order (G, S), offsets int32 (G, M + 1), blocks (G, S))``:
+    model token at each kernel position (video sorted by cluster, then text), block boundaries,
+    and each model token's block (``clusters`` for text)."""
+    groups, n_video = labels.shape
+    device = labels.device
+    sort = torch.argsort(labels, dim=1, stable=True)
+    sizes = torch.zeros(groups, clusters, dtype=torch.long, device=device).scatter_add_(
+        1, labels, torch.ones_like(labels))
+    parts = [torch.zeros(groups, 1, dtype=torch.long, device=device), sizes.cumsum(1)]
+    pieces = [video[sort]]
+    seq = n_video + text.numel()
+    if text.numel():
+        parts.append(torch.full((groups, 1), seq, dtype=torch.long, device=device))
+        pieces.append(text.expand(groups, -1))
+    blocks = torch.full((groups, seq), clusters, dtype=torch.long, device=device)
+    blocks[:, video] = labels
+    return torch.cat(pieces, 1), torch.cat(parts, 1).to(torch.int32), blocks
+
+
+def inverse_order(order):
+    """Kernel position of every model token, ``(G, S)``."""
+    positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, positions)
+
+
+# -- the per-call plan ----------------------------------------------------------------------------
+
+@dataclass
+class ClusterPlan(BlockPlan):
+    """A ``BlockPlan`` of variable-size blocks, two permutations per (batch, head).
+
+    ``q_order`` / ``k_order`` ``(B, H, S)``: model token at each kernel query / key position;
+    ``q_inverse`` their inverse; ``q_offsets`` ``(B, H, Mq + 1)`` and ``k_offsets`` ``(B, H, Mk + 1)``
+    int32 block boundaries; ``q_blocks`` / ``k_blocks`` ``(B, H, S)`` each model token's block.
+    ``kv_indices`` ``(B, H, Mq, Mk)`` / ``kv_counts`` ``(B, H, Mq)`` index key blocks (not tokens);
+    ``block_m = block_n = 1`` carry no meaning here.
+    """
+
+    q_order: torch.Tensor | None = None
+    q_inverse: torch.Tensor | None = None
+    k_order: torch.Tensor | None = None
+    q_offsets: torch.Tensor | None = None
+    k_offsets: torch.Tensor | None = None
+    q_blocks: torch.Tensor | None = None
+    k_blocks: torch.Tensor | None = None
+
+    @property
+    def num_kv_blocks(self):
+        return self.k_offsets.shape[-1] - 1
+
+    def select_heads(self, offset, count):
+        raise NotImplementedError("a per-call svg2 plan covers exactly the heads of its call")
+
+    def pair_counts(self):
+        """Computed query-key pairs per (batch, head): float64 ``(B, H)`` (text included)."""
+        q_sizes = self.q_offsets.diff(dim=-1).double()
+        k_sizes = self.k_offsets.diff(dim=-1).double()
+        width = self.kv_indices.shape[-1]
+        used = torch.arange(width, device=self.kv_counts.device) < self.kv_counts[..., None]
+        keys = torch.gather(k_sizes[..., None, :].expand(*self.kv_indices.shape[:-1], k_sizes.shape[-1]), -1,
+                            self.kv_indices.long()) * used
+        return (keys.sum(-1) * q_sizes).sum(-1)
+
+    def block_density_tensor(self):
+        """Token-pair density per (batch, head): computed pairs / ``S^2``, float32 ``(B, H)``."""
+        return (self.pair_counts() / float(self.seq_len) ** 2).float()
+
+    def kept_pairs(self):
+        """Bool ``(B, H, Mq, Mk)``: True where the block pair is computed."""
+        mq, mk = self.kv_counts.shape[-1], self.num_kv_blocks
+        used = torch.arange(self.kv_indices.shape[-1], device=self.kv_counts.device) < self.kv_counts[..., None]
+        index = torch.where(used, self.kv_indices.long(), mk)
+        kept = torch.zeros(*self.kv_counts.shape[:2], mq, mk + 1, dtype=torch.bool, device=index.device)
+        return kept.scatter_(-1, index, True)[..., :mk]
+
+    def token_mask(self, head=0, key_mask=None, batch=0):
+        """The ``(S, S)`` mask of one (batch, head), in model token order (small sizes only)."""
+        kept = self.kept_pairs()[batch, head]
+        mask = kept[self.q_blocks[batch, head]][:, self.k_blocks[batch, head]]
+        if key_mask is not None:
+            mask = mask & key_mask[batch].to(torch.bool)[None, :]
+        return mask
+
+    def validate(self):
+        problems = validate_varlen_plan(self.q_offsets, self.k_offsets, self.kv_indices, self.kv_counts,
+                                        self.seq_len, self.seq_len)
+        if problems:
+            raise ValueError(f"invalid svg2 plan {self.name!r}: " + "; ".join(problems))
+        return self
+
+    def run(self, q, k, v, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
+            skip_threshold=None, skip_tile=(64, 64), return_skipped=False):
+        """``fastdit.run_plan`` of this plan (same arguments and results; no skip rule)."""
+        if skip_threshold is not None:
+            raise ValueError("svg2 plans run on the variable-size engine, which has no skip rule: "
+                             "skip_threshold must be None")
+        out, lse = run_cluster_plan(q, k, v, self, key_mask=key_mask, query_mask=query_mask, scale=scale,
+                                    backend=backend)
+        result = (out, lse) if return_lse else (out,)
+        if return_skipped:
+            result = result + (torch.zeros(q.shape[:2], dtype=torch.int32, device=q.device),)
+        return result if len(result) > 1 else out
+
+
+def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto"):
+    """Attention of model-order ``(B, H, S, D)`` tensors under a ``ClusterPlan``: one engine call
+    for all heads; returns ``(out, lse)`` in model order."""
+    batch, heads, seq, dim = q.shape
+    groups = batch * heads
+    base = (torch.arange(groups, device=q.device) * seq).view(batch, heads, 1)
+    # one index_select per tensor over the (B*H*S, D) rows (a per-head gather)
+    q_rows = (plan.q_order + base).reshape(-1)
+    k_rows = (plan.k_order + base).reshape(-1)
+    q_k = q.reshape(groups * seq, dim).index_select(0, q_rows).view(groups, 1, seq, dim)
+    k_k, v_k = (t.reshape(groups * seq, dim).index_select(0, k_rows).view(groups, 1, seq, dim) for t in (k, v))
+    valid = None
+    if key_mask is not None:
+        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, seq)
+        valid = torch.gather(keys, 2, plan.k_order).reshape(groups, seq)
+    mq, width = plan.kv_indices.shape[-2:]
+    out, lse = block_sparse_attention_varlen(
+        q_k, k_k, v_k, plan.q_offsets.reshape(groups, 1, -1), plan.k_offsets.reshape(groups, 1, -1),
+        plan.kv_indices.reshape(groups, 1, mq, width), plan.kv_counts.reshape(groups, 1, mq), scale=scale,
+        kv_valid=valid, return_lse=True, backend=backend, validate=False)  # valid by construction (tests check)
+    back = (plan.q_inverse + base).reshape(-1)
+    out = out.reshape(groups * seq, dim).index_select(0, back).view(batch, heads, seq, dim)
+    lse = lse.reshape(-1).index_select(0, back).view(batch, heads, seq)
+    if query_mask is not None:
+        out = out * query_mask.to(device=out.device, dtype=out.dtype)[:, None, :, None]
+        lse = lse.masked_fill(~query_mask.to(device=lse.device, dtype=torch.bool)[:, None, :], float("-inf"))
+    return out, lse
+
+
+# -- the method ---------------------------------------------------------------------------------
+
+@dataclass
+class Clusters:
+    """One call's clustering: labels long ``(G, Nv)``, centroids ``(G, C, D)``, valid key sizes."""
+
+    q_labels: torch.Tensor
+    k_labels: torch.Tensor
+    q_centroids: torch.Tensor
+    k_centroids: torch.Tensor
+    k_sizes: torch.Tensor
+    warm: bool
+    iters: int
+
+
+@register_method
+class SparseVideoGen2(BlockSparseMethod):
+    name = "svg2"
+    config_cls = SVG2Config
+    default_options = {"dense_steps": 0.25, "dense_layers": 1}
+    #: The embedded tiny model (8 x 32 x 48 = 12288 video tokens) has random weights, so its
+    #: attention is nearly uniform and ``p`` follows the key clusters' sizes: ``top_p`` is then
+    #: about the kept fraction of keys. Clusters of a few hundred tokens suit the CPU engine.
+    tiny_options = {"q_clusters": 24, "k_clusters": 48, "top_p": 0.15}
+
+    def cluster(self, ctx, q, k):
+        """k-means of the video queries and keys of every (batch, head), warm-started from
+        ``ctx.state`` when allowed (see the module docstring); stores the new centroids there."""
+        config, layout = self.config, ctx.layout
+        batch, heads, _, dim = q.shape
+        video = layout.video_positions(q.device)
+        n_video = video.numel()
+        cq, ck = min(config.q_clusters, n_video), min(config.k_clusters, n_video)
+        xq = q.index_select(2, video).reshape(batch * heads, n_video, dim)
+        xk = k.index_select(2, video).reshape(batch * heads, n_video, dim)
+
+        def validity(mask):
+            if mask is None:
+                return None
+            return mask.to(device=q.device, dtype=torch.bool)[:, video][:, None, :].expand(
+                batch, heads, n_video).reshape(batch * heads, n_video)
+
+        key = (layout, batch, heads, dim, cq, ck, str(q.device))
+        stored = ctx.state.get(STATE_KEY) if config.warm_start else None
+        warm = stored is not None and stored["key"] == key
+        if warm:
+            init_q, init_k, iters = stored["q"], stored["k"], config.kmeans_iters
+        else:
+            init_q, init_k, iters = spread_init(xq, cq), spread_init(xk, ck), config.init_iters
+        q_centroids, q_labels, _ = kmeans(xq, init_q, iters, validity(ctx.query_mask))
+        k_centroids, k_labels, k_sizes = kmeans(xk, init_k, iters, validity(ctx.key_mask))
+        if config.warm_start:
+            ctx.state[STATE_KEY] = {"key": key, "q": q_centroids, "k": k_centroids}
+        return Clusters(q_labels, k_labels, q_centroids, k_centroids, k_sizes, warm, iters)
+
+    def plan_from_clusters(self, ctx, clusters, q):
+        """Scoring, selection and the ``ClusterPlan`` of this call from its clustering."""
+        layout = ctx.layout
+        batch, heads, seq, dim = q.shape
+        scale = 1.0 / math.sqrt(dim) if ctx.scale is None else ctx.scale
+        probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
+        order, counts = select_clusters(probs, self.config.top_p)
+        has_text = layout.text_len > 0
+        kv_indices, kv_counts = block_lists(order, counts, has_text)
+        video, text = layout.video_positions(q.device), layout.text_positions(q.device)
+        cq, ck = probs.shape[1:]
+        q_order, q_offsets, q_blocks = cluster_permutation(clusters.q_labels, cq, video, text)
+        k_order, k_offsets, k_blocks = cluster_permutation(clusters.k_labels, ck, video, text)
+
+        def per_head(t):
+            return t.view(batch, heads, *t.shape[1:])
+
+        return ClusterPlan(
+            kv_indices=per_head(kv_indices), kv_counts=per_head(kv_counts), block_m=1, block_n=1, seq_len=seq,
+            name=f"svg2_q{cq}_k{ck}_p{self.config.top_p:g}", dynamic=True,
+            info={"q_clusters": cq, "k_clusters": ck, "warm": clusters.warm, "iters": clusters.iters,
+                  "scores": per_head(probs)},
+            q_order=per_head(q_order), q_inverse=per_head(inverse_order(q_order)), k_order=per_head(k_order),
+            q_offsets=per_head(q_offsets), k_offsets=per_head(k_offsets), q_blocks=per_head(q_blocks),
+            k_blocks=per_head(k_blocks))
+
+    def select(self, ctx, q, k):
+        """The ``ClusterPlan`` of this call: clustering, then scoring and selection."""
+        return self.plan_from_clusters(ctx, self.cluster(ctx, q, k), q)
