@@ -22,8 +22,10 @@ Choice: the relative error of a candidate is ``sqrt(sum err^2 / sum ref^2)`` ove
 batch and CFG branches of a prompt, and its worst value over the prompts counts. ``sta`` takes per
 (bucket, layer, head) the candidate of least density (computed query-key pairs / dense pairs of the
 call) whose error is within ``budget``; ``dense`` is always a candidate (error 0), so a head that
-cannot meet the budget stays dense. Methods without per-layer options take the sparsest single
-setting that meets the budget everywhere.
+cannot meet the budget stays dense. The other methods' options hold for every head of a call, so
+they are chosen per (bucket, layer): the least dense candidate (mean over heads) whose error is
+within ``budget`` in every head, else dense (a null setting); the plan's ``settings`` become the
+method's ``layer_settings`` option when applied.
 
 Progress bars per prompt and per layer; finished prompts are kept in ``OUT.partial.json`` so an
 interrupted run resumes without redoing them.
@@ -291,11 +293,11 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
 
     Args:
         pipe: a diffusers DiT pipeline (fastdit must support its family).
-        method: a method name; ``sta`` is chosen per (step bucket, layer, head), other methods get
-            the sparsest single setting that meets the budget in every layer.
+        method: a method name; ``sta`` is chosen per (step bucket, layer, head), other methods per
+            (step bucket, layer) (dense where no candidate meets the budget).
         prompts: the calibration prompts (a list of strings, at least one).
-        budget: the largest relative L2 error ``||out - dense|| / ||dense||`` allowed per head (sta)
-            or per layer, on the sampled query rows, worst over the prompts (a number > 0).
+        budget: the largest relative L2 error ``||out - dense|| / ||dense||`` allowed per head,
+            on the sampled query rows, worst over the prompts (a number > 0).
         steps: step buckets: None (one for all steps), an int (that many equal buckets of the run's
             steps) or a list of first steps of the buckets.
         candidates: option dicts to try (``sta``: window triples also), or None for the method's
@@ -392,15 +394,12 @@ def _build_plan(name, base_options, state, results, budget, prompts, facts, step
         plan["options"] = {**options, "tile": state["tile"], "fit_tile": False, "dense_steps": 0, "dense_layers": 0}
         plan["strategy"] = {key: (list(candidates[c]["window"]) if c is not None else [0, 0, 0])
                             for key, c in sorted(choice.items(), key=lambda kv: tuple(map(int, kv[0].split("_"))))}
-    else:
-        best = choice["all"]
-        if best is None:
-            raise ValueError(f"no candidate of {name!r} meets budget {budget} in every layer; raise the budget or give "
-                             f"other candidates (per-layer choices apply to sta only)")
+    else:  # per (bucket, layer): the sparsest candidate within budget, null (dense) where none is
         plan["options"] = {**{k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()},
                            "dense_steps": 0, "dense_layers": 0}
-        setting = {k: list(v) if isinstance(v, tuple) else v for k, v in candidates[best].items()}
-        plan["settings"] = {key: setting for key in keys}
+        plan["settings"] = {key: None if choice[key] is None else
+                            {k: list(v) if isinstance(v, tuple) else v for k, v in candidates[choice[key]].items()}
+                            for key in keys}
     plan["measured"] = {
         "layers": [{"bucket": int(k.split("_")[0]), "layer": int(k.split("_")[1]), **measured[k]} for k in keys],
         "error": max(m["error"] for m in measured.values()),

@@ -8,7 +8,8 @@ registered when this module is imported get defaults, and only options their con
 
 ``select_plan`` turns the measured errors into choices: per (step bucket, layer, head) for ``sta``
 (the least dense candidate whose worst relative error over the prompts is within the budget;
-none - dense - when no candidate is), or one setting for all layers for other methods.
+none - dense - when no candidate is), per (step bucket, layer) for the other methods (their options
+hold for all heads of a call; applied through the ``layer_settings`` option every method has).
 """
 from __future__ import annotations
 
@@ -94,9 +95,12 @@ def _errors(prompt_results, key):
 
 
 def select_plan(prompt_results, candidates, budget, per_head=True):
-    """Choose per (bucket, layer, head) (``per_head``) or one setting overall: the least dense
-    candidate with error within ``budget``; None (dense) when none is. Returns
-    ``(choice, measured)``: ``choice["b_l_h"]`` (or ``["all"]``) a candidate index or None."""
+    """Choose per (bucket, layer, head) (``per_head``, sta's windows) or per (bucket, layer) (the
+    other methods, whose options hold for every head of a call): the least dense candidate whose
+    worst relative error over the prompts (and, per layer, over the heads) is within ``budget``;
+    None (dense) when none is. Ties in density go to the smaller error. Returns
+    ``(choice, measured)``: ``choice["b_l_h"]`` (or ``["b_l"]``) a candidate index or None, and
+    per ``"b_l"`` the chosen error and density per head."""
     keys = sorted({k for result in prompt_results for k in result}, key=lambda k: tuple(map(int, k.split("_"))))
     choice, measured = {}, {}
     table = {key: _errors(prompt_results, key) for key in keys}
@@ -107,13 +111,13 @@ def select_plan(prompt_results, candidates, budget, per_head=True):
                 best = min(ok, key=lambda c: (float(density[head, c]), float(errors[head, c])), default=None)
                 choice[f"{key}_{head}"] = best
     else:
-        ok = [c for c in range(len(candidates))
-              if all(bool((errors[:, c] <= budget).all()) for errors, _ in table.values())]
-        mean_density = {c: sum(float(d[:, c].mean()) for _, d in table.values()) / max(len(table), 1) for c in ok}
-        best = min(ok, key=lambda c: mean_density[c], default=None)
-        choice["all"] = best
+        # one setting per (bucket, layer): the options of these methods apply to all heads of a call
+        for key, (errors, density) in table.items():
+            ok = [c for c in range(errors.shape[1]) if bool((errors[:, c] <= budget).all())
+                  and float(density[:, c].mean()) < 1.0]
+            choice[key] = min(ok, key=lambda c: (float(density[:, c].mean()), float(errors[:, c].max())), default=None)
     for key, (errors, density) in table.items():
-        chosen = [choice.get(f"{key}_{h}", choice.get("all")) for h in range(errors.shape[0])]
+        chosen = [choice[f"{key}_{h}"] if per_head else choice[key] for h in range(errors.shape[0])]
         head_errors = [0.0 if c is None else float(errors[h, c]) for h, c in enumerate(chosen)]
         head_density = [1.0 if c is None else float(density[h, c]) for h, c in enumerate(chosen)]
         measured[key] = {"error": max(head_errors), "density": sum(head_density) / len(head_density),

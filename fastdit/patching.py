@@ -462,8 +462,9 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     for _, transformer in transformers:
         check_parallelism(transformer)
     config = method_cls.resolve(config, adapter)
-    method_cls.check_family(adapter, config)
     method_obj = method_cls(config)
+    for variant in method_obj.variants():  # per-layer settings (layer_settings) are checked like the base
+        method_cls.check_family(adapter, variant.config)
     modules_per_transformer = []
     for _, transformer in transformers:
         modules = adapter.attention_modules(transformer)
@@ -471,8 +472,14 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             raise ValueError(f"{type(transformer).__name__}: found no attention module matching "
                              f"{adapter.attention_pattern!r} for family {adapter.family!r}")
         for heads in sorted({getattr(m, "heads", None) for _, m in modules} - {None}):
-            method_obj.check_heads(heads)
+            for variant in method_obj.variants():
+                variant.check_heads(heads)
         modules_per_transformer.append(modules)
+    n_layers = sum(len(modules) for modules in modules_per_transformer)
+    outside = [key for key in getattr(config, "layer_settings", None) or {} if int(key.split("_")[1]) >= n_layers]
+    if outside:
+        raise ValueError(f"layer_settings entry {outside[0]!r} names layer {outside[0].split('_')[1]} but the model has "
+                         f"{n_layers} patched attention layers (0 to {n_layers - 1})")
     result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
     try:
         result._install(modules_per_transformer)

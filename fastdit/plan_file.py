@@ -12,7 +12,9 @@ mask strategies as them. A plan (``"format": "fastdit-plan"``, ``"version": 1``)
 * ``step_buckets``: the first step of each bucket (step ``i`` uses the bucket with the largest
   start ``<= i``; later steps than the last start use the last bucket);
 * ``strategy`` (``sta``): ``"s_l_h" -> [wt, wh, ww]`` per (bucket start, layer, head), 0 = the
-  whole axis; or ``settings`` (other methods): ``"s_l" -> {options}`` per (bucket start, layer);
+  whole axis; or ``settings`` (other methods): ``"s_l" -> {options}`` per (bucket start, layer),
+  null for a (bucket, layer) that runs dense; applied as the method's ``layer_settings`` option
+  (``fastdit/methods/base.py``);
 * ``budget``, ``prompts``, ``measured`` (error and density per layer), ``candidates``.
 
 ``plan_options(plan, method, family=..., transformer=..., layers=..., heads=..., grids=...)``
@@ -124,24 +126,28 @@ def check_plan(plan, source=""):
             raise PlanError(f"{where}: entry 'settings' must be a non-empty object {{'step_layer': {{options}}}}")
         for key, value in settings.items():
             parts = key.split("_") if isinstance(key, str) else []
-            if len(parts) != 2 or not all(p.isdigit() for p in parts) or not isinstance(value, dict):
+            if len(parts) != 2 or not all(p.isdigit() for p in parts) or not (value is None or isinstance(value, dict)):
                 raise PlanError(f"{where}: settings entry {key!r}: keys are 'step_layer' (two ints) and values "
-                                f"objects of options")
+                                f"objects of options, or null (dense)")
             if int(parts[0]) not in buckets or int(parts[1]) >= model["layers"]:
                 raise PlanError(f"{where}: settings entry {key!r} is outside the plan's step buckets or layers")
     try:
         method_cls.make_config(**_decoded(options, plan))
     except (ValueError, TypeError) as error:
-        raise PlanError(f"{where}: entry 'options': {error}") from None
+        entry = "'settings'" if "layer_settings entry" in str(error) else "'options'"
+        raise PlanError(f"{where}: entry {entry}: {error}") from None
     return plan
 
 
 def _decoded(options, plan):
-    """Plan options (JSON lists) as method options: triples as tuples, plus the per-head strategy."""
+    """Plan options (JSON lists) as method options: triples as tuples, plus the per-head strategy
+    (sta) or the per-(bucket, layer) ``layer_settings`` (other methods)."""
     decoded = {k: tuple(v) if isinstance(v, list) and all(isinstance(x, int) for x in v) else v
                for k, v in options.items()}
     if plan.get("method") == "sta" and plan.get("strategy"):
         decoded["strategy"] = {k: tuple(v) for k, v in plan["strategy"].items()}
+    elif plan.get("method") != "sta" and plan.get("settings"):
+        decoded["layer_settings"] = {k: None if v is None else _decoded(v, {}) for k, v in plan["settings"].items()}
     return decoded
 
 
@@ -196,12 +202,6 @@ def plan_options(plan, method, *, family=None, transformer=None, layers=None, he
     if reason is not None:
         raise PlanError(f"{where} cannot be applied to grid {tuple(grids[0]) if len(grids) == 1 else grids}: {reason}")
     options = _decoded(plan.get("options", {}), plan)
-    if method_name != "sta":
-        distinct = {json.dumps(v, sort_keys=True) for v in plan["settings"].values()}
-        if len(distinct) > 1:
-            raise PlanError(f"{where}: method {method_name!r} takes one setting for all layers and steps, but the "
-                            f"plan chose {len(distinct)} different ones (per-layer plans apply to sta)")
-        options.update(_decoded(next(iter(plan["settings"].values())), {}))
     get_method(method_name).make_config(**options)  # a plan whose options no longer validate fails here
     return options
 

@@ -112,13 +112,15 @@ def test_truncated_and_missing_files(tmp_path):
         load_plan(tmp_path / "missing.json")
 
 
-def test_other_methods_take_one_setting():
-    plan = make_plan(method="radial", options={"dense_steps": 0}, settings={"0_0": {"decay": 0.5}, "0_1": {"decay": 0.5}})
+def test_other_methods_take_settings_per_layer():
+    plan = make_plan(method="radial", options={"dense_steps": 0}, settings={"0_0": {"decay": 0.5}, "0_1": {"decay": 0.8}})
     del plan["strategy"]
     plan["step_buckets"] = [0]
-    assert plan_options(plan, "radial")["decay"] == 0.5
-    plan["settings"]["0_1"] = {"decay": 0.8}
-    with pytest.raises(PlanError, match="one setting for all layers"):
+    assert plan_options(plan, "radial")["layer_settings"] == {"0_0": {"decay": 0.5}, "0_1": {"decay": 0.8}}
+    plan["settings"]["0_1"] = None  # dense
+    assert plan_options(plan, "radial")["layer_settings"]["0_1"] is None
+    plan["settings"]["0_1"] = {"decay": -1.0}
+    with pytest.raises(PlanError, match="entry 'settings': layer_settings entry '0_1': decay"):
         plan_options(plan, "radial")
     with pytest.raises(PlanError, match="cannot be applied to grid"):
         plan_options(dict(plan, settings={"0_0": {"decay": 0.5}}), "radial", grids=[(1, 2, 3)])

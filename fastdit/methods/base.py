@@ -24,14 +24,18 @@ adapters' ``method_defaults`` (``fastdit/pipelines/adapters.py``).
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import json
 import threading
 from dataclasses import dataclass, field
 
 from fastdit.plan import run_plan
 
 _REGISTRY = {}
+#: ``ctx.state`` key of the ``layer_settings`` entry a layer last ran with.
+_SETTING_KEY = "fastdit.layer_setting"
 
 
 def option(default, help, *, range=None, choices=None, widget=None, **kwargs):
@@ -71,6 +75,11 @@ class MethodConfig:
             ``i < dense_steps * num_steps``). None: the method's default for the model family.
         dense_layers: the first N patched layers of each transformer always run dense. None: the
             family default.
+        layer_settings: per (step bucket, layer) options, ``{"s_l": {option: value}}`` (``s`` the
+            first step of the bucket, ``l`` the patched layer in model order), or ``{"s_l": None}``
+            for a (bucket, layer) that runs dense. Step ``i`` uses the bucket with the largest start
+            ``<= i``; earlier steps and layers the dict does not name use the other options. What
+            ``fastdit.calibrate`` writes for methods other than ``sta`` (see ``Method.layer_method``).
     """
 
     dense_steps: int | float | None = option(
@@ -78,6 +87,10 @@ class MethodConfig:
         range=(0, None), widget="number")
     dense_layers: int | None = option(None, "the first N patched layers of each transformer always run dense",
                                       range=(0, None), widget="number")
+    layer_settings: dict | None = option(
+        None, "per (step bucket, layer) options: {'s_l': {option: value}} or {'s_l': None} (dense); step i uses "
+        "the bucket with the largest start <= i; unnamed layers and earlier steps use the other options",
+        widget="text")
 
     def validate(self):
         steps = self.dense_steps
@@ -92,6 +105,57 @@ class MethodConfig:
             isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0
         ):
             raise ValueError(f"dense_layers must be an int >= 0, got {self.dense_layers!r}")
+        if self.layer_settings is not None:
+            self.layer_settings = normalize_layer_settings(self)
+
+
+#: Options a ``layer_settings`` entry may not set: they are read once per call before the layer's
+#: setting is looked up (``dense_steps``, ``dense_layers``), or they are the per-layer table itself.
+#: A (bucket, layer) that should run dense is written as ``None``.
+NOT_PER_LAYER = ("dense_steps", "dense_layers", "layer_settings")
+
+
+def _parse_layer_key(key):
+    parts = key.split("_") if isinstance(key, str) else []
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"layer_settings entry {key!r}: keys are 'step_layer' (two ints >= 0, e.g. '10_3': the "
+                         f"first step of a bucket and a patched layer)")
+    return int(parts[0]), int(parts[1])
+
+
+def normalize_layer_settings(config):
+    """``config.layer_settings`` checked and in canonical form (sorted by (step, layer), each entry
+    validated as ``config`` with its options applied); ValueError names the entry."""
+    settings = config.layer_settings
+    if not isinstance(settings, dict):
+        raise ValueError(f"layer_settings must be a dict {{'step_layer': {{option: value}} or None}}, got "
+                         f"{type(settings).__name__}")
+    names = [f.name for f in dataclasses.fields(config)]
+    checked = {}
+    for key, value in settings.items():
+        step_layer = _parse_layer_key(key)
+        if step_layer in checked:
+            raise ValueError(f"layer_settings entry {key!r}: (step, layer) {step_layer} is given twice")
+        if value is not None:
+            if not isinstance(value, dict):
+                raise ValueError(f"layer_settings entry {key!r}: a setting is a dict of options or None (dense), "
+                                 f"got {value!r}")
+            unknown = sorted(set(value) - set(names))
+            if unknown:
+                raise ValueError(f"layer_settings entry {key!r}: unknown option(s) {unknown}; valid options: "
+                                 f"{[n for n in names if n not in NOT_PER_LAYER]}")
+            fixed = sorted(set(value) & set(NOT_PER_LAYER))
+            if fixed:
+                raise ValueError(f"layer_settings entry {key!r}: option(s) {fixed} cannot be set per layer (they "
+                                 f"apply to the whole patch); write None for a (bucket, layer) that runs dense")
+            try:
+                overridden = dataclasses.replace(config, layer_settings=None, **value)
+                overridden.validate()
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"layer_settings entry {key!r}: {error}") from None
+            value = {name: getattr(overridden, name) for name in value}  # canonical form (e.g. tuples)
+        checked[step_layer] = value
+    return {f"{s}_{layer}": checked[s, layer] for s, layer in sorted(checked)}
 
 
 class Method:
@@ -118,6 +182,7 @@ class Method:
         self._cache = collections.OrderedDict()
         self._lock = threading.Lock()
         self.plans_built = 0
+        self._build_layer_methods()
 
     # -- configuration (class level: usable before an instance exists) ------------------------
     @classmethod
@@ -216,12 +281,57 @@ class Method:
         """Dense layers and dense steps run the model's own attention."""
         return ctx.local_layer < self.config.dense_layers or ctx.call.is_dense_step(self.config.dense_steps)
 
+    # -- per (step bucket, layer) settings -------------------------------------------------------
+    def _build_layer_methods(self):
+        """One instance of this class per distinct ``layer_settings`` value (built here, once: an
+        instance holds only its config and plan cache, so calls need no lock)."""
+        settings = getattr(self.config, "layer_settings", None) or {}
+        self._layer_table, self._layer_starts, self._layer_variants = {}, [], []
+        index = {}
+        for key, value in settings.items():
+            step, layer = map(int, key.split("_"))
+            text = json.dumps(value, sort_keys=True, default=repr)
+            if text not in index:
+                index[text] = len(self._layer_variants)
+                config = None if value is None else dataclasses.replace(self.config, layer_settings=None, **value)
+                self._layer_variants.append(None if value is None else type(self)(type(self).make_config(config)))
+            self._layer_table[step, layer] = index[text]
+        self._layer_starts = sorted({step for step, _ in self._layer_table})
+
+    def layer_method(self, step, layer):
+        """``(key, method)`` that runs ``layer`` at ``step`` under ``layer_settings``: the instance with
+        the (bucket, layer)'s options, None for a dense entry, or ``self`` (key None) where the
+        settings name nothing (no settings, an unnamed layer, or a step before the first bucket)."""
+        position = bisect.bisect_right(self._layer_starts, step) - 1
+        variant = self._layer_table.get((self._layer_starts[position], layer)) if position >= 0 else None
+        if variant is None:
+            return None, self
+        return variant, self._layer_variants[variant]
+
+    def variants(self):
+        """This method and its per-layer instances (each checked against the model at patch time)."""
+        return [self] + [m for m in self._layer_variants if m is not None]
+
     def __call__(self, ctx, q, k, v):
-        """One attention call: a dense layer / step, or the method."""
+        """One attention call: a dense layer / step, or the method (with the options that
+        ``layer_settings`` gives this call's (step bucket, layer), when it names them).
+
+        A layer's state (``ctx.state``: caches across steps) is cleared when its setting changes at
+        a bucket boundary, so no cache made under one setting is read under another; methods treat
+        an empty state as their first step (a full / refresh computation)."""
         if self.is_dense_call(ctx):
             ctx.info["dense"] = True
             return self.attend_dense(ctx, q, k, v)
-        return self.attend(ctx, q, k, v)
+        if not self._layer_table:
+            return self.attend(ctx, q, k, v)
+        key, method = self.layer_method(ctx.step, ctx.layer)
+        if ctx.state.get(_SETTING_KEY, key) != key:
+            ctx.state.clear()
+        ctx.state[_SETTING_KEY] = key
+        if method is None:
+            ctx.info["dense"] = True
+            return self.attend_dense(ctx, q, k, v)
+        return method.attend(ctx, q, k, v)
 
     def __repr__(self):
         return f"<fastdit method {self.name} {self.config}>"
