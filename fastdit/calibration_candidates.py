@@ -2,7 +2,7 @@
 
 ``candidates_for(method, layout)`` gives the option sets ``fastdit.calibrate`` tries by default:
 windows for ``sta`` (per axis 1, 3, 5 tiles below the axis' tile count and 0, the whole axis),
-``cdf`` / ``topk`` for ``sparge``, ``density`` for ``svg``, ratios / factors for the token methods
+``cdf`` / ``topk`` for ``sparge``, ``density`` for ``svg``, ``top_p`` for ``svg2``, ratios / factors for the token methods
 and windows for ``window``; a method registers its own with ``register_candidates``. Only methods
 registered when this module is imported get defaults, and only options their config has.
 
@@ -64,6 +64,8 @@ def _register_defaults():
         "sta": sta_candidates,
         "sparge": lambda layout: [{"cdf": c, "topk": None} for c in (0.99, 0.95, 0.9, 0.8)] + [{"topk": t} for t in (0.5, 0.3, 0.1)],
         "svg": lambda layout: [{"density": d} for d in (0.5, 0.3, 0.2, 0.1)],
+        # svg2 (Sparse VideoGen 2): the predicted-mass threshold of its key clusters
+        "svg2": lambda layout: [{"top_p": p} for p in (0.95, 0.9, 0.8, 0.7, 0.5)],
         "todo": lambda layout: [{"factor": f} for f in (2, 3, 4)],
         "tome": lambda layout: [{"ratio": r} for r in (0.25, 0.5, 0.75)],
         "prune": lambda layout: [{"ratio": r} for r in (0.25, 0.5, 0.75)],

@@ -21,15 +21,31 @@ def _add_arguments(parser):
     parser.add_argument("--max-tokens", type=int, default=None,
                         help=f"largest latent token count a run may take (default CPU {MAX_TOKENS['cpu']}, "
                              f"GPU {MAX_TOKENS['cuda']})")
+    parser.add_argument("--plan", default=None, metavar="PATH",
+                        help="a plan file (fastdit calibrate) preset in the page's plan input, for its method")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="comparisons that may run at once (runs on one model always take turns; default 1)")
+
+
+def check_plan_argument(path):
+    """``--plan PATH`` read and checked before the page starts; SystemExit with the reason otherwise."""
+    if path is None:
+        return None
+    from fastdit.plan_file import PlanError, load_plan
+
+    try:
+        load_plan(path)
+    except PlanError as error:
+        raise SystemExit(f"fastdit app: argument --plan: {error}") from None
+    return path
 
 
 def cmd_app(args):
     from .ui import build_app
 
+    plan = check_plan_argument(getattr(args, "plan", None))
     demo = build_app(args.model, device=args.device, dtype=args.dtype, max_tokens=args.max_tokens,
-                     concurrency=getattr(args, "concurrency", 1))
+                     concurrency=getattr(args, "concurrency", 1), plan=plan)
     demo.queue(default_concurrency_limit=1)
     demo.launch(server_name=args.host, server_port=args.port, share=args.share)
     return 0

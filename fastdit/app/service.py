@@ -73,13 +73,17 @@ def fallback_text(fallbacks):
 
 
 @contextlib.contextmanager
-def patched(pipe, method, options, record_masks=False):
+def patched(pipe, method, options, record_masks=False, plan=None):
     """``fastdit.patch`` for the length of a ``with`` block, removed whatever happens in it. Bad
-    options (checked against the model at patch time) raise ``AppError`` with nothing installed."""
+    options or a plan file that does not fit (checked against the model at patch time) raise
+    ``AppError`` with nothing installed."""
     import fastdit
+    from fastdit.plan_file import PlanError
 
     try:
-        patch = fastdit.patch(pipe, method, record_masks=record_masks, **options)
+        patch = fastdit.patch(pipe, method, record_masks=record_masks, plan=plan, **options)
+    except PlanError as error:
+        raise AppError(str(error)) from None
     except (ValueError, TypeError) as error:
         raise AppError(f"{method} options: {error}") from None
     try:
@@ -91,7 +95,9 @@ def patched(pipe, method, options, record_masks=False):
 @dataclass
 class RunRequest:
     """One comparison. ``options``: method option values, typed or as the app's text boxes give
-    them (``"1,1,1"``); blank ones keep the config dataclass's default."""
+    them (``"1,1,1"``); blank ones keep the config dataclass's default. ``plan``: a plan file
+    (``fastdit calibrate``) for the method; its options then replace ``options`` and the tiny
+    models' presets."""
 
     model: str = "tiny-wan"
     prompt: str = DEFAULT_PROMPT
@@ -108,6 +114,7 @@ class RunRequest:
     mask_head: int = 0
     reuse_dense: bool = False
     image: object = None
+    plan: str | None = None
 
 
 @dataclass
@@ -122,6 +129,16 @@ class RunResult:
     notes: list
     dense_frames: np.ndarray = None
     method_frames: np.ndarray = None
+
+
+def _plan_path(plan):
+    """The plan file of a request: a path, or what Gradio's file input gives (a path or a dict with
+    ``path``); None when no plan is given."""
+    if isinstance(plan, dict):
+        plan = plan.get("path") or plan.get("name")
+    if plan is None or (isinstance(plan, str) and not plan.strip()):
+        return None
+    return os.fspath(plan)
 
 
 def _plain(value):
@@ -192,6 +209,13 @@ class Runner:
         if not (request.prompt or "").strip():
             raise AppError("Write a prompt.")
         seed = check_seed(request.seed)
+        if _plan_path(request.plan) is not None:  # the plan's options replace the option boxes
+            from fastdit.plan_file import PlanError, plan_options
+
+            try:
+                return seed, plan_options(_plan_path(request.plan), request.method)  # file and method only
+            except PlanError as error:
+                raise AppError(str(error)) from None
         options = parse_options(request.method, dict(request.options or {}))
         try:
             fastdit.methods.get_method(request.method).make_config(**options)
@@ -252,7 +276,17 @@ class Runner:
 
         pipe, method = entry.pipe, request.method
         call, notes, tokens = self._call_for(entry, request)
-        if tiny_name(request.model) is not None:
+        plan = _plan_path(request.plan)
+        if plan is not None:  # checked against this model before the dense run; patch(plan=...) applies it
+            from fastdit.plan_file import PlanError, plan_options_for
+
+            try:
+                plan_options_for(plan, pipe, method)
+            except PlanError as error:
+                raise AppError(str(error)) from None
+            options = {}
+            notes.append(f"plan {os.path.basename(plan)} applied: its settings replace the {method} option boxes")
+        elif tiny_name(request.model) is not None:
             options = {**tiny_presets().get(method, {}), **{k: v for k, v in options.items() if v is not None}}
         n_steps = int(call.get("num_inference_steps", request.steps))
         size = f"{call.get('num_frames', 1)}x{call.get('height', '?')}x{call.get('width', '?')}"
@@ -275,7 +309,7 @@ class Runner:
             timed["callback_on_step_end"] = on_step
         if cancel.is_set():
             raise RunCancelled()
-        self._warm_up(entry, request.prompt, seed, call, method, options, size, n_steps, progress)
+        self._warm_up(entry, request.prompt, seed, call, method, options, size, n_steps, progress, plan)
         if dense is None:
             state["phase"] = "dense"
             progress(0.0, desc="dense")
@@ -289,7 +323,7 @@ class Runner:
             notes.append("dense run reused from an earlier run with the same inputs")
         state["phase"], state["offset"] = method, n_steps * (phases - 1)
         mask_path, mask_caption = None, ""
-        with patched(pipe, method, options, record_masks=True) as patch:
+        with patched(pipe, method, options, record_masks=True, plan=plan) as patch:
             result = generate(pipe, request.prompt, seed, timed)  # the pipeline is patched: the method runs
             stats = patch.stats.as_dict()
             config = {k: _plain(v) for k, v in dataclasses.asdict(patch.config).items()}
@@ -305,7 +339,7 @@ class Runner:
                     notes=notes, size=size, steps=n_steps, tokens=tokens, out_dir=out_dir, mask=mask_path,
                     mask_caption=mask_caption, device=str(pipe.device), reused=phases == 1)
 
-    def _warm_up(self, entry, prompt, seed, call, method, options, size, n_steps, progress):
+    def _warm_up(self, entry, prompt, seed, call, method, options, size, n_steps, progress, plan=None):
         """First-call costs (allocation; Triton compilation on CUDA) stay out of the timings."""
         from fastdit.compare import generate
 
@@ -314,10 +348,10 @@ class Runner:
             progress(0.0, desc="warm-up (1 step, not timed)")
             generate(entry.pipe, prompt, seed, warm)
             entry.warm.add((size, n_steps))
-        key = (size, n_steps, method, repr(sorted(options.items())))
+        key = (size, n_steps, method, repr(sorted(options.items())), plan)
         if str(entry.pipe.device).startswith("cuda") and key not in entry.warm:
             progress(0.0, desc=f"{method} warm-up (1 step, not timed)")
-            with patched(entry.pipe, method, {**options, "dense_steps": 0}):
+            with patched(entry.pipe, method, {**options, "dense_steps": 0}, plan=plan):
                 generate(entry.pipe, prompt, seed, warm)
             entry.warm.add(key)
 
@@ -335,6 +369,7 @@ class Runner:
                          + fallback_text(stats["fallbacks"]))
         metrics = {
             "model": run["request"].model, "method": method, "options": run["config"],
+            "plan": None if _plan_path(run["request"].plan) is None else os.path.basename(_plan_path(run["request"].plan)),
             "options_text": options_text(run["config"]), "size": run["size"], "steps": run["steps"],
             "tokens": run["tokens"], "seed": run["seed"],
             "dense_latency_s": dense.latency_s, "method_latency_s": result.latency_s,

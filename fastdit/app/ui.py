@@ -23,7 +23,7 @@ log = logging.getLogger("fastdit.app")
 
 #: The API parameters of ``/compare`` before the method options (``sta_window``, ``radial_decay``, ...).
 FIXED_INPUTS = ["model", "prompt", "negative_prompt", "seed", "steps", "guidance", "frames", "height", "width",
-                "method", "mask_layer", "mask_head", "reuse_dense", "image", "history"]
+                "method", "mask_layer", "mask_head", "reuse_dense", "image", "history", "plan"]
 
 
 def _tiny_presets():
@@ -84,8 +84,10 @@ class _App(gr.Blocks):
         return super().launch(*args, **kwargs)
 
 
-def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None, concurrency=1):
+def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None, concurrency=1, plan=None):
     """The Gradio app (a ``gr.Blocks``; ``.launch()`` it; its ``runner`` is the service).
+
+    ``plan``: a plan file (``fastdit calibrate``) preset in the plan input (``--plan PATH``).
 
     ``device``/``dtype``: default CUDA + bf16 when available, else CPU + fp32. ``max_tokens``: the
     largest latent token count a run may take. ``concurrency``: comparisons that may run at once
@@ -94,6 +96,11 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
     runner = Runner(device, dtype, max_tokens)
     methods = method_choices()
     default_method = "sta" if "sta" in methods else methods[0]
+    if plan is not None:  # the plan's method is selected when the page opens
+        from fastdit.plan_file import load_plan
+
+        planned = load_plan(plan)["method"]
+        default_method = planned if planned in methods else default_method
     sizes = size_defaults(default_model) or {}
     presets = _tiny_presets() if default_model.startswith("tiny-") else {}
     option_widgets = []  # (OptionSpec, component)
@@ -129,6 +136,11 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
                                     shown = presets.get(name, {}).get(spec.name, spec.default)
                                     option_widgets.append((spec, option_widget(spec, shown)))
                     groups[name] = group
+                plan_file = gr.File(value=plan, label="plan file (fastdit calibrate)", file_types=[".json"],
+                                    type="filepath", elem_id="fd-plan", height=90)
+                gr.Markdown("A plan file sets the method's settings per step bucket, layer and head (its "
+                            "method must be the one chosen above); its options replace the boxes above.",
+                            elem_classes=["fd-plan-help"])
                 with gr.Row():
                     mask_layer = gr.Number(value=-1, label="mask: layer", precision=0,
                                            info="patched layer to draw (-1 = the last)")
@@ -197,7 +209,7 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
                 seed=fixed["seed"], steps=fixed["steps"], guidance=fixed["guidance"], frames=fixed["frames"],
                 height=fixed["height"], width=fixed["width"], method=fixed["method"], options=options,
                 mask_layer=fixed["mask_layer"], mask_head=fixed["mask_head"], reuse_dense=bool(fixed["reuse_dense"]),
-                image=fixed["image"])
+                image=fixed["image"], plan=fixed["plan"])
             with runner.run_scope(getattr(request, "session_hash", None) or "default") as cancel:
                 out = _compare(runner, run_request, progress, cancel)
             past = list(fixed["history"] or [])
@@ -216,7 +228,7 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
         run.__annotations__ = {"request": gr.Request}
 
         inputs = [model, prompt, negative, seed, steps, guidance, frames, height, width, method, mask_layer, mask_head,
-                  reuse_dense, image, history] + [c for _, c in option_widgets]
+                  reuse_dense, image, history, plan_file] + [c for _, c in option_widgets]
         outputs = [dense_video, method_video, metrics_box, mask_image, mask_caption, notes, table, scatter, details,
                    history]
         run_event = run_btn.click(run, inputs, outputs, api_name="compare", concurrency_limit=concurrency,
