@@ -217,3 +217,126 @@ def test_row_tile_schedule_covers_every_row_once():
                 seen[start:min(start + block_m, offs[m + 1])] += 1
             assert (seen == 1).all()
             assert block[b, h, -1] == 12, "the bound leaves spare slots for this split"
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input and bad plans
+# -------------------------------------------------------------------------------------------------
+
+def _small():
+    """B=1, H=2, N=10, Nk=12, D=16; 3 query blocks, 3 key blocks; a valid plan."""
+    gen = seeded(11)
+    q = torch.randn(1, 2, 10, 16, generator=gen)
+    k, v = torch.randn(1, 2, 12, 16, generator=gen), torch.randn(1, 2, 12, 16, generator=gen)
+    q_off = torch.tensor([[[0, 3, 3, 10], [0, 5, 9, 10]]], dtype=torch.int32)
+    k_off = torch.tensor([[[0, 4, 5, 12]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 2], [1, JUNK], [2, 1]]]], dtype=torch.int32)
+    cnt = torch.tensor([[[2, 1, 2]]], dtype=torch.int32)
+    return q, k, v, q_off, k_off, idx, cnt
+
+
+BAD_PLANS = [
+    ("q_offsets", (0, 0, 0), 1, r"q_offsets\[0, 0, 0\] = 1: the first offset must be 0"),
+    ("q_offsets", (0, 1, 3), 9, r"q_offsets\[0, 1, 3\] = 9: the last offset must be 10"),
+    ("q_offsets", (0, 1, 2), 4, r"q_offsets\[0, 1, 2\] = 4 is below q_offsets\[0, 1, 1\] = 5: offsets must be "
+                                r"non-decreasing"),
+    ("k_offsets", (0, 0, 3), 13, r"k_offsets\[0, 0, 3\] = 13: the last offset must be 12"),
+    ("k_offsets", (0, 0, 2), 3, r"k_offsets\[0, 0, 2\] = 3 is below k_offsets\[0, 0, 1\] = 4"),
+    ("kv_counts", (0, 0, 1), 3, r"kv_counts\[0, 0, 1\] = 3 exceeds max_blocks = 2"),
+    ("kv_counts", (0, 0, 2), -1, r"kv_counts\[0, 0, 2\] = -1 is negative"),
+    ("kv_indices", (0, 0, 2, 1), 3, r"kv_indices\[0, 0, 2, 1\] = 3 is out of range: outside \[0, 3\)"),
+    ("kv_indices", (0, 0, 0, 1), 0, r"kv_indices\[0, 0, 0\] lists key block 0 twice"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, where, value, message", BAD_PLANS, ids=[m[:30] for *_, m in BAD_PLANS])
+def test_bad_plan_values(name, where, value, message, backend, monkeypatch):
+    args = _small()
+    pos = ("q", "k", "v", "q_offsets", "k_offsets", "kv_indices", "kv_counts").index(name)
+    bad = args[pos].clone()
+    bad[where] = value
+    args = args[:pos] + (bad,) + args[pos + 1:]
+    args = to_device(DEVICE, *args)
+    with pytest.raises(ValueError, match=message):
+        block_sparse_attention_varlen(*args, backend=backend)
+    assert validate_varlen_plan(*args[3:], 10, 12), "validate_varlen_plan reports it too"
+    monkeypatch.setenv("FASTDIT_DEBUG", "1")  # validates even with validate=False
+    with pytest.raises(ValueError, match=message):
+        block_sparse_attention_varlen(*args, backend=backend, validate=False)
+
+
+def test_valid_plan_has_no_problems():
+    assert validate_varlen_plan(*_small()[3:], 10, 12) == []
+
+
+def test_bad_shapes_and_types():
+    q, k, v, q_off, k_off, idx, cnt = _small()
+
+    def call(**over):
+        kw = dict(q=q, k=k, v=v, q_offsets=q_off, k_offsets=k_off, kv_indices=idx, kv_counts=cnt, backend="torch")
+        kw.update(over)
+        return block_sparse_attention_varlen(**kw)
+
+    with pytest.raises(ValueError, match=r"\bq\b.*rank 4"):
+        call(q=q[0])
+    with pytest.raises(ValueError, match="share one dtype"):
+        call(k=k.half())
+    with pytest.raises(ValueError, match=r"q_offsets must be int32 \(or int64\), got torch.float32"):
+        call(q_offsets=q_off.float())
+    with pytest.raises(ValueError, match="k_offsets must have rank 3"):
+        call(k_offsets=k_off[0])
+    with pytest.raises(ValueError, match=r"kv_indices shape \(1, 1, 2, 2\) lists 2 query blocks but q_offsets has 3"):
+        call(kv_indices=idx[:, :, :2], kv_counts=cnt[:, :, :2])
+    with pytest.raises(ValueError, match=r"kv_counts shape \(1, 1, 2\) must equal"):
+        call(kv_counts=cnt[:, :, :2])
+    with pytest.raises(ValueError, match=r"k_offsets shape \(1, 3, 4\): leading dims must be \(1 or 1, 2 or 1\)"):
+        call(k_offsets=k_off.expand(1, 3, 4))
+    with pytest.raises(ValueError, match="q_offsets needs at least one entry"):
+        call(q_offsets=q_off[..., :0])
+    with pytest.raises(ValueError, match="kv_indices is on meta"):
+        call(kv_indices=idx.to("meta"))
+    with pytest.raises(ValueError, match="kv_valid shape"):
+        call(kv_valid=torch.ones(1, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        call(backend="cuda")
+
+
+# -------------------------------------------------------------------------------------------------
+# The custom op under torch.compile
+# -------------------------------------------------------------------------------------------------
+
+def _attend(q, k, v, q_off, k_off, idx, cnt, kv_valid, backend="torch"):
+    out, lse = block_sparse_attention_varlen(q, k, v, q_off, k_off, idx, cnt, kv_valid=kv_valid, backend=backend)
+    return out * 2.0, lse
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_compile_one_opaque_call(compile_backend):
+    torch._dynamo.reset()
+    args = make_case("perhead_d24_kvvalid", torch.float32)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        eager = _attend(*args)
+        out, lse = torch.compile(_attend, backend=compile_backend, fullgraph=True)(*args)
+        torch._dynamo.reset()
+        torch.compile(_attend, backend=capture, fullgraph=True)(*args)
+    assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+    check(out / 2, lse, *args)
+    (gm,) = graphs
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("fastdit.block_sparse_attention_varlen" in n for n in names) == 1, names
+    assert sum("fastdit.check_varlen_plan" in n for n in names) == 1, names
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    q, k, v, q_off, k_off, idx, cnt, kv_valid = make_case("batch_d16_dead_block", torch.float32)
+    op = torch.ops.fastdit.block_sparse_attention_varlen.default
+    torch.library.opcheck(op, (q, k, v, q_off, k_off, idx, cnt, 0.25, kv_valid, backend))
+    torch.library.opcheck(torch.ops.fastdit.check_varlen_plan.default, (q_off, k_off, idx, cnt, 45, 60))
