@@ -57,10 +57,18 @@ def update(x, labels, centroids, valid=None):
     x = x.to(_work_dtype(x))
     groups, points, dim = x.shape
     clusters = centroids.shape[1]
-    weight = torch.ones(groups, points, dtype=x.dtype, device=x.device) if valid is None else valid.to(x.dtype)
-    sizes = torch.zeros(groups, clusters, dtype=x.dtype, device=x.device).scatter_add_(1, labels, weight)
-    sums = torch.zeros(groups, clusters, dim, dtype=x.dtype, device=x.device)
-    sums.scatter_add_(1, labels[..., None].expand(groups, points, dim), x * weight[..., None])
+    if valid is None:
+        weight = torch.ones(groups * points, dtype=x.dtype, device=x.device)
+    else:
+        weight = valid.reshape(-1).to(x.dtype)
+    # One index_add_ over the flattened (G * C) clusters: several times faster on the CPU than a
+    # scatter_add_ with an index expanded over D, or a one-hot matrix product.
+    flat = (labels + torch.arange(groups, device=x.device)[:, None] * clusters).reshape(-1)
+    rows = x.reshape(groups * points, dim)
+    sizes = torch.zeros(groups * clusters, dtype=x.dtype, device=x.device).index_add_(0, flat, weight)
+    sums = torch.zeros(groups * clusters, dim, dtype=x.dtype, device=x.device).index_add_(
+        0, flat, rows if valid is None else rows * weight[:, None])
+    sizes, sums = sizes.view(groups, clusters), sums.view(groups, clusters, dim)
     means = sums / sizes.clamp(min=1.0)[..., None]
     return torch.where(sizes[..., None] > 0, means, centroids.to(x.dtype)), sizes
 

@@ -107,7 +107,8 @@ class SVG2Config(BlockSparseConfig):
         for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters"):
             _int_at_least_one(self, name)
         value = self.top_p
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 < value <= 1.0:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+                or not 0.0 < value <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1] (predicted attention mass kept per query cluster), "
                              f"got {value!r}")
         self.top_p = float(value)
