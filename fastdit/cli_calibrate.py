@@ -1,4 +1,4 @@
-"""``fastdit calibrate``: search a method's settings per (step bucket, layer, head) against an error budget.
+"""``fastdit calibrate``: search a method's settings per (step bucket, layer[, head]) against an error budget.
 
     fastdit calibrate --model tiny-wan --method sta --prompts coco --max-prompts 4 --budget 0.05 --out plan.json
     fastdit compare ... (then apply with fastdit.patch(pipe, "sta", plan="plan.json"))
@@ -30,12 +30,12 @@ def add_calibrate_arguments(parser):
     from fastdit.cli_common import add_generation_arguments, positive_int, seed_int
 
     add_generation_arguments(parser)
-    parser.add_argument("--method", default="sta", help="the method to calibrate (sta: per layer and head)")
+    parser.add_argument("--method", default="sta", help="the method to calibrate (sta: per layer and head; the others per layer)")
     parser.add_argument("--prompts", default="coco",
                         help="prompt file (.txt one per line, or .json), or 'coco' / 'vbench' (the shipped sets)")
     parser.add_argument("--max-prompts", type=positive_int, default=4, help="use the first N prompts (default 4)")
     parser.add_argument("--budget", type=_budget, required=True,
-                        help="largest relative L2 error against dense attention per head (sta) or layer, e.g. 0.05")
+                        help="largest relative L2 error against dense attention per head, e.g. 0.05")
     parser.add_argument("--buckets", type=positive_int, default=1, help="step buckets with their own settings")
     parser.add_argument("--candidates", default=None,
                         help="sta: windows 'wt,wh,ww;...' (0 = whole axis); other methods: 'option=v1,v2'; "
@@ -120,14 +120,18 @@ def cmd_calibrate(args):
     measured = plan["measured"]
     print(f"plan written to {args.out}: worst relative error {measured['error']:.4f} (budget {args.budget}), "
           f"mean density {measured['density']:.3f}")
+    settings = plan.get("settings", {})
     for row in measured["layers"]:
-        print(f"  bucket {row['bucket']} layer {row['layer']}: error {row['error']:.4f}, density {row['density']:.3f}")
+        key = f"{row['bucket']}_{row['layer']}"
+        chosen = f", {'dense' if settings[key] is None else settings[key]}" if key in settings else ""
+        print(f"  bucket {row['bucket']} layer {row['layer']}: error {row['error']:.4f}, density {row['density']:.3f}"
+              f"{chosen}")
     return 0
 
 
 def add_calibrate_parser(subparsers):
     """Add the ``calibrate`` subcommand to ``fastdit``'s subparsers."""
-    parser = subparsers.add_parser("calibrate", help="search per-layer/head settings of a method against an error "
+    parser = subparsers.add_parser("calibrate", help="search per-layer (sta: per-head) settings of a method against an error "
                                                      "budget; writes a plan file (resumable)")
     add_calibrate_arguments(parser)
     parser.set_defaults(func=cmd_calibrate)
