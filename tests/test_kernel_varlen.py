@@ -20,6 +20,7 @@ from fastdit.kernels import (
     varlen_reference,
     varlen_to_token_mask,
 )
+from fastdit.kernels.block_sparse_varlen_torch import block_sparse_attention_varlen_torch
 from fastdit.kernels.block_sparse_varlen_triton import row_tile_schedule
 
 from kernel_backends import BACKENDS, DEVICE, seeded, to_device
@@ -125,6 +126,15 @@ def test_against_reference(case, dtype, backend):
     if case == "batch_d16_dead_block":  # query block 1 lists only an invalid block: no key either
         rows = range(int(q_off[0, 0, 1]), int(q_off[0, 0, 2]))
         assert all(bool(empty[0, :, r].all()) for r in rows)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_unfused_path(case):
+    """The float32 masked-softmax steps the torch backend runs off the CPU (a GPU without Triton)."""
+    q, k, v, q_off, k_off, idx, cnt, kv_valid = make_case(case, torch.float32)
+    scale = 1 / math.sqrt(q.shape[-1])
+    out, lse = block_sparse_attention_varlen_torch(q, k, v, q_off, k_off, idx, cnt, scale, kv_valid, fused=False)
+    check(out, lse, q, k, v, q_off, k_off, idx, cnt, kv_valid)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
