@@ -10,8 +10,10 @@ Method list: comma-separated ``name`` or ``name:option=value:option=value`` (val
 ``--set`` reads them, e.g. ``sparge:topk=0.2``, ``sta:tile=(4,4,8)``). ``--corrections
 pooled,cached`` adds, for every block-sparse method, one variant per correction. When ``sta`` runs
 (its first entry, at any options), ``sparge`` and ``svg`` also run at sta's density of each kind
-(``sparge`` with ``topk``, ``svg`` with ``density``, labelled ``@sta``; ``--match`` adds options
-to those runs, e.g. ``--match x:tile=(2,4,4)``) so the claims below compare like with like.
+(``sparge`` with ``topk``, ``svg`` with ``density``, labelled ``@sta``); when ``svg2`` runs, they
+also run at svg2's measured density (labelled ``@svg2``). ``--match`` adds options to those
+same-density runs, e.g. ``--match x:tile=(2,4,4)`` (each run takes the ones its method has), so
+the claims below compare like with like.
 
 Default size: Wan2.1 480p x 81 frames (21x30x52 = 32760 video tokens), 2 heads, D=64, where the
 5% prediction-cost claim applies (a GPU run). On a CPU pass a smaller grid, e.g. ``--frames 12
@@ -31,7 +33,13 @@ Columns, per method and head kind (one call over all heads of that kind):
     ``saved_ms`` = dense SDPA - attention (the attention time the method saves);
   * ``peak_mb``: peak memory of one untimed call above what was allocated before it (CUDA only);
   * ``select/dense``: the selection time over dense SDPA's (sparge's prediction cost claim:
-    at most 5% at N >= 32k on the GPU).
+    at most 5% at N >= 32k on the GPU);
+  * svg2 only (methods with ``cluster`` / ``plan_from_clusters``): ``cluster_ms`` (k-means of a
+    warm-started call: ``kmeans_iters`` iterations from the stored centroids), ``cluster_cold_ms``
+    (a cold start: ``init_iters`` iterations, as the first sparse call of a layer and branch),
+    ``score_ms`` (centroid scores, top-p selection and the plan), and their ratios to dense SDPA
+    ``cluster_over_dense`` (warm clustering + scoring; svg2's claim: under 10% at N >= 32k on the
+    CPU) and ``cold_over_dense``. ``select_ms`` is then a warm call's whole selection.
 
 Timings: ``--warmup`` untimed calls, then the median of ``--runs`` timed ones; CUDA events with
 synchronisation around every call on the GPU, ``perf_counter`` on the CPU. ``correction=cached``
@@ -39,8 +47,9 @@ variants first run one refresh call (step 0) on inputs perturbed by 10% toward a
 the generator (consecutive denoising steps are close, not equal), then are measured at step 1.
 
 Claims printed at the end (each "holds" / "fails" / "not run"): on temporal heads sparge@sta and
-svg@sta have lower error than sta at no more than sta's density (+0.02); every correction lowers
-its method's error (all kinds, same plan density).
+svg@sta have lower error than sta at no more than sta's density (+0.02); on spatial and temporal
+heads svg2 has lower error than svg@svg2 and sparge@svg2, each at no less than svg2's density
+(-0.02); every correction lowers its method's error (all kinds, same plan density).
 """
 from __future__ import annotations
 
@@ -138,6 +147,8 @@ def measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda):
                "finite": bool(torch.isfinite(out).all())}
         row["total_ms"] = common.time_fn(run, args.runs, args.warmup, cuda)
         row["select_ms"] = row["attention_ms"] = None
+        if hasattr(method, "plan_from_clusters") and "plan" in ctx.info:
+            row.update(cluster_split(method, ctx, q, k, dense_ms, args, cuda))
         if isinstance(method, BlockSparseMethod) and "plan" in ctx.info:
             # svg's select also takes v (it scores patterns by sampled outputs)
             takes_v = "v" in inspect.signature(method.select).parameters
@@ -167,6 +178,25 @@ def measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda):
     return row
 
 
+def cluster_split(method, ctx, q, k, dense_ms, args, cuda):
+    """svg2's selection in parts: warm and cold clustering, then scoring and selection (ms)."""
+    key = method.state_key  # where the warm-start centroids live in ctx.state
+    stored = ctx.state.get(key)
+
+    def cold():
+        ctx.state.pop(key, None)
+        return method.cluster(ctx, q, k)
+
+    cold_ms = common.time_fn(cold, args.runs, args.warmup, cuda)
+    if stored is not None:
+        ctx.state[key] = stored
+    warm_ms = common.time_fn(lambda: method.cluster(ctx, q, k), args.runs, args.warmup, cuda)
+    clusters = method.cluster(ctx, q, k)
+    score_ms = common.time_fn(lambda: method.plan_from_clusters(ctx, clusters, q), args.runs, args.warmup, cuda)
+    return {"cluster_ms": warm_ms, "cluster_cold_ms": cold_ms, "score_ms": score_ms,
+            "cluster_over_dense": (warm_ms + score_ms) / dense_ms, "cold_over_dense": (cold_ms + score_ms) / dense_ms}
+
+
 def kind_inputs(kind, args, device, dtype, seed=0):
     return structured_qkv((args.frames, args.height, args.width), heads=args.heads, head_dim=args.head_dim,
                           kinds=(kind,) * args.heads, text_len=args.text, text_position="suffix",
@@ -178,19 +208,28 @@ def nearby(a, b, amount=0.1):
     return [x + amount * (y - x) for x, y in zip(a, b)]
 
 
+#: Same-density companions: reference method -> [(method, option set to the reference's density,
+#: whether the method must be in --methods too)].
+COMPANIONS = {"sta": [("sparge", "topk", True), ("svg", "density", True)],
+              "svg2": [("svg", "density", False), ("sparge", "topk", False)]}
+
+
 def variants(specs, corrections, registered):
-    """The runs: each spec, same-density companions of sta, and correction variants."""
+    """The runs: each spec, same-density companions of sta and svg2, and correction variants.
+    A companion's last item is ``(reference method, option)``; other runs have None there."""
     runs, skipped = [], []
     for label, name, options in specs:
         if name not in registered:
             skipped.append((label, f"unknown method {name!r}; registered: {', '.join(registered)}"))
             continue
         runs.append((label, name, options, None))
-    has_sta = any(name == "sta" for _, name, _, _ in runs)
-    if has_sta:
-        for name, option in (("sparge", "topk"), ("svg", "density")):
-            if name in registered and any(n == name for _, n, _, _ in runs):
-                runs.append((f"{name}@sta", name, {}, option))
+    present = {n for _, n, _, _ in runs}
+    for reference, companions in COMPANIONS.items():
+        if reference not in present:
+            continue
+        for name, option, needs_run in companions:
+            if name in registered and (name in present or not needs_run):
+                runs.append((f"{name}@{reference}", name, {}, (reference, option)))
     extra = []
     for label, name, options, same in runs:
         fields = getattr(get_method(name).config_cls, "__dataclass_fields__", {})
@@ -227,23 +266,25 @@ def run_benchmark(args):
             dense_ms = common.time_fn(lambda: plain_sdpa(*inputs[:3]), args.runs, args.warmup, cuda)
         results["rows"].append({"method": "dense", "kind": kind, "density": 1.0, "rel_l2": 0.0,
                                 "total_ms": dense_ms, "attention_ms": dense_ms})
-        sta_density = None
-        sta_match = dict(parse_methods(args.match)[0][2]) if args.match else {}
+        reference_density = {}  # the first run of sta / svg2 on this kind
+        match = dict(parse_methods(args.match)[0][2]) if args.match else {}
         for label, name, options, same in runs:
             options = dict(options)
             if same is not None:
-                if sta_density is None:
+                reference, option = same
+                if reference not in reference_density:
                     continue
-                options[same] = min(1.0, sta_density)
-                options.update(sta_match)
+                options[option] = min(1.0, reference_density[reference])
+                fields = get_method(name).config_cls.__dataclass_fields__
+                options.update({key: value for key, value in match.items() if key in fields})
             try:
                 row = measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda)
             except Exception as error:
                 row = {"error": common.first_line(error, 300)}
                 print(f"{label} on {kind} heads failed: {row['error']}", file=sys.stderr)
             row.update(method=label, kind=kind, options=options)
-            if name == "sta" and sta_density is None and "density" in row:
-                sta_density = row["density"]
+            if same is None and name in COMPANIONS and name not in reference_density and "density" in row:
+                reference_density[name] = row["density"]
                 row["same_density_reference"] = True
             results["rows"].append(row)
     results["claims"] = claims(results["rows"])
@@ -257,7 +298,8 @@ def _find(rows, method, kind):
 def claims(rows):
     """The claims of the module docstring: ``{claim: "holds" | "fails ..." | "not run"}``."""
     found = {}
-    sta_label = next((r["method"] for r in rows if r.get("same_density_reference")), "sta")
+    sta_label = next((r["method"] for r in rows if r.get("same_density_reference") and
+                      r["method"].split(":")[0] == "sta"), "sta")
     sta = _find(rows, sta_label, "temporal")
     for name in ("sparge@sta", "svg@sta"):
         other = _find(rows, name, "temporal")
@@ -269,6 +311,7 @@ def claims(rows):
         else:
             found[key] = ("holds" if other["rel_l2"] < sta["rel_l2"] else "fails") + (
                 f" ({other['rel_l2']:.4f} vs {sta['rel_l2']:.4f})")
+    found["svg2 lower error than svg and sparge at the same density on spatial and temporal heads"] = svg2_claim(rows)
     for row in rows:
         label = row["method"]
         if ":correction=" not in label or "rel_l2" not in row:
@@ -283,6 +326,28 @@ def claims(rows):
             found[key] = ("holds" if row["rel_l2"] < base["rel_l2"] else "fails") + (
                 f" ({row['rel_l2']:.4f} vs {base['rel_l2']:.4f})")
     return found
+
+
+def svg2_claim(rows):
+    """svg2 against svg@svg2 and sparge@svg2 on spatial and temporal heads (the module docstring)."""
+    label = next((r["method"] for r in rows if r.get("same_density_reference") and
+                  r["method"].split(":")[0] == "svg2"), None)
+    verdicts, notes = [], []
+    for kind in ("spatial", "temporal"):
+        own = _find(rows, label, kind) if label else None
+        others = [_find(rows, name, kind) for name in ("svg@svg2", "sparge@svg2")]
+        if own is None or None in others:
+            continue
+        for name, other in zip(("svg", "sparge"), others):
+            if other["density"] < own["density"] - CLAIM_SLACK:
+                verdicts.append(False)
+                notes.append(f"{kind}: {name} density {other['density']:.3f} below svg2's {own['density']:.3f}")
+            else:
+                verdicts.append(own["rel_l2"] < other["rel_l2"])
+                notes.append(f"{kind}: {own['rel_l2']:.4f} vs {name} {other['rel_l2']:.4f}")
+    if not verdicts:
+        return "not run"
+    return ("holds" if all(verdicts) else "fails") + f" ({'; '.join(notes)})"
 
 
 def print_table(results, file=None):
@@ -303,6 +368,15 @@ def print_table(results, file=None):
               f"{f(row.get('select_ms'), '8.2f')} {f(row.get('attention_ms'), '8.2f')} {f(row.get('total_ms'), '8.2f')} "
               f"{f(row.get('outside_ms'), '8.2f')} {f(row.get('saved_ms'), '8.2f')} "
               f"{f(row.get('select_over_dense'), '7.3f')} {f(row.get('peak_mb'), '7.1f')}", file=file)
+    split = [row for row in results["rows"] if "cluster_ms" in row]
+    if split:
+        print(f"{'method':34} {'kind':8} {'cluster':>8} {'cold':>8} {'score':>8} {'cl+sc/dns':>9} {'cold/dns':>8}",
+              file=file)
+        for row in split:
+            f = common.fmt
+            print(f"{row['method'][:34]:34} {row['kind']:8} {f(row['cluster_ms'], '8.2f')} "
+                  f"{f(row['cluster_cold_ms'], '8.2f')} {f(row['score_ms'], '8.2f')} "
+                  f"{f(row['cluster_over_dense'], '9.3f')} {f(row['cold_over_dense'], '8.3f')}", file=file)
     print("times in ms per call (all heads of the kind)", file=file)
     for claim, verdict in results["claims"].items():
         print(f"claim: {claim}: {verdict}", file=file)

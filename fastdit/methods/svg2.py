@@ -321,6 +321,8 @@ class SparseVideoGen2(BlockSparseMethod):
     #: attention is nearly uniform and ``p`` follows the key clusters' sizes: ``top_p`` is then
     #: about the kept fraction of keys. Clusters of a few hundred tokens suit the CPU engine.
     tiny_options = {"q_clusters": 24, "k_clusters": 48, "top_p": 0.15}
+    #: where the warm-start centroids live in ``ctx.state``
+    state_key = STATE_KEY
 
     def cluster(self, ctx, q, k):
         """k-means of the video queries and keys of every (batch, head), warm-started from
