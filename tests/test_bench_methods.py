@@ -47,7 +47,8 @@ def test_method_list_parsing():
 def test_bench_methods_svg2_split_companions_and_claim(tmp_path, capsys):
     out = tmp_path / "bench_svg2.json"
     results = bench_methods.main([
-        "--methods", "svg2:q_clusters=6:k_clusters=12:top_p=0.9:init_iters=3", "--match", "x:tile=(1,2,4):block_size=16",
+        "--methods", "svg2:q_clusters=6:k_clusters=12:top_p=0.9:init_iters=3",
+        "--match", "x:tile=(1,2,4):block_size=16",
         "--kinds", "spatial,temporal", "--frames", "4", "--height", "4", "--width", "8", "--text", "3",
         "--heads", "2", "--head-dim", "16", "--runs", "1", "--warmup", "0", "--backend", "torch", "--json", str(out)])
     printed = capsys.readouterr().out
