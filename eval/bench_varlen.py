@@ -22,6 +22,11 @@ measured from the plan), ms (median of ``--runs`` timed calls after ``--warmup``
 CUDA events or ``time.perf_counter``), ratio (ms / the fixed form's ms at the same ``b``), peak
 memory of one untimed call above the inputs (MiB; CUDA allocator or process RSS), and for
 ``varlen_same`` the relative error against the fixed form's output (same plan: ~0).
+
+``--check`` first runs a small case (N=300, Nk=260, D=72, 2 x 3 heads, per-head random boundaries
+with empty and one-token blocks, a ``kv_valid`` with holes) on the chosen backend against the
+float64 reference ``varlen_reference``; the run fails (exit 1) when the relative error is over
+1e-4 (float32) / 2e-2 (half types) or any output is not finite.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import sys
 
 import torch
 
-from fastdit.kernels import block_sparse_attention, block_sparse_attention_varlen
+from fastdit.kernels import block_sparse_attention, block_sparse_attention_varlen, varlen_reference
 
 from .bench_common import BenchReport, default_out_path, fmt, machine, peak_memory_mb, pick_device, rel_error, time_fn
 
@@ -74,10 +79,28 @@ def pair_density(q_offsets, k_offsets, idx, cnt):
     q_sizes = (q_offsets[..., 1:] - q_offsets[..., :-1]).double()
     k_sizes = (k_offsets[..., 1:] - k_offsets[..., :-1]).double()
     used = torch.arange(idx.shape[-1]) < cnt.unsqueeze(-1)
-    listed = torch.where(used, k_sizes.unsqueeze(-2).expand(*idx.shape[:-1], -1).gather(-1, idx.long().clamp(min=0)
-                                                                                       ), 0.0).sum(-1)
+    blocks = torch.where(used, idx.long(), torch.zeros_like(idx.long()))  # entries past the count: any value
+    lead = torch.broadcast_shapes(blocks.shape[:2], k_sizes.shape[:2])
+    k_sizes = k_sizes.expand(*lead, -1).reshape(*lead, 1, -1).expand(*lead, blocks.shape[2], -1)
+    listed = torch.where(used, k_sizes.gather(-1, blocks.expand(*lead, -1, -1)), 0.0).sum(-1)  # keys per list
     pairs = (q_sizes * listed).sum(-1)
     return (pairs / (q_offsets[..., -1].double() * k_offsets[..., -1].double())).mean().item()
+
+
+def check_small(device, dtype, backend, seed=0):
+    """Relative error of one small variable-size case against the float64 reference (see the
+    module doc), and whether every output is finite."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, n, 72, generator=gen).to(dtype) for n in (300, 260, 260))
+    q_off = random_offsets(gen, 3, 300, 17).expand(2, 3, -1).clone()
+    q_off[1, :, 1:4] = torch.minimum(torch.tensor([0, 1, 1]), q_off[1, :, 4:5])  # empty / one-token blocks
+    k_off = random_offsets(gen, 3, 260, 11)
+    idx, cnt = density_lists(gen, k_off, 17, 0.3)
+    kv_valid = torch.rand(2, 260, generator=gen) > 0.2
+    args = [t.to(device) for t in (q, k, v, q_off, k_off, idx, cnt)]
+    out, lse = block_sparse_attention_varlen(*args, kv_valid=kv_valid.to(device), backend=backend)
+    ref, _ = varlen_reference(q, k, v, q_off, k_off, idx, cnt, kv_valid=kv_valid)
+    return rel_error(out.cpu(), ref), bool(torch.isfinite(out).all()) and not bool(torch.isnan(lse).any())
 
 
 def parse_args(argv):
@@ -95,6 +118,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="N=1024, H=2, blocks 64, one timed call: seconds")
+    p.add_argument("--check", action="store_true", help="first check a small case against the float64 reference")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not 0 < args.density <= 1:
@@ -120,6 +144,15 @@ def main(argv=None):
     q, k, v = (torch.randn(1, heads, n, args.dim, generator=gen).to(device, dtype) for _ in range(3))
     report.log(f"variable vs fixed blocks: N={n} D={args.dim} B*H={heads} {meta['dtype']} density~{args.density} "
                f"backend={args.backend} on {meta['gpu'] or meta['cpu']} ({meta['cpu_threads']} threads)")
+    if args.check:
+        err, finite = check_small(device, dtype, args.backend, args.seed)
+        ok = finite and err < (1e-4 if dtype == torch.float32 else 2e-2)
+        report.sections["check"] = {"rel_error": err, "finite": finite, "passed": ok}
+        report.log(f"check against the float64 reference: relative error {err:.2e}, finite {finite}: "
+                   f"{'ok' if ok else 'FAILED'}")
+        if not ok:
+            report.write()
+            return 1
     report.log(f"{'form':<14} {'block':>5} {'density':>8} {'ms':>10} {'ratio':>6} {'peak MiB':>9} {'err vs fixed':>12}")
     for b in blocks:
         n_blocks = -(-n // b)
