@@ -55,6 +55,7 @@ SETUPS = {
                    candidates=[{"topk": t} for t in (0.6, 0.4, 0.25, 0.15)] + [{"cdf": c, "topk": None}
                                                                                for c in (0.9, 0.7)]),
 }
+STRUCTURED_BUDGET = {"sta": 0.2, "sparge": 0.2}
 FULL = dict(num_frames=17, height=160, width=160, num_inference_steps=4, guidance_scale=5.0, max_sequence_length=16)
 QUICK = dict(num_frames=9, height=80, width=112, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16)
 
@@ -212,6 +213,81 @@ def run_method(pipe, name, setup, call, args, log):
             "rows": rows, "summary": summary}
 
 
+# -- the same choice on structured inputs (layers of known, different attention kinds) ---------
+#: Per synthetic layer: the kinds of its two heads (``fastdit.eval.structured``).
+STRUCTURED_LAYERS = [("spatial", "spatial"), ("temporal", "temporal"), ("global", "global"),
+                     ("spatial", "temporal"), ("spatial", "global"), ("temporal", "global")]
+
+
+def _structured_table(name, setup, candidates, grid, seed, backend):
+    """``{"0_l": {err2 (heads x candidates), ref2 (heads), density (heads x candidates)}}`` on
+    structured inputs of ``seed``: every candidate run on every synthetic layer."""
+    from fastdit.eval.structured import structured_qkv
+
+    table = {}
+    for layer, kinds in enumerate(STRUCTURED_LAYERS):
+        q, k, v, layout, _ = structured_qkv(grid, heads=len(kinds), head_dim=64, kinds=kinds, seed=seed + layer)
+        scores = q.double() @ k.double().transpose(-1, -2) / 8.0
+        reference = torch.softmax(scores, -1) @ v.double()
+        err2 = torch.zeros(len(kinds), len(candidates), dtype=torch.float64)
+        density = torch.zeros_like(err2)
+        for c, candidate in enumerate(candidates):
+            out, info = fastdit.attention(q, k, v, name, layout=layout, backend=backend, return_info=True,
+                                          **{**setup["options"], "dense_steps": 0, **candidate})
+            err2[:, c] = (out.double() - reference).pow(2).sum(dim=(0, 2, 3))
+            density[:, c] = torch.tensor(info["head_density"], dtype=torch.float64)
+        table[f"0_{layer}"] = {"err2": err2.tolist(), "ref2": reference.pow(2).sum(dim=(0, 2, 3)).tolist(),
+                               "density": density.tolist(), "calls": 1}
+    return table
+
+
+def structured_evidence(name, setup, budget, args):
+    """Calibrate (``select_plan``, as ``fastdit.calibrate`` chooses: per head for sta, per layer
+    otherwise) on structured inputs of one seed, then measure the plan and every global setting on
+    those and on fresh inputs (another seed); heads are independent in both methods, so a plan's
+    error and density are its chosen entries of the per-(head, candidate) tables."""
+    from fastdit.calibration_candidates import select_plan
+
+    candidates = setup["candidates"][: args.max_candidates] if args.max_candidates else setup["candidates"]
+    grid = (5, 10, 10)
+    calibration = _structured_table(name, setup, candidates, grid, args.seed, args.backend)
+    choice, _ = select_plan([calibration], candidates, budget, per_head=(name == "sta"))
+    summary = {}
+    for group, table in (("calibration", calibration),
+                         ("held-out", _structured_table(name, setup, candidates, grid, args.seed + 1000, args.backend))):
+        plan = {"err2": 0.0, "ref2": 0.0, "density": [], "worst": 0.0}
+        curve = [{"err2": 0.0, "ref2": 0.0, "density": []} for _ in candidates]
+        for key, entry in table.items():
+            err2, ref2, density = (torch.tensor(entry[f], dtype=torch.float64) for f in ("err2", "ref2", "density"))
+            for head in range(err2.shape[0]):
+                c = choice[f"{key}_{head}"] if name == "sta" else choice[key]
+                e = 0.0 if c is None else float(err2[head, c])
+                plan["err2"] += e
+                plan["ref2"] += float(ref2[head])
+                plan["density"].append(1.0 if c is None else float(density[head, c]))
+                plan["worst"] = max(plan["worst"], math.sqrt(e / float(ref2[head])))
+                for index, point in enumerate(curve):
+                    point["err2"] += float(err2[head, index])
+                    point["ref2"] += float(ref2[head])
+                    point["density"].append(float(density[head, index]))
+        points = [{"density": sum(p["density"]) / len(p["density"]), "attn_err": math.sqrt(p["err2"] / p["ref2"])}
+                  for p in curve] + [{"density": 1.0, "attn_err": 0.0}]
+        plan_density = sum(plan["density"]) / len(plan["density"])
+        at = interpolate(points, plan_density, "attn_err")
+        plan_err = math.sqrt(plan["err2"] / plan["ref2"])
+        summary[group] = {"plan_density": plan_density, "plan_attn_err": plan_err, "plan_worst": plan["worst"],
+                          "meets_budget": plan["worst"] <= budget, "global_attn_err_at_plan_density": at,
+                          "attn_err_ratio": None if not at else plan_err / at,
+                          "global": [{"setting": ",".join(f"{k}={v}" for k, v in c.items()), **p}
+                                     for c, p in zip(candidates, points)]}
+    chosen = {}
+    for value in choice.values():
+        text = "dense" if value is None else ",".join(f"{k}={v}" for k, v in candidates[value].items())
+        chosen[text] = chosen.get(text, 0) + 1
+    return {"budget": budget, "grid": grid, "layers": [list(k) for k in STRUCTURED_LAYERS], "choices": chosen,
+            "summary": summary}
+
+
 def print_table(results, log):
     log(f"{'method':7} {'group':12} {'setting':30} {'density':>8} {'attn_err':>9} {'worst':>8} {'psnr_db':>8}")
     for name, result in results["methods"].items():
@@ -226,6 +302,13 @@ def print_table(results, log):
                 f"{'-' if at is None else f'{at:.4f}'} at that density; worst head {s['plan_worst']:.4f} "
                 f"(budget {result['budget']}: {'met' if s['meets_budget'] else 'NOT met'}); PSNR {s['plan_psnr']:.2f} "
                 f"vs {'-' if psnr is None else f'{psnr:.2f}'} dB")
+    for name, result in results.get("structured", {}).items():
+        log(f"{name} on structured inputs (budget {result['budget']}, choices {result['choices']}):")
+        for group, s in result["summary"].items():
+            at = s["global_attn_err_at_plan_density"]
+            log(f"  {group}: plan density {s['plan_density']:.3f}, attn_err {s['plan_attn_err']:.4f} vs global "
+                f"{'-' if at is None else f'{at:.4f}'} at that density; worst head {s['plan_worst']:.4f} "
+                f"({'met' if s['meets_budget'] else 'NOT met'})")
 
 
 def _budgets(text):
@@ -245,6 +328,9 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench_calibration", description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="sta,sparge", help=f"comma-separated, from {sorted(SETUPS)}")
     parser.add_argument("--budget", type=_budgets, default={}, help="per method, e.g. sta=0.5,sparge=0.4")
+    parser.add_argument("--structured-budget", type=_budgets, default={},
+                        help="per method, for the structured inputs, e.g. sta=0.2,sparge=0.2")
+    parser.add_argument("--structured-only", action="store_true", help="only the structured inputs (seconds)")
     parser.add_argument("--buckets", type=int, default=2, help="step buckets of the plan")
     parser.add_argument("--cal-prompts", type=int, default=3)
     parser.add_argument("--held-prompts", type=int, default=2)
@@ -284,8 +370,12 @@ def main(argv=None):
     log(f"tiny wan (random weights), latent grid {grid}, {call['num_inference_steps']} steps, CFG; torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads")
     results = {"meta": {"call": call, "grid": grid, "torch": torch.__version__, "args": vars(args)}, "methods": {}}
+    results["structured"] = {}
     for name in methods:
-        results["methods"][name] = run_method(pipe, name, SETUPS[name], call, args, log)
+        if not args.structured_only:
+            results["methods"][name] = run_method(pipe, name, SETUPS[name], call, args, log)
+        budget = args.structured_budget.get(name, STRUCTURED_BUDGET[name])
+        results["structured"][name] = structured_evidence(name, SETUPS[name], budget, args)
     print_table(results, log)
     results["lines"] = lines
     if args.json:
