@@ -23,6 +23,8 @@
 Schemas are written out (not inferred from annotations) so that they read the same on every torch
 version from 2.4 on.
 """
+import importlib
+
 import torch
 
 from .block_sparse_skip_torch import block_sparse_attention_skip_torch
@@ -35,7 +37,7 @@ _BACKENDS = ("auto", "triton", "torch")
 
 def _triton_available():
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except Exception:
         return False
     return True
