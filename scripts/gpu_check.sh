@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for fastdit, in five timed parts (each under its own time cap, so one slow part cannot
+# GPU check for fastdit, in six timed parts (each under its own time cap, so one slow part cannot
 # eat the run):
 #
 #   kernel   correctness pass (Triton vs the float64 reference and the torch fallback), then the
@@ -7,6 +7,8 @@
 #            on synthetic plans; Wan 480p and HunyuanVideo 720p sliding tile      (cap T_KERNEL=130 s)
 #   patched  the patched path: fastdit.attention / run_plan with sta's and radial's own plans (text
 #            tokens and key mask included) next to the kernel alone and dense SDPA   (T_PATCHED=60 s)
+#   varlen   variable-size blocks (offsets; svg2's clusters): a small case against the float64
+#            reference, then fixed vs variable blocks at equal density (bench_varlen)  (T_VARLEN=40 s)
 #   methods  every method on structured video-like q/k/v per head kind at Wan 480p's 32760 tokens:
 #            density, error against dense, selection / attention / outside-attention time, the
 #            corrections, the same-density claims (bench_attention --methods)       (T_METHODS=60 s)
@@ -32,9 +34,9 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 #
 # Output: every part's JSON plus one log (everything printed) in $OUT when set, else
-# ./bench_results: attention_kernel_<stamp>.json, attention_patched_<stamp>.json,
-# transformer_wan_<stamp>.json, transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (5 files).
-# Caps add up to 530 s plus set-up (~15 s): under 10 minutes; a part that reaches its cap is
+# ./bench_results: attention_kernel_<stamp>.json, attention_patched_<stamp>.json, varlen_<stamp>.json,
+# transformer_wan_<stamp>.json, transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (6 files).
+# Caps add up to 570 s plus set-up (~15 s): under 10 minutes; a part that reaches its cap is
 # interrupted (SIGINT, then killed 10 s later) and keeps the rows it wrote. Transformer parts get
 # --budget-s (cap - 20 s): measurements that would not fit are skipped, with the reason, in the JSON.
 # Exit status: 0 when every part that ran passed, else the first failing part's status (1: a
@@ -49,9 +51,10 @@ PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null 2>&1 || PY=python
 STAMP="$(date +%Y%m%d-%H%M%S)"
 LOG="$OUT_DIR/gpu_check_$STAMP.log"
-PARTS="${GPU_CHECK_PARTS:-kernel,patched,methods,wan,hunyuan}"
+PARTS="${GPU_CHECK_PARTS:-kernel,patched,varlen,methods,wan,hunyuan}"
 T_KERNEL="${T_KERNEL:-130}"
 T_PATCHED="${T_PATCHED:-60}"
+T_VARLEN="${T_VARLEN:-40}"
 T_METHODS="${T_METHODS:-60}"
 T_WAN="${T_WAN:-150}"
 T_HY="${T_HY:-150}"
@@ -60,6 +63,7 @@ HY_FRAMES="${HY_FRAMES:-129}"
 #   GPU_CHECK_PARTS=patched,wan ATTENTION_ARGS=--quick TRANSFORMER_ARGS="--scale tiny" bash scripts/gpu_check.sh
 ATTENTION_ARGS="${ATTENTION_ARGS:-}"
 METHODS_ARGS="${METHODS_ARGS:---dtype bfloat16 --runs 3}"
+VARLEN_ARGS="${VARLEN_ARGS:---blocks 64,128 --runs 10}"
 TRANSFORMER_ARGS="${TRANSFORMER_ARGS:-}"
 unset TRITON_INTERPRET            # real GPU kernels, never the CPU interpreter
 export PYTHONUNBUFFERED=1
@@ -161,6 +165,10 @@ fi
 if want patched; then
     part patched "$T_PATCHED" "$PY" -m fastdit.eval.bench_attention --no-check --path patched \
         --out "$OUT_DIR/attention_patched_$STAMP.json" $ATTENTION_ARGS
+fi
+if want varlen; then
+    part varlen "$T_VARLEN" "$PY" -m fastdit.eval.bench_varlen --check --out "$OUT_DIR/varlen_$STAMP.json" \
+        $VARLEN_ARGS
 fi
 if want methods; then
     part methods "$T_METHODS" "$PY" -m fastdit.eval.bench_attention --path methods \
