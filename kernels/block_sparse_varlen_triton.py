@@ -21,9 +21,9 @@ no NaN appears); a row with no valid key ends with output 0 and ``lse = -inf``. 
 not powers of two are padded to ``BLOCK_D`` and masked (``EVEN_D``). ``UPCAST`` (interpreter
 only) computes bfloat16 dots in float32, as in the fixed kernel.
 
-Tiles are fixed per call (no autotuning: the schedule depends on ``BLOCK_M``): 64 x 64 with 4
-warps, 128-row tiles with 8 warps when the mean query block holds 128 rows or more, 32-key chunks
-for head dims over 128; ``FASTDIT_TRITON_CONFIG="BLOCK_M,BLOCK_N,warps,stages"`` pins one.
+Tiles are fixed per call (no autotuning: the schedule depends on ``BLOCK_M``), chosen from the
+mean block sizes (``launch_config``); ``FASTDIT_TRITON_CONFIG="BLOCK_M,BLOCK_N,warps,stages"``
+pins one.
 Only long-standing ``tl`` features (loops with run-time bounds, masked loads, ``tl.dot``).
 """
 from __future__ import annotations
@@ -161,12 +161,19 @@ def row_tile_schedule(q_offsets, block_m, n_slots):
     return block.to(torch.int32).contiguous(), (slots - first).to(torch.int32).contiguous()
 
 
-def launch_config(n_q, n_qblocks, block_d):
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a GPU launch (shapes only, no sync)."""
+def launch_config(n_q, n_qblocks, n_k, n_kblocks, block_d):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a GPU launch, from the mean block sizes
+    (shapes only, no sync). A row tile or key chunk is cut at its block's end, so tiles much larger
+    than the blocks compute mostly masked entries: 128-row tiles (8 warps) only for mean query
+    blocks of 128 rows or more, key chunks of 64 / 32 / 16 for mean key blocks of >= 96 / >= 40 /
+    fewer keys (at most 32 for head dims over 128). Not tuned on a GPU yet."""
     forced = _forced_config()
     if forced is not None:
         return forced.kwargs["BLOCK_M"], forced.kwargs["BLOCK_N"], forced.num_warps, forced.num_stages
-    block_n = 32 if block_d > 128 else 64
+    mean_k = n_k / max(n_kblocks, 1)
+    block_n = 64 if mean_k >= 96 else 32 if mean_k >= 40 else 16
+    if block_d > 128:
+        block_n = min(block_n, 32)
     if n_q >= 128 * max(n_qblocks, 1) and block_d <= 128:
         return 128, block_n, 8, 2
     return 64, block_n, 4, 2
@@ -190,7 +197,7 @@ def block_sparse_attention_varlen_triton(q, k, v, q_offsets, k_offsets, kv_indic
     if interpreted:
         block_m, block_n, warps, stages = 16, 16, 4, 1
     else:
-        block_m, block_n, warps, stages = launch_config(n_q, n_qblocks, block_d)
+        block_m, block_n, warps, stages = launch_config(n_q, n_qblocks, n_k, k_offsets.shape[-1] - 1, block_d)
     n_slots = n_qblocks + -(-n_q // block_m)
     sched_block, sched_tile = row_tile_schedule(q_offsets, block_m, n_slots)
     q_off = q_offsets.to(torch.int32).contiguous()

@@ -21,7 +21,7 @@ from fastdit.kernels import (
     varlen_to_token_mask,
 )
 from fastdit.kernels.block_sparse_varlen_torch import block_sparse_attention_varlen_torch
-from fastdit.kernels.block_sparse_varlen_triton import row_tile_schedule
+from fastdit.kernels.block_sparse_varlen_triton import launch_config, row_tile_schedule
 
 from kernel_backends import BACKENDS, DEVICE, seeded, to_device
 
@@ -350,3 +350,10 @@ def test_opcheck(backend):
     op = torch.ops.fastdit.block_sparse_attention_varlen.default
     torch.library.opcheck(op, (q, k, v, q_off, k_off, idx, cnt, 0.25, kv_valid, backend))
     torch.library.opcheck(torch.ops.fastdit.check_varlen_plan.default, (q_off, k_off, idx, cnt, 45, 60))
+
+
+def test_launch_config_follows_mean_block_sizes():
+    """GPU tiles: key chunks no longer than the mean key block allows, 128-row tiles only for big blocks."""
+    assert launch_config(32760, 100, 32760, 500, 128) == (128, 32, 8, 2)   # svg2-like: 328-row / 66-key blocks
+    assert launch_config(12288, 192, 12288, 96, 64) == (64, 64, 4, 2)
+    assert launch_config(1000, 10, 1000, 100, 256) == (64, 16, 4, 2)
