@@ -23,8 +23,6 @@
 Schemas are written out (not inferred from annotations) so that they read the same on every torch
 version from 2.4 on.
 """
-import importlib
-
 import torch
 
 from .block_sparse_skip_torch import block_sparse_attention_skip_torch
@@ -37,10 +35,10 @@ _BACKENDS = ("auto", "triton", "torch")
 
 def _triton_available():
     try:
-        importlib.import_module("triton")
+        import triton  # a plain import statement: torch.compile traces it (importlib.import_module it refuses)
     except Exception:
         return False
-    return True
+    return triton is not None
 
 
 @torch.library.custom_op(

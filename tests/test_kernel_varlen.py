@@ -321,8 +321,9 @@ def _attend(q, k, v, q_off, k_off, idx, cnt, kv_valid, backend="torch"):
     return out * 2.0, lse
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
-def test_compile_one_opaque_call(compile_backend):
+def test_compile_one_opaque_call(compile_backend, backend):
     torch._dynamo.reset()
     args = make_case("perhead_d24_kvvalid", torch.float32)
     graphs = []
@@ -331,11 +332,14 @@ def test_compile_one_opaque_call(compile_backend):
         graphs.append(gm)
         return gm.forward
 
+    def attend(*a):
+        return _attend(*a, backend=backend)
+
     with torch.no_grad():
-        eager = _attend(*args)
-        out, lse = torch.compile(_attend, backend=compile_backend, fullgraph=True)(*args)
+        eager = attend(*args)
+        out, lse = torch.compile(attend, backend=compile_backend, fullgraph=True)(*args)
         torch._dynamo.reset()
-        torch.compile(_attend, backend=capture, fullgraph=True)(*args)
+        torch.compile(attend, backend=capture, fullgraph=True)(*args)
     assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
     check(out / 2, lse, *args)
     (gm,) = graphs
