@@ -9,7 +9,7 @@ One iteration (Lloyd's):
 
 * assignment: ``label_i = argmin_c |x_i - c|^2 = argmax_c (2 x_i . c - |c|^2)`` (``|x_i|^2`` is
   the same for every ``c``): one batched matrix product ``x @ centroids^T``; the first cluster on
-  ties (``argmax``);
+  ties;
 * update: ``c = mean of the valid x_i labelled c``; a cluster with no valid point keeps its
   previous centroid (it may win points back in a later iteration).
 
@@ -47,7 +47,7 @@ def assign(x, centroids):
     for g0 in range(0, groups, chunk):
         g1 = min(groups, g0 + chunk)
         scores = torch.baddbmm(norms[g0:g1, None, :], x[g0:g1], centroids[g0:g1].transpose(1, 2), beta=-1.0, alpha=2.0)
-        labels[g0:g1] = scores.argmax(-1)
+        labels[g0:g1] = scores.max(-1).indices  # the first maximum on ties; 2x faster than argmax on the CPU
     return labels
 
 
