@@ -67,8 +67,14 @@ def random_lists(gen, lead, n_qblocks, n_kblocks, max_count):
 CASES = {
     "perhead_d24_kvvalid": (2, 3, 77, 91, 24, 7, 9, (2, 3), (1, 3), (2, 1), True, "bhnd"),
     "shared_d32_bnhd": (1, 2, 64, 53, 32, 5, 6, (1, 1), (1, 1), (1, 1), False, "bnhd"),
-    "batch_d16_dead_block": (2, 2, 45, 60, 16, 5, 5, (2, 1), (1, 1), (1, 2), True, "bhnd"),
+    "batch_d16_dead_block": (2, 2, 45, 60, 16, 6, 6, (2, 1), (1, 1), (1, 2), True, "bhnd"),
 }
+
+
+def dead_query_block(q_off):
+    """A query block (not block 0) with rows in every batch / head, the smallest such one."""
+    sizes = (q_off[..., 1:] - q_off[..., :-1]).flatten(0, 1).amin(0).tolist()
+    return min((size, m) for m, size in enumerate(sizes) if m > 0 and size > 0)[1]
 
 
 def make_case(name, dtype):
@@ -85,11 +91,12 @@ def make_case(name, dtype):
     kv_valid = None
     if use_valid:
         kv_valid = torch.rand(B, Nk, generator=gen) > 0.25
-        if k_lead == (1, 1):  # a whole key block invalid, and the only block of query block 1
+        if k_lead == (1, 1):  # a whole key block invalid, and the only block of one query block
             sizes = (k_off[0, 0, 1:] - k_off[0, 0, :-1]).tolist()
             j = min((size, j) for j, size in enumerate(sizes) if size >= 2)[1]
             kv_valid[:, int(k_off[0, 0, j]):int(k_off[0, 0, j + 1])] = False
-            idx[..., 1, 0], cnt[..., 1] = j, 1
+            m = dead_query_block(q_off)
+            idx[..., m, 0], cnt[..., m] = j, 1
     return to_device(DEVICE, q, k, v, q_off, k_off, idx, cnt, kv_valid)
 
 
@@ -123,9 +130,11 @@ def test_against_reference(case, dtype, backend):
     out, lse = block_sparse_attention_varlen(q, k, v, q_off, k_off, idx, cnt, kv_valid=kv_valid, backend=backend)
     empty = check(out, lse, q, k, v, q_off, k_off, idx, cnt, kv_valid)
     assert empty.any(), "each case has rows with no attended key (query block 0 lists none)"
-    if case == "batch_d16_dead_block":  # query block 1 lists only an invalid block: no key either
-        rows = range(int(q_off[0, 0, 1]), int(q_off[0, 0, 2]))
-        assert all(bool(empty[0, :, r].all()) for r in rows)
+    if case == "batch_d16_dead_block":  # this query block lists only an invalid key block: no key either
+        m = dead_query_block(q_off.cpu())
+        for b in range(q.shape[0]):
+            rows = range(int(q_off[b, 0, m]), int(q_off[b, 0, m + 1]))
+            assert len(rows) > 0 and all(bool(empty[b, :, r].all()) for r in rows)
 
 
 @pytest.mark.parametrize("case", list(CASES))
