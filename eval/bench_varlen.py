@@ -19,7 +19,8 @@ D=64, H=24, bfloat16), three forms, each with a per-head plan of random key-bloc
 Backend ``--backend`` (default ``auto``: Triton on CUDA, the torch fallback on the CPU), plans
 valid by construction (``validate=False``). Columns: density (attended token pairs / N * Nk,
 measured from the plan), ms (median of ``--runs`` timed calls after ``--warmup`` untimed ones;
-CUDA events or ``time.perf_counter``), ratio (ms / the fixed form's ms at the same ``b``), peak
+the three forms timed in turn, round robin, so that a change of machine load hits each alike;
+CUDA events or ``time.perf_counter``; every call in ``ms_runs`` of the JSON), ratio (ms / the fixed form's ms at the same ``b``), peak
 memory of one untimed call above the inputs (MiB; CUDA allocator or process RSS), and for
 ``varlen_same`` the relative error against the fixed form's output (same plan: ~0).
 
@@ -31,13 +32,14 @@ float64 reference ``varlen_reference``; the run fails (exit 1) when the relative
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 
 from fastdit.kernels import block_sparse_attention, block_sparse_attention_varlen, varlen_reference
 
-from .bench_common import BenchReport, default_out_path, fmt, machine, peak_memory_mb, pick_device, rel_error, time_fn
+from .bench_common import BenchReport, default_out_path, fmt, machine, peak_memory_mb, pick_device, rel_error, time_once
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -171,18 +173,28 @@ def main(argv=None):
                 q, k, v, d_off, d_off, d_idx, d_cnt, backend=args.backend, validate=False)),
         }
         fixed_ms, fixed_out = None, None
+        times = {form: [] for form in forms}
+        with torch.no_grad():
+            for _ in range(warmup):
+                for _, fn in forms.values():
+                    fn()
+            for _ in range(runs):  # round robin: a change of machine load hits every form alike
+                for form, (_, fn) in forms.items():
+                    times[form].append(time_once(fn, cuda))
+        fixed_ms, fixed_out = None, None
         for form, (plan, fn) in forms.items():
             with torch.no_grad():
-                ms = time_fn(fn, runs, warmup, cuda)
                 out = fn()[0]
                 peak = peak_memory_mb(fn, cuda)
+            ms = statistics.median(times[form])
             err = None
             if form == "fixed":
                 fixed_ms, fixed_out = ms, out
             elif form == "varlen_same":
                 err = rel_error(out.float(), fixed_out.float())
-            row = report.add({"form": form, "block": b, "density": pair_density(*plan),
-                              "ms": ms, "ratio_vs_fixed": ms / fixed_ms, "peak_mib": peak, "rel_err_vs_fixed": err})
+            row = report.add({"form": form, "block": b, "density": pair_density(*plan), "ms": ms,
+                              "ms_runs": times[form], "ratio_vs_fixed": ms / fixed_ms, "peak_mib": peak,
+                              "rel_err_vs_fixed": err})
             report.log(f"{form:<14} {b:>5} {row['density']:>8.3f} {ms:>10.2f} {row['ratio_vs_fixed']:>6.2f} "
                        f"{fmt(peak, '>9.1f')} {fmt(err, '>12.1e')}")
             report.write()  # after every row: a run cut short keeps what it measured
