@@ -48,15 +48,15 @@ HELD_PROMPTS = ["a corgi floats inside a space station", "a hot air balloon rise
 #: Per method: base options, the candidate list, and the default budget.
 SETUPS = {
     "sta": dict(options={"tile": (1, 2, 2)}, budget=0.5,
-                # tile grid 5 x 5 x 5 at the full size: a window of 5 tiles is the whole axis
+                # tile grid 4 x 4 x 4 at the full size: a window of 5 tiles covers the whole axis
                 candidates=[{"window": w} for w in ((1, 1, 1), (1, 3, 3), (3, 1, 1), (3, 3, 3), (5, 1, 1), (1, 5, 5),
                                                     (5, 3, 3))]),
-    "sparge": dict(options={"tile": (1, 2, 5), "simthresh": -1.0}, budget=0.5,
+    "sparge": dict(options={"tile": (1, 2, 4), "simthresh": -1.0}, budget=0.5,
                    candidates=[{"topk": t} for t in (0.6, 0.4, 0.25, 0.15)] + [{"cdf": c, "topk": None}
                                                                                for c in (0.9, 0.7)]),
 }
 STRUCTURED_BUDGET = {"sta": 0.2, "sparge": 0.2}
-FULL = dict(num_frames=17, height=160, width=160, num_inference_steps=4, guidance_scale=5.0, max_sequence_length=16)
+FULL = dict(num_frames=13, height=128, width=128, num_inference_steps=4, guidance_scale=5.0, max_sequence_length=16)
 QUICK = dict(num_frames=9, height=80, width=112, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16)
 
 
@@ -167,6 +167,11 @@ def run_method(pipe, name, setup, call, args, log):
                          call_kwargs=call, options=setup["options"], rows=args.rows, seed=args.seed, progress=False)
         plan_opts = plan_options_for(path, pipe, name)
     calibrate_s = time.perf_counter() - started
+    histogram = {}
+    for value in (plan.get("settings") or plan.get("strategy")).values():
+        text = "dense" if value is None or value == [0, 0, 0] else str(value)
+        histogram[text] = histogram.get(text, 0) + 1
+    log(f"{name}: plan at budget {budget} from {len(cal)} prompt(s), {calibrate_s:.0f} s; choices {histogram}")
     labels = ["plan"] + [",".join(f"{k}={v}" for k, v in c.items()) for c in candidates]
     settings = [plan_opts] + [{**base, **c} for c in candidates]
     groups = {"calibration": cal, "held-out": held}
@@ -174,6 +179,7 @@ def run_method(pipe, name, setup, call, args, log):
     for group, prompts in groups.items():
         totals = [{"err2": 0.0, "ref2": 0.0, "worst": 0.0, "density": 0.0, "mse": 0.0} for _ in settings]
         for prompt in prompts:
+            log(f"{name}: {group} prompt {prompt!r}: {len(settings)} settings")
             measured = teacher_forced(pipe, name, settings, prompt, call, args.seed, buckets, args.backend)
             reference = frames(pipe, prompt, call, args.seed)
             for total, m, options in zip(totals, measured, settings):
@@ -203,12 +209,6 @@ def run_method(pipe, name, setup, call, args, log):
             "best_global_within_budget": None if best is None else {k: best[k] for k in ("setting", "density",
                                                                                          "attn_err", "worst")},
         }
-    chosen = plan.get("settings") or plan.get("strategy")
-    histogram = {}
-    for value in chosen.values():
-        text = "dense" if value is None or value == [0, 0, 0] else str(value)
-        histogram[text] = histogram.get(text, 0) + 1
-    log(f"{name}: plan at budget {budget} from {len(cal)} prompt(s), {calibrate_s:.0f} s; choices {histogram}")
     return {"budget": budget, "buckets": buckets, "choices": histogram, "calibrate_s": calibrate_s,
             "rows": rows, "summary": summary}
 
@@ -249,7 +249,7 @@ def structured_evidence(name, setup, budget, args):
     from fastdit.calibration_candidates import select_plan
 
     candidates = setup["candidates"][: args.max_candidates] if args.max_candidates else setup["candidates"]
-    grid = (5, 10, 10)
+    grid = (4, 8, 8)
     calibration = _structured_table(name, setup, candidates, grid, args.seed, args.backend)
     choice, _ = select_plan([calibration], candidates, budget, per_head=(name == "sta"))
     summary = {}
@@ -332,7 +332,7 @@ def build_parser():
                         help="per method, for the structured inputs, e.g. sta=0.2,sparge=0.2")
     parser.add_argument("--structured-only", action="store_true", help="only the structured inputs (seconds)")
     parser.add_argument("--buckets", type=int, default=2, help="step buckets of the plan")
-    parser.add_argument("--cal-prompts", type=int, default=3)
+    parser.add_argument("--cal-prompts", type=int, default=2)
     parser.add_argument("--held-prompts", type=int, default=2)
     parser.add_argument("--max-candidates", type=int, default=0, help="use the first N candidates (0: all)")
     parser.add_argument("--rows", type=int, default=4096, help="query rows sampled by the calibration (all when more)")
