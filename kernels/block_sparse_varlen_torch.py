@@ -13,10 +13,12 @@ one batched call::
 
 Sorting pairs blocks of similar size across groups, so the padding stays small: on random
 boundaries (sorted uniform cuts, mean 64 or 128 tokens, 8 groups) the computed pairs were 1.12x to
-1.28x the attended ones. The first version rewrote the plan as a fixed-size one over a padded token
-order (every block padded to a multiple of a base block) and ran the fixed path: exact too, but
-2.5x the fixed path's time against 1.4x for this loop (CPU, one thread, N=4096, D=64, 8 heads),
-because small base blocks multiply the loop steps and their key gathers.
+1.28x the attended ones, and ``python -m fastdit.eval.bench_varlen --threads 1`` (N=12288, D=64, 8
+heads, density 0.25) timed this path at 1.27x (mean block 64) and 1.15x (128) the fixed path's
+time at equal density, 1.07x / 1.00x on the fixed form's own boundaries. A first version rewrote
+the plan as a fixed-size one over a padded token order (every block padded to a multiple of a base
+block) and ran the fixed path: exact too, but 2.5x the fixed path's time (N=4096), because small
+base blocks multiply the loop steps and their key gathers.
 
 Each step is one call of torch's fused CPU flash attention (``_fused_cpu_block`` of the fixed
 path, which also gives the log-sum-exp); elsewhere (a GPU without Triton) a float32 masked softmax.
