@@ -76,6 +76,8 @@ def test_svg2_claim_rule():
     assert bench_methods.svg2_claim(rows).startswith("holds")
     rows[-1]["rel_l2"] = 0.05  # sparge better on temporal heads
     assert bench_methods.svg2_claim(rows).startswith("fails")
-    rows[-1].update(rel_l2=0.2, density=0.2)  # a companion with less budget than svg2 proves nothing
-    assert bench_methods.svg2_claim(rows).startswith("fails") and "below svg2's" in bench_methods.svg2_claim(rows)
+    rows[-1].update(rel_l2=0.2, density=0.2)  # another budget than svg2's proves nothing
+    assert bench_methods.svg2_claim(rows).startswith("fails") and "not within" in bench_methods.svg2_claim(rows)
+    rows[-1].update(density=0.4)
+    assert bench_methods.svg2_claim(rows).startswith("fails")
     assert bench_methods.svg2_claim(rows[:2]) == "not run"

@@ -156,6 +156,9 @@ def test_scores_and_selection_follow_the_formula():
                 kept += 1
             assert int(counts[gi, m]) == kept and order[gi, m, :kept].tolist() == ranked[:kept]
     assert probs[0, :, 1].eq(0).all()  # the empty key cluster gets nothing
+    floor_order, floor_counts = svg2.select_clusters(probs, 0.7, min_kc_ratio=0.5)  # at least ceil(2.5) = 3
+    assert torch.equal(floor_order, order) and torch.equal(floor_counts, counts.clamp(min=3))
+    assert bool((floor_counts > counts).any()), "the floor must matter somewhere in this test"
 
 
 # -- warm start ------------------------------------------------------------------------------------
@@ -226,6 +229,7 @@ def tiny_wan():
 @pytest.mark.parametrize("option,value", [("q_clusters", 0), ("k_clusters", 0), ("k_clusters", 2.5),
                                           ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
                                           ("kmeans_iters", 0), ("init_iters", 0), ("warm_start", "yes"),
+                                          ("min_kc_ratio", -0.1), ("min_kc_ratio", 1.5),
                                           ("correction", "pooled"), ("skip_threshold", 2.0)])
 def test_bad_options_raise_at_patch_time_naming_the_option(option, value, tiny_wan):
     with pytest.raises(ValueError, match=option):

@@ -25,7 +25,8 @@ once, on the device, no host synchronisation):
    0). This predicts the attention mass query cluster ``m`` puts on key cluster ``j``.
 4. Selection: per query cluster, the key clusters in descending ``p``, keeping the fewest whose
    cumulative ``p`` reaches ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
-   least 1); ``top_p = 1`` keeps every key cluster (dense attention, exactly). Every video query
+   least 1, and at least ``ceil(min_kc_ratio * Ck)``: SVG2's floor, 0.10 in its scripts, default 0
+   here); ``top_p = 1`` keeps every key cluster (dense attention, exactly). Every video query
    cluster also keeps the text key block; the text query block keeps every key block: text rows
    and columns stay dense.
 5. Attention on the kept (query cluster, key cluster) pairs: one call of the variable-size engine
@@ -85,6 +86,8 @@ class SVG2Config(BlockSparseConfig):
         kmeans_iters: k-means iterations of a warm-started call (>= 1).
         init_iters: k-means iterations of a cold start (>= 1).
         warm_start: start from the previous call's centroids while the layout is unchanged.
+        min_kc_ratio: keep at least this fraction of the key clusters per query cluster, in [0, 1]
+            (SVG2's ``min_kc_ratio``; its scripts use 0.10).
         dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 1.
         correction: ``"none"`` or ``"cached"`` (``"pooled"`` is refused); ``skip_threshold`` must
             stay None (the variable-size engine has no skip rule).
@@ -101,6 +104,8 @@ class SVG2Config(BlockSparseConfig):
                              range=(1, None), widget="number")
     warm_start: bool = option(True, "start k-means from the previous call's centroids while the layout is unchanged",
                               widget="checkbox")
+    min_kc_ratio: float = option(0.0, "keep at least this fraction of the key clusters per query cluster (SVG2: 0.1)",
+                                 range=(0.0, 1.0), widget="slider")
 
     def validate(self):
         super().validate()
@@ -112,6 +117,12 @@ class SVG2Config(BlockSparseConfig):
             raise ValueError(f"top_p must be a number in (0, 1] (predicted attention mass kept per query cluster), "
                              f"got {value!r}")
         self.top_p = float(value)
+        value = self.min_kc_ratio
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+                or not 0.0 <= value <= 1.0):
+            raise ValueError(f"min_kc_ratio must be a number in [0, 1] (fraction of the key clusters always kept), "
+                             f"got {value!r}")
+        self.min_kc_ratio = float(value)
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"warm_start must be True or False, got {self.warm_start!r}")
         if self.correction == "pooled":
@@ -133,15 +144,16 @@ def cluster_scores(q_centroids, k_centroids, k_sizes, scale):
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def select_clusters(probs, top_p):
+def select_clusters(probs, top_p, min_kc_ratio=0.0):
     """``(order, counts)``: key clusters of each query cluster in descending ``p`` (long
-    ``(G, Cq, Ck)``) and how many of them are kept (long ``(G, Cq)``, >= 1)."""
+    ``(G, Cq, Ck)``) and how many of them are kept (long ``(G, Cq)``, >= 1 and >=
+    ``ceil(min_kc_ratio * Ck)``)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     clusters = probs.shape[-1]
     if top_p >= 1.0:  # every cluster, whatever the float rounding of the cumulative sum
         return order, torch.full(probs.shape[:-1], clusters, dtype=torch.long, device=probs.device)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the higher-ranked clusters
-    return order, (before < top_p).sum(-1).clamp(min=1)
+    return order, (before < top_p).sum(-1).clamp(min=max(1, math.ceil(min_kc_ratio * clusters - 1e-9)))
 
 
 def block_lists(order, counts, has_text):
@@ -360,7 +372,7 @@ class SparseVideoGen2(BlockSparseMethod):
         batch, heads, seq, dim = q.shape
         scale = 1.0 / math.sqrt(dim) if ctx.scale is None else ctx.scale
         probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
-        order, counts = select_clusters(probs, self.config.top_p)
+        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio)
         has_text = layout.text_len > 0
         kv_indices, kv_counts = block_lists(order, counts, has_text)
         video, text = layout.video_positions(q.device), layout.text_positions(q.device)
