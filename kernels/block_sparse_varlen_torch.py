@@ -93,7 +93,8 @@ def block_sparse_attention_varlen_torch(q, k, v, q_offsets, k_offsets, kv_indice
         m = order[:, r]
         row = torch.arange(n_rows, device=device)
         row_ok = row < q_size[group, m].unsqueeze(-1)                               # (G, R)
-        rows = q_off[group, m].unsqueeze(-1) + torch.where(row_ok, row, torch.zeros_like(row)) + q_rows0
+        # padding rows read row 0 (an empty block may start at N)
+        rows = torch.where(row_ok, q_off[group, m].unsqueeze(-1) + row, torch.zeros_like(row)) + q_rows0
         # key t of the list: slot s with slot_start <= t < slot_end, key first_key[s] + t - slot_start[s]
         t = torch.arange(n_cols, device=device).expand(groups, n_cols).contiguous()
         slot = torch.searchsorted(slot_end[group, m], t, right=True).clamp(max=width - 1)

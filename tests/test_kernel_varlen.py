@@ -180,6 +180,21 @@ def test_uniform_offsets_equal_fixed_engine(backend, blocks):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_blocks_at_the_ends(backend):
+    """Empty blocks first and last (starting at 0 / at N or Nk) in one head, none in the other."""
+    gen = seeded(5)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (40, 33, 33))
+    q_off = torch.tensor([[[0, 9, 20, 31, 40], [0, 0, 22, 40, 40]]])  # the last (b, h): an out-of-range trap
+    k_off = torch.tensor([[[0, 12, 33, 33], [0, 0, 17, 33]]])
+    idx = torch.tensor([[[[2, 1], [0, JUNK], [1, 2], [0, 2]], [[1, 2], [0, 1], [2, JUNK], [1, JUNK]]]],
+                       dtype=torch.int32)
+    cnt = torch.tensor([[[2, 1, 2, 2], [2, 2, 1, 1]]], dtype=torch.int32)
+    args = to_device(DEVICE, q, k, v, q_off, k_off, idx, cnt)
+    out, lse = block_sparse_attention_varlen(*args, backend=backend)
+    check(out, lse, *args, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_no_keys(backend):
     """Nk = 0 (one boundary, no key block): every row is empty."""
     q = torch.randn(1, 2, 9, 16, device=DEVICE)
