@@ -68,7 +68,14 @@ def test_half_precision_is_clustered_in_float32_and_bad_arguments_raise():
         kmeans(x, torch.randn(2, 3, 5), 1)
 
 
-def test_spread_init_takes_evenly_spaced_points():
-    x = torch.arange(10.0).view(1, 10, 1)
-    assert spread_init(x, 4).flatten().tolist() == [1.0, 3.0, 6.0, 8.0]  # floor((c + 0.5) * 10 / 4)
-    assert spread_init(x, 10).flatten().tolist() == list(map(float, range(10)))
+def test_spread_init_takes_distinct_fixed_seed_points():
+    x = torch.arange(40.0).view(1, 40, 1).expand(2, 40, 1)
+    expected = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:7].sort().values.double()
+    assert torch.equal(spread_init(x, 7)[0, :, 0].double(), expected)
+    assert torch.equal(spread_init(x, 7)[1], spread_init(x, 7)[0])  # the same positions in every problem
+    assert spread_init(x, 40).flatten().unique().numel() == 40
+    # evenly spaced positions would alias with a period (frames): these do not
+    frames = (spread_init(x, 8)[0, :, 0].long() % 5).unique().numel()
+    assert frames > 1
+    with pytest.raises(ValueError, match="clusters"):
+        spread_init(x, 41)

@@ -37,8 +37,9 @@ def randn_qkv(layout, batch=2, heads=3, dim=16, seed=0):
 
 
 def spread(x, clusters):
-    n = x.shape[0]
-    return x[[math.floor((c + 0.5) * n / clusters) for c in range(clusters)]]
+    """The documented cold start: distinct points drawn with seed 0, in increasing order."""
+    chosen = sorted(torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:clusters].tolist())
+    return x[chosen]
 
 
 def reference_mask(q, k, layout, b, h, cq, ck, top_p, iters, key_mask=None):

@@ -25,6 +25,8 @@ float64 stays float64 (tests).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: float32 entries of the (problems, points, clusters) score table held at once.
@@ -99,10 +101,24 @@ def kmeans(x, centroids, iters, valid=None):
     return centroids, labels, sizes
 
 
+#: Seed of the cold-start choice of initial points (fixed: the same points in every call and run).
+INIT_SEED = 0
+
+
+@functools.lru_cache(maxsize=64)
+def _init_index(points, clusters, device):
+    generator = torch.Generator().manual_seed(INIT_SEED)
+    index = torch.randperm(points, generator=generator)[:clusters].sort().values
+    return index.to(device)  # cached per device: no host-to-device copy in later calls
+
+
 def spread_init(x, clusters):
-    """Deterministic cold-start centroids: the points at ``clusters`` evenly spaced positions
-    ``floor((c + 1/2) N / C)`` of each problem (for video tokens in model order: spread over the
-    frames and the frame), ``(G, C, D)``."""
+    """Deterministic cold-start centroids ``(G, C, D)``: the points at ``C`` distinct positions of
+    each problem drawn once with a fixed seed (``INIT_SEED``), in increasing order. Not evenly
+    spaced positions: for video tokens in model order those alias with the frame length (with
+    ``C`` a multiple of the frames every frame would give the same spatial positions, which for
+    heads that ignore time are duplicate centroids)."""
     points = x.shape[1]
-    index = ((torch.arange(clusters, device=x.device, dtype=torch.float64) + 0.5) * points / clusters).long()
-    return x.index_select(1, index.clamp(max=points - 1)).to(_work_dtype(x))
+    if not 1 <= clusters <= points:
+        raise ValueError(f"spread_init: clusters must be in [1, {points}] (the number of points), got {clusters}")
+    return x.index_select(1, _init_index(points, clusters, str(x.device))).to(_work_dtype(x))

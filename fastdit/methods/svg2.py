@@ -6,9 +6,9 @@ once, on the device, no host synchronisation):
 
 1. Clustering: the video queries are clustered into ``Cq = q_clusters`` and the video keys into
    ``Ck = k_clusters`` clusters by batched L2 k-means (``fastdit.methods.kmeans``; SVG2 uses plain
-   Euclidean k-means as well). Cold start: the centroids are the tokens at ``Cq`` (``Ck``) evenly
-   spaced positions of the video in model order (spread over frames and the frame; deterministic),
-   then ``init_iters`` iterations. Warm start (``warm_start=True``, as the paper): the centroids of
+   Euclidean k-means as well). Cold start: the centroids are ``Cq`` (``Ck``) distinct video tokens
+   drawn once with a fixed seed (deterministic, spread over the video; evenly spaced tokens would
+   alias with the frame length, see ``kmeans.spread_init``), then ``init_iters`` iterations. Warm start (``warm_start=True``, as the paper): the centroids of
    the previous call of the same layer and CFG branch (kept in ``ctx.state``, which fastdit resets
    at every pipeline call) are reused, with ``kmeans_iters`` iterations, while the layout, batch,
    heads, head dimension, cluster counts and device are unchanged; anything else is a cold start.
