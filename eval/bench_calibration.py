@@ -249,7 +249,7 @@ def structured_evidence(name, setup, budget, args):
     from fastdit.calibration_candidates import select_plan
 
     candidates = setup["candidates"][: args.max_candidates] if args.max_candidates else setup["candidates"]
-    grid = (4, 8, 8)
+    grid = (2, 4, 8) if args.quick else (4, 8, 8)
     calibration = _structured_table(name, setup, candidates, grid, args.seed, args.backend)
     choice, _ = select_plan([calibration], candidates, budget, per_head=(name == "sta"))
     summary = {}

@@ -29,3 +29,11 @@ def test_quick_run_writes_rows_and_meets_the_budget_on_calibration(tmp_path):
     # the calibration measured every query row of the same dense run: the budget holds exactly there
     assert summary["plan_worst"] <= 0.9 + 1e-6 and summary["meets_budget"]
     assert set(result["summary"]) == {"calibration", "held-out"}
+    structured = json.loads(out.read_text())["structured"]["sparge"]["summary"]["calibration"]
+    assert structured["plan_worst"] <= structured_budget() + 1e-9 and 0 < structured["plan_density"] <= 1
+
+
+def structured_budget():
+    from fastdit.eval.bench_calibration import STRUCTURED_BUDGET
+
+    return STRUCTURED_BUDGET["sparge"]
