@@ -71,36 +71,42 @@ def block_sparse_attention_varlen_torch(q, k, v, q_offsets, k_offsets, kv_indice
     blocks = torch.where(slot_ok, idx, torch.zeros_like(idx)).reshape(groups, -1)
     per_slot = torch.where(slot_ok, k_size.gather(1, blocks).view_as(idx), torch.zeros_like(idx))
     slot_end = per_slot.cumsum(-1)                                                 # keys up to each slot
-    slot_start = slot_end - per_slot
-    first_key = k_off.gather(1, blocks).view_as(idx)                               # first key of each slot
     n_keys = slot_end[..., -1]                                                     # (G, Mq) keys per list
-
-    order = torch.argsort(q_size, dim=1, descending=True, stable=True)             # rank -> block, per group
-    sizes_by_rank = torch.stack([q_size.gather(1, order).amax(0), n_keys.gather(1, order).amax(0),
-                                 n_keys.gather(1, order).amin(0)]).tolist()        # one host sync
     group = torch.arange(groups, device=device)
     q_rows0, k_rows0 = (group * n_q).unsqueeze(-1), (group * n_k).unsqueeze(-1)
+    # key t of a list lies in the slot s with slot_end[s - 1] <= t < slot_end[s]: the key-table row
+    # first_key[s] - slot_start[s] + t (+ the group's base)
+    key_shift = k_off.gather(1, blocks).view_as(idx) - (slot_end - per_slot) + k_rows0.unsqueeze(-1)
+
+    # everything the loop reads, rank-major ((Mq, G, ...): step r reads views, no indexing op)
+    order = torch.argsort(q_size, dim=1, descending=True, stable=True)             # rank -> block, per group
+
+    def by_rank(t):  # (G, Mq, ...) -> (Mq, G, ...), block order -> rank order
+        index = order.view(*order.shape, *([1] * (t.dim() - 2))).expand_as(t)
+        return t.gather(1, index).transpose(0, 1).contiguous()
+
+    q_size_r, n_keys_r = by_rank(q_size), by_rank(n_keys)
+    q_start_r = by_rank(q_off[:, :-1]) + q_rows0.t()
+    slot_end_r, key_shift_r = by_rank(slot_end), by_rank(key_shift)
+    sizes_by_rank = torch.stack([q_size_r.amax(1), n_keys_r.amax(1), n_keys_r.amin(1)]).tolist()  # one sync
     q_tab, k_tab, v_tab = (t.reshape(-1, dim) for t in (q, k, v))                  # (G * tokens, D) tables
     key_valid = None
     if kv_valid is not None:
         key_valid = kv_valid.to(torch.bool)[:, None, :].expand(batch, heads, n_k).reshape(-1)
+    arange = torch.arange(max(max(sizes_by_rank[0]), max(sizes_by_rank[1])), device=device)
 
     for r, (n_rows, n_cols, n_cols_min) in enumerate(zip(*sizes_by_rank)):
         if n_rows == 0:
             break  # every later block is empty too
         if n_cols == 0:
             continue  # no group's block lists a key: rows stay 0 / -inf
-        m = order[:, r]
-        row = torch.arange(n_rows, device=device)
-        row_ok = row < q_size[group, m].unsqueeze(-1)                               # (G, R)
-        # padding rows read row 0 (an empty block may start at N)
-        rows = torch.where(row_ok, q_off[group, m].unsqueeze(-1) + row, torch.zeros_like(row)) + q_rows0
-        # key t of the list: slot s with slot_start <= t < slot_end, key first_key[s] + t - slot_start[s]
-        t = torch.arange(n_cols, device=device).expand(groups, n_cols).contiguous()
-        slot = torch.searchsorted(slot_end[group, m], t, right=True).clamp(max=width - 1)
-        key = first_key[group, m].gather(1, slot) + t - slot_start[group, m].gather(1, slot)
-        col_ok = t < n_keys[group, m].unsqueeze(-1)                                 # (G, L)
-        cols = (torch.where(col_ok, key, torch.zeros_like(key)) + k_rows0).reshape(-1)
+        row = arange[:n_rows]
+        row_ok = row < q_size_r[r].unsqueeze(-1)                                   # (G, R)
+        rows = torch.where(row_ok, q_start_r[r].unsqueeze(-1) + row, q_rows0)       # padding rows: row 0
+        t = arange[:n_cols].expand(groups, n_cols).contiguous()
+        slot = torch.searchsorted(slot_end_r[r], t, right=True).clamp_(max=width - 1)
+        col_ok = t < n_keys_r[r].unsqueeze(-1)                                     # (G, L)
+        cols = torch.where(col_ok, key_shift_r[r].gather(1, slot) + t, k_rows0).reshape(-1)  # padding: key 0
         ok = None
         if key_valid is not None:
             ok = col_ok & key_valid.index_select(0, cols).view(groups, n_cols)
