@@ -47,11 +47,11 @@ CAL_PROMPTS = ["a red fox runs through fresh snow", "a paper boat drifts down a 
 HELD_PROMPTS = ["a corgi floats inside a space station", "a hot air balloon rises over a canyon"]
 #: Per method: base options, the candidate list, and the default budget.
 SETUPS = {
-    "sta": dict(options={"tile": (1, 2, 2)}, budget=0.5,
+    "sta": dict(options={"tile": (1, 2, 2)}, budget=0.8,
                 # tile grid 4 x 4 x 4 at the full size: a window of 5 tiles covers the whole axis
                 candidates=[{"window": w} for w in ((1, 1, 1), (1, 3, 3), (3, 1, 1), (3, 3, 3), (5, 1, 1), (1, 5, 5),
                                                     (5, 3, 3))]),
-    "sparge": dict(options={"tile": (1, 2, 4), "simthresh": -1.0}, budget=0.5,
+    "sparge": dict(options={"tile": (1, 2, 4), "simthresh": -1.0}, budget=0.3,
                    candidates=[{"topk": t} for t in (0.6, 0.4, 0.25, 0.15)] + [{"cdf": c, "topk": None}
                                                                                for c in (0.9, 0.7)]),
 }
