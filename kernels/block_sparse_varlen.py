@@ -12,9 +12,9 @@ whose ``kv_valid`` is True:
 with ``A(i)`` that attended set; a row with ``A(i)`` empty gets ``out = 0`` and ``lse = -inf``.
 
 Backends: ``"triton"`` (``block_sparse_varlen_triton.py``: a device-side schedule of row tiles,
-no host sync), ``"torch"`` (``block_sparse_varlen_torch.py``: the plan rewritten exactly as a
-fixed-size plan over a padded token order, run by the fixed PyTorch fallback) and ``"auto"``
-(Triton on CUDA, torch otherwise). Fixed-size plans keep their own API and kernels
+no host sync), ``"torch"`` (``block_sparse_varlen_torch.py``: the query blocks of all (batch,
+head) pairs computed together in order of size, one fused CPU attention call per step) and
+``"auto"`` (Triton on CUDA, torch otherwise). Fixed-size plans keep their own API and kernels
 (``block_sparse.py``); this is a separate entry point and a separate custom op
 (``fastdit::block_sparse_attention_varlen``, ``op.py``) so that ``torch.compile`` holds one
 opaque call.
