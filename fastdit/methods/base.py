@@ -19,6 +19,12 @@ steps actually run, CFG branch, layout, key/query masks, head offset and count, 
 a dict per (layer, branch) that is reset at the start of every pipeline call. A method instance
 holds only its resolved config and its plan cache, so one instance serves every thread.
 
+Per (step bucket, layer) settings: every method takes ``layer_settings`` (``MethodConfig``), what
+``fastdit.calibrate`` writes for methods other than sta. ``__call__`` runs such a call on an
+instance of the same class built (once, at construction) with that entry's options, or dense for
+a None entry; settings are per call, so every head of a layer shares them (sta's ``strategy``
+chooses per head).
+
 Methods know nothing of diffusers: model families change their defaults only through the
 adapters' ``method_defaults`` (``fastdit/pipelines/adapters.py``).
 """
