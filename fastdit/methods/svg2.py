@@ -8,11 +8,12 @@ once, on the device, no host synchronisation):
    ``Ck = k_clusters`` clusters by batched L2 k-means (``fastdit.methods.kmeans``; SVG2 uses plain
    Euclidean k-means as well). Cold start: the centroids are ``Cq`` (``Ck``) distinct video tokens
    drawn once with a fixed seed (deterministic, spread over the video; evenly spaced tokens would
-   alias with the frame length, see ``kmeans.spread_init``), then ``init_iters`` iterations. Warm start (``warm_start=True``, as the paper): the centroids of
-   the previous call of the same layer and CFG branch (kept in ``ctx.state``, which fastdit resets
-   at every pipeline call) are reused, with ``kmeans_iters`` iterations, while the layout, batch,
-   heads, head dimension, cluster counts and device are unchanged; anything else is a cold start.
-   Without warm start every call is a cold start. Masked keys (``ctx.key_mask``) are placed but
+   alias with the frame length, see ``kmeans.spread_init``), then ``init_iters`` iterations. Warm
+   start (``warm_start=True``, as the paper): the centroids of the previous call of the same layer
+   and CFG branch (kept in ``ctx.state``, which fastdit resets at every pipeline call) are reused,
+   with ``kmeans_iters`` iterations, while the layout, batch, heads, head dimension, cluster counts
+   and device are unchanged; anything else is a cold start. Without warm start every call is a
+   cold start (``init_iters`` iterations). Masked keys (``ctx.key_mask``) are placed but
    move no centroid and count in no size; so are query rows that ``ctx.query_mask`` drops.
 2. Permutation: queries are sorted by query cluster, keys (and values) by key cluster (a stable
    sort: model order inside a cluster), so every cluster is a contiguous variable-size block; the
@@ -43,6 +44,12 @@ Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2 uses 100 / 100 on Wan
 Corrections: ``correction="cached"`` works (its complement plan keeps the offsets and lists the
 key clusters not kept); ``"pooled"`` pools fixed key blocks in one token order and
 ``skip_threshold`` is a rule of the fixed-block engine: both are refused when configured.
+
+Known weakness (structured benchmark inputs, ``eval/bench_methods.py``): the centroid scores
+predict a whole query cluster's mass; when a query cluster is much wider than its queries'
+attention (very local heads, few query clusters) the queries at its edge lose most of their mass,
+so pure ``top_p`` can keep too little; ``min_kc_ratio`` (SVG2's floor) and more query clusters
+help.
 
 Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
 token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
