@@ -13,9 +13,10 @@ one batched call::
 
 Sorting pairs blocks of similar size across groups, so the padding stays small: on random
 boundaries (sorted uniform cuts, mean 64 or 128 tokens, 8 groups) the computed pairs were 1.12x to
-1.28x the attended ones, and ``python -m fastdit.eval.bench_varlen --threads 1`` (N=12288, D=64, 8
-heads, density 0.25) timed this path at 1.27x (mean block 64) and 1.15x (128) the fixed path's
-time at equal density, 1.07x / 1.00x on the fixed form's own boundaries. A first version rewrote
+1.28x the attended ones, and ``python -m fastdit.eval.bench_varlen`` (N=12288, D=64, 8 heads,
+density 0.25; three runs on a busy 2-core CPU, one or two threads) timed this path at 1.15x to
+1.35x the fixed path's time at equal density, and 1.0x to 1.3x on the fixed form's own
+boundaries (the per-step index work). A first version rewrote
 the plan as a fixed-size one over a padded token order (every block padded to a multiple of a base
 block) and ran the fixed path: exact too, but 2.5x the fixed path's time (N=4096), because small
 base blocks multiply the loop steps and their key gathers.
