@@ -13,8 +13,8 @@
 #            density, error against dense, selection / attention / outside-attention time, the
 #            corrections, the same-density claims (bench_attention --methods)       (T_METHODS=60 s)
 #   wan      one transformer forward, Wan2.1-T2V-1.3B at 480p x 81 frames, dense / sta / radial,
-#            eager and torch.compile'd (bf16, random weights)                        (T_WAN=150 s)
-#   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=150 s)
+#            eager and torch.compile'd (bf16, random weights)                        (T_WAN=140 s)
+#   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=130 s)
 #            (a dense forward is ~12 PFLOP: the eager rows fit the cap, the compiled ones, three
 #            whole-model compiles of 60 blocks, do not and are skipped by the budget; run them
 #            with: GPU_CHECK_PARTS=hunyuan T_HY=580 TRANSFORMER_ARGS="--modes compiled" bash ...)
@@ -36,7 +36,8 @@
 # Output: every part's JSON plus one log (everything printed) in $OUT when set, else
 # ./bench_results: attention_kernel_<stamp>.json, attention_patched_<stamp>.json, varlen_<stamp>.json,
 # transformer_wan_<stamp>.json, transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (6 files).
-# Caps add up to 570 s plus set-up (~15 s): under 10 minutes; a part that reaches its cap is
+# Caps add up to 540 s plus set-up (~15 s): under 10 minutes, with room for the 10 s after a cap; a part
+# that reaches its cap is
 # interrupted (SIGINT, then killed 10 s later) and keeps the rows it wrote. Transformer parts get
 # --budget-s (cap - 20 s): measurements that would not fit are skipped, with the reason, in the JSON.
 # Exit status: 0 when every part that ran passed, else the first failing part's status (1: a
@@ -56,8 +57,8 @@ T_KERNEL="${T_KERNEL:-130}"
 T_PATCHED="${T_PATCHED:-60}"
 T_VARLEN="${T_VARLEN:-40}"
 T_METHODS="${T_METHODS:-60}"
-T_WAN="${T_WAN:-150}"
-T_HY="${T_HY:-150}"
+T_WAN="${T_WAN:-140}"
+T_HY="${T_HY:-130}"
 HY_FRAMES="${HY_FRAMES:-129}"
 # extra arguments (word-split), e.g. a CPU dry run of the script's logic:
 #   GPU_CHECK_PARTS=patched,wan ATTENTION_ARGS=--quick TRANSFORMER_ARGS="--scale tiny" bash scripts/gpu_check.sh
