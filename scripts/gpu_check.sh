@@ -37,8 +37,7 @@
 # ./bench_results: attention_kernel_<stamp>.json, attention_patched_<stamp>.json, varlen_<stamp>.json,
 # transformer_wan_<stamp>.json, transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (6 files).
 # Caps add up to 540 s plus set-up (~15 s): under 10 minutes, with room for the 10 s after a cap; a part
-# that reaches its cap is
-# interrupted (SIGINT, then killed 10 s later) and keeps the rows it wrote. Transformer parts get
+# that reaches its cap is interrupted (SIGINT, then killed 10 s later) and keeps the rows it wrote. Transformer parts get
 # --budget-s (cap - 20 s): measurements that would not fit are skipped, with the reason, in the JSON.
 # Exit status: 0 when every part that ran passed, else the first failing part's status (1: a
 # correctness failure; 124: a part hit its cap). Skipped parts do not fail the run.
