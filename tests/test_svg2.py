@@ -282,3 +282,18 @@ def test_every_family_runs_sparse_finite_warm_and_resets_per_call(family, monkey
     assert seen == ([(0, False)] * layers + [(1, True)] * layers) * 2
     for a, b in zip(first, second):
         assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_triton_interpreter_matches_torch():
+    pytest.importorskip("triton")
+    if not fastdit.kernels.triton_interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU")
+    layout = TokenLayout((2, 3, 4), 3, "suffix")
+    q, k, v = randn_qkv(layout, batch=1, heads=2, seed=11)
+    key_mask = torch.ones(1, layout.seq_len, dtype=torch.bool)
+    key_mask[0, -1] = False
+    options = dict(q_clusters=3, k_clusters=5, top_p=0.5)
+    a, plan, info = run_svg2(q, k, v, layout, key_mask=key_mask, backend="torch", **options)
+    b, _, _ = run_svg2(q, k, v, layout, key_mask=key_mask, backend="triton", **options)
+    assert info["density"] < 0.9 and torch.isfinite(b).all()
+    assert torch.allclose(a, b, atol=1e-4)
