@@ -14,7 +14,7 @@ from .calibration import calibrate
 from .functional import attention
 from .layout import TokenLayout
 from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, PruneConfig, RadialConfig, SpargeConfig,
-                      STAConfig, SVGConfig, ToDoConfig, ToMeConfig, WindowConfig, method_names)
+                      STAConfig, SVG2Config, SVGConfig, ToDoConfig, ToMeConfig, WindowConfig, method_names)
 from .patching import AlreadyPatchedError, Patch, patch
 from .stats import PatchStats
 from .plan import BlockPlan, run_plan
@@ -22,6 +22,6 @@ from .plan import BlockPlan, run_plan
 __version__ = "0.1.0"
 
 __all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "BlockSparseConfig", "DenseConfig", "Method",
-           "MethodConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVGConfig", "SpargeConfig",
+           "MethodConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
            "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "calibrate", "method_names", "methods", "patch",
            "run_plan"]

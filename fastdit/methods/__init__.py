@@ -15,6 +15,7 @@ from .radial import RadialConfig
 from .sparge import SpargeConfig
 from .sta import STAConfig
 from .svg import SVGConfig
+from .svg2 import SVG2Config
 from .todo import ToDoConfig
 from .tome import ToMeConfig
 from .window import WindowConfig
@@ -24,5 +25,5 @@ for _module in pkgutil.iter_modules(__path__):
 del _module
 
 __all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
-           "PruneConfig", "RadialConfig", "STAConfig", "SVGConfig", "SpargeConfig", "ToDoConfig", "ToMeConfig",
+           "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig", "ToDoConfig", "ToMeConfig",
            "WindowConfig", "get_method", "method_names", "option", "register_method", "tiny_presets"]
