@@ -1,11 +1,14 @@
 """Video-like q, k, v with known attention structure, for benchmarks and tests of sparse methods.
 
 Random q and k give nearly uniform attention, where no sparse method can win or lose. Here every
-head is one of three kinds, built so that its attention is known in closed form:
+head is one of four kinds, built so that its attention is known in closed form:
 
 * ``"spatial"``: mass near the query in its own and the neighbouring frames;
 * ``"temporal"``: mass on the same spatial position ``(h, w)`` in every frame;
-* ``"global"``: diffuse (a weak positional bias, nearly uniform).
+* ``"global"``: diffuse (a weak positional bias, nearly uniform);
+* ``"semantic"``: mass on the tokens of the query's "object", wherever they are in the video (not
+  in ``DEFAULT_KINDS``: ask for it with ``kinds``). The first three favour methods that select by
+  position; this one favours methods that group tokens by content (svg2's k-means).
 
 Construction (exact, bounded, no learned weights)
 -------------------------------------------------
@@ -31,6 +34,23 @@ and attention is ``softmax_j`` of it: a product of per-axis bumps, sharpened by 
   alike;
 * global heads: the spatial construction with ``beta = 1`` (nearly flat).
 
+Semantic heads
+--------------
+``semantic_objects(grid, objects, seed)`` cuts the video into ``K = objects`` objects: a weighted
+Voronoi partition of every frame around ``K`` seeds, seed ``c`` at ``s_c + t u_c`` in frame ``t``
+(``s_c`` uniform in the frame, velocity ``u_c`` uniform in ``[-0.5, 0.5]^2`` tokens per frame,
+weight ``r_c`` uniform in ``[0.6, 1.4]``); token ``(t, h, w)`` belongs to
+``argmin_c |(h, w) - s_c - t u_c| / r_c``. The objects are irregular, mostly contiguous regions
+that drift a little between frames, each spread over many tiles and every frame. The seeds come
+from their own generator (``seed``), so the other kinds' draws are unchanged. The features are the
+object's one-hot vector in ``K`` dims scaled by ``sqrt(beta_obj / scale)`` and, in the dims left,
+the spatial construction with a weak ``beta = 0.5``, so the scaled score is exactly::
+
+    scale * q_i . k_j = beta_obj [obj(i) = obj(j)] + 0.5 sum_axes kappa_axis(d_axis) + (noise terms)
+
+with ``beta_obj = 6``: a query spreads its mass over its object (slightly more on nearby tokens)
+and puts ``~ e^6 / (e^6 + K - 1)`` of it there. It needs ``head_dim - 2 >= K``.
+
 The frequencies per axis are capped by the head dimension (two dims per frequency, two dims kept
 for the offsets below) and by the axis (``M <= P // 2``; a length-1 axis gets none). Two more
 dims carry a per-head constant offset: queries get ``offset * |features|`` in dim ``D - 1`` and
@@ -50,7 +70,9 @@ per head, averaged over video queries: ``local`` (mass on video keys with ``|dt|
 ``check_kinds(masses, kinds, frames)`` asserts the documented structure: spatial heads put at
 least 0.8 of their mass locally; temporal heads at least ``0.6 * (T - 1) / T`` on the same
 position in other frames (a temporal head spreads its mass over the T frames alike, so the
-query's own frame holds ``1 / T`` of it); global heads have normalised entropy at least 0.85.
+query's own frame holds ``1 / T`` of it); global heads have normalised entropy at least 0.85;
+semantic heads put at least 0.8 of their mass on their own object (``same_object``: reported
+when ``attention_masses`` gets ``objects``, the per-video-token labels of ``semantic_objects``).
 ``tests/test_structured.py`` runs it.
 """
 from __future__ import annotations
@@ -62,18 +84,23 @@ import torch
 
 from fastdit.layout import TokenLayout
 
-KINDS = ("spatial", "temporal", "global")
-DEFAULT_KINDS = KINDS
+KINDS = ("spatial", "temporal", "global", "semantic")
+DEFAULT_KINDS = ("spatial", "temporal", "global")
 #: Per kind: (sigma per axis (t, h, w) in tokens or None for an unused axis, beta).
 KIND_SHAPES = {
     "spatial": ((1.0, 1.5, 1.5), 8.0),
     "temporal": ((None, 0.25, 0.25), 12.0),
     "global": ((1.0, 1.5, 1.5), 1.0),
+    "semantic": ((1.0, 1.5, 1.5), 0.5),  # the weak positional part; the object part is SEMANTIC_BETA
 }
+#: Semantic heads: the score of a same-object pair, and the default number of objects.
+SEMANTIC_BETA = 6.0
+DEFAULT_OBJECTS = 8
 #: Thresholds of ``check_kinds`` (the documented structure).
 MIN_SPATIAL_LOCAL = 0.8
 MIN_TEMPORAL_SAME_POSITION = 0.6  # of the (T - 1) / T share the other frames hold
 MIN_GLOBAL_ENTROPY = 0.85
+MIN_SEMANTIC_SAME_OBJECT = 0.8
 
 
 class StructuredInputs(NamedTuple):
@@ -113,20 +140,48 @@ def _frequency_budget(pairs, used_axes):
     return (budget_t, per_axis if h_used else 0, per_axis if w_used else 0)
 
 
-def head_features(kind, grid, head_dim, scale):
-    """Noise-free ``(T*H*W, head_dim - 2)`` positional features of one head of ``kind`` (q == k),
-    scaled so that ``scale * f_i . f_j = beta * sum_axes kappa(d)``."""
+def semantic_objects(grid, objects=DEFAULT_OBJECTS, seed=0):
+    """Object label (``0 .. objects - 1``) of every video token, ``(T*H*W,)`` long in model order:
+    weighted Voronoi cells of drifting seeds (see "Semantic heads" in the module docstring)."""
+    if isinstance(objects, bool) or not isinstance(objects, int) or objects < 1:
+        raise ValueError(f"objects must be an int >= 1 (the number of semantic objects), got {objects!r}")
+    t_, h_, w_ = grid
+    gen = torch.Generator().manual_seed(int(seed) + 7919)  # its own stream: other kinds' draws unchanged
+    start = torch.rand(objects, 2, generator=gen, dtype=torch.float64) * torch.tensor([h_, w_], dtype=torch.float64)
+    velocity = torch.rand(objects, 2, generator=gen, dtype=torch.float64) - 0.5
+    weight = 0.6 + 0.8 * torch.rand(objects, generator=gen, dtype=torch.float64)
+    t, h, w = torch.meshgrid(torch.arange(t_), torch.arange(h_), torch.arange(w_), indexing="ij")
+    point = torch.stack([h.reshape(-1), w.reshape(-1)], dim=1).double()  # (N, 2)
+    centre = start + t.reshape(-1, 1, 1).double() * velocity  # (N, K, 2): each token's frame's seeds
+    distance = (point[:, None] - centre).norm(dim=-1) / weight
+    return distance.argmin(dim=1)
+
+
+def head_features(kind, grid, head_dim, scale, objects=None):
+    """Noise-free ``(T*H*W, head_dim - 2)`` features of one head of ``kind`` (q == k), scaled so that
+    ``scale * f_i . f_j = beta * sum_axes kappa(d)`` (plus ``SEMANTIC_BETA [same object]`` for
+    semantic heads, whose ``objects`` are the labels of ``semantic_objects``)."""
     if kind not in KIND_SHAPES:
         raise ValueError(f"head kind must be one of {KINDS}, got {kind!r}")
     sigmas, beta = KIND_SHAPES[kind]
     t_, h_, w_ = grid
     if kind == "temporal" and t_ < 2:
         raise ValueError("temporal heads need a grid with at least 2 frames")
+    n_objects = 0
+    if kind == "semantic":
+        if objects is None:
+            raise ValueError("semantic heads need objects= (the labels of semantic_objects)")
+        n_objects = int(objects.max()) + 1
+        if n_objects > head_dim - 2:
+            raise ValueError(f"semantic heads need head_dim - 2 >= objects (one dim per object), got "
+                             f"{n_objects} objects and head_dim={head_dim}")
     t, h, w = torch.meshgrid(torch.arange(t_), torch.arange(h_), torch.arange(w_), indexing="ij")
     coords = (t.reshape(-1), h.reshape(-1), w.reshape(-1))
-    pairs = (head_dim - 2) // 2
+    pairs = (head_dim - 2 - n_objects) // 2
     budget = _frequency_budget(pairs, [s is not None and n > 1 for s, n in zip(sigmas, grid)])
     parts = []
+    if n_objects:  # one-hot object vectors: scale * f_i . f_j = SEMANTIC_BETA exactly for a same-object pair
+        parts.append(torch.nn.functional.one_hot(objects, n_objects).double() * math.sqrt(SEMANTIC_BETA / scale))
     for axis_coords, n, sigma, freqs in zip(coords, grid, sigmas, budget):
         if sigma is None or freqs == 0:
             continue
@@ -140,7 +195,8 @@ def head_features(kind, grid, head_dim, scale):
 
 
 def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, text_len=0,
-                   text_position="suffix", noise=0.1, offset=1.5, seed=0, device="cpu", dtype=torch.float32):
+                   text_position="suffix", noise=0.1, offset=1.5, seed=0, objects=DEFAULT_OBJECTS, device="cpu",
+                   dtype=torch.float32):
     """Video-like ``q, k, v`` with one attention kind per head (see the module docstring).
 
     Args:
@@ -150,7 +206,9 @@ def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, 
         text_len, text_position: optional text tokens (``"prefix"`` or ``"suffix"``).
         noise: per-dim Gaussian noise relative to the feature norm over ``sqrt(D)``.
         offset: the shared per-head offset relative to the feature norm (block self-similarity).
-        seed: all randomness (noise, values, text) comes from this seed.
+        seed: all randomness (noise, values, text, semantic objects) comes from this seed.
+        objects: the number of objects of semantic heads (``semantic_objects(grid, objects, seed)``
+            gives their labels, for ``attention_masses``).
 
     Returns:
         ``StructuredInputs(q, k, v, layout, kinds)``.
@@ -163,6 +221,9 @@ def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, 
     kinds = tuple(kinds)
     if len(kinds) != heads:
         raise ValueError(f"kinds lists {len(kinds)} heads but heads={heads}")
+    if "semantic" in kinds and not (isinstance(objects, int) and 1 <= objects <= head_dim - 2):
+        raise ValueError(f"objects must be an int in [1, head_dim - 2 = {head_dim - 2}] for semantic heads "
+                         f"(one feature dim per object), got {objects!r}")
     layout = TokenLayout(tuple(grid), text_len, text_position if text_len else "none")
     scale = 1.0 / math.sqrt(head_dim)
     gen = torch.Generator().manual_seed(int(seed))
@@ -170,7 +231,8 @@ def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, 
     q = torch.zeros(batch, heads, seq, head_dim, dtype=torch.float64)
     k = torch.zeros_like(q)
     video = layout.video_positions()
-    features = {kind: head_features(kind, layout.grid, head_dim, scale) for kind in set(kinds)}
+    labels = semantic_objects(layout.grid, objects, seed) if "semantic" in kinds else None
+    features = {kind: head_features(kind, layout.grid, head_dim, scale, labels) for kind in set(kinds)}
     for head, kind in enumerate(kinds):
         feats = features[kind]
         norm = float(feats.norm(dim=1).mean()) or 1.0
@@ -191,10 +253,12 @@ def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, 
     return StructuredInputs(q.to(**cast), k.to(**cast), v.to(**cast), layout, kinds)
 
 
-def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024):
+def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024, objects=None):
     """Per head (a list of dicts), averaged over batch and video queries, of dense attention:
     ``local`` (video keys with ``|dt| <= 1``, ``|dh|, |dw| <= radius``), ``same_position`` (keys at
-    the query's ``(h, w)`` in other frames), ``text`` and ``entropy`` (over ``log`` of the keys)."""
+    the query's ``(h, w)`` in other frames), ``text``, ``entropy`` (over ``log`` of the keys) and,
+    given ``objects`` (a label per video token, ``semantic_objects``), ``same_object`` (video keys
+    with the query's label)."""
     batch, heads, seq, dim = q.shape
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     t_, h_, w_ = layout.grid
@@ -204,7 +268,8 @@ def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024):
     grid_w = torch.arange(w_, device=q.device).repeat(t_ * h_)
     is_text = torch.zeros(seq, dtype=torch.bool, device=q.device)
     is_text[layout.text_positions(q.device)] = True
-    sums = torch.zeros(4, heads, dtype=torch.float64)
+    sums = torch.zeros(5, heads, dtype=torch.float64)
+    labels = None if objects is None else objects.to(q.device)
     keys = k.float()
     for start in range(0, layout.video_len, chunk):
         rows = slice(start, min(start + chunk, layout.video_len))
@@ -220,9 +285,16 @@ def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024):
         sums[2] += (probs * is_text).sum((-1, -2)).sum(0).double().cpu()
         entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(seq)
         sums[3] += entropy.sum(-1).sum(0).double().cpu()
+        if labels is not None:
+            same_object = labels[rows, None] == labels[None]
+            sums[4] += (video_probs * same_object).sum((-1, -2)).sum(0).double().cpu()
     sums /= batch * layout.video_len
-    return [{"local": float(sums[0, h]), "same_position": float(sums[1, h]), "text": float(sums[2, h]),
-             "entropy": float(sums[3, h])} for h in range(heads)]
+    masses = [{"local": float(sums[0, h]), "same_position": float(sums[1, h]), "text": float(sums[2, h]),
+               "entropy": float(sums[3, h])} for h in range(heads)]
+    if labels is not None:
+        for h, mass in enumerate(masses):
+            mass["same_object"] = float(sums[4, h])
+    return masses
 
 
 def check_kinds(masses, kinds, frames):
@@ -232,6 +304,11 @@ def check_kinds(masses, kinds, frames):
             ok = mass["local"] >= MIN_SPATIAL_LOCAL
         elif kind == "temporal":
             ok = mass["same_position"] >= MIN_TEMPORAL_SAME_POSITION * (frames - 1) / frames
+        elif kind == "semantic":
+            if "same_object" not in mass:
+                raise ValueError("semantic heads are checked on same_object: pass objects=semantic_objects(...) "
+                                 "to attention_masses")
+            ok = mass["same_object"] >= MIN_SEMANTIC_SAME_OBJECT
         else:
             ok = mass["entropy"] >= MIN_GLOBAL_ENTROPY
         if not ok:
