@@ -61,7 +61,9 @@ import torch
 
 from fastdit.context import AttentionContext, CallState
 from fastdit.eval import bench_common as common
-from fastdit.eval.structured import structured_qkv
+from fastdit.eval import bench_methods_claims as claims_module
+from fastdit.eval.bench_methods_claims import claims, print_table
+from fastdit.eval.structured import DEFAULT_KINDS, DEFAULT_OBJECTS, KINDS, structured_qkv
 from fastdit.functional import call_info
 from fastdit.intercept import plain_sdpa
 from fastdit.jsonutil import dump_json
@@ -70,8 +72,6 @@ from fastdit.methods.block_sparse import BlockSparseMethod
 from fastdit.options import parse_value
 from fastdit.plan import run_plan
 
-KINDS = ("spatial", "temporal", "global")
-CLAIM_SLACK = 0.02
 
 
 def split_top_level(text, sep=","):
@@ -129,9 +129,8 @@ def video_error(out, ref, layout):
 
 def measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda):
     """One method variant on one kind's inputs: a dict of the columns (see the module docstring)."""
-    cls = get_method(name)
-    config = cls.resolve(cls.make_config(**{"dense_steps": 0, "dense_layers": 0, **options}), None)
-    method = cls(config)
+    method = build_method(name, options)
+    config = method.config
     q, k, v, layout = inputs.q, inputs.k, inputs.v, inputs.layout
     method.check_heads(q.shape[1])
     state, step = {}, 0
@@ -200,7 +199,7 @@ def cluster_split(method, ctx, q, k, dense_ms, args, cuda):
 def kind_inputs(kind, args, device, dtype, seed=0):
     return structured_qkv((args.frames, args.height, args.width), heads=args.heads, head_dim=args.head_dim,
                           kinds=(kind,) * args.heads, text_len=args.text, text_position="suffix",
-                          seed=seed, device=device, dtype=dtype)
+                          seed=seed, objects=args.objects, device=device, dtype=dtype)
 
 
 def nearby(a, b, amount=0.1):
@@ -208,15 +207,20 @@ def nearby(a, b, amount=0.1):
     return [x + amount * (y - x) for x, y in zip(a, b)]
 
 
-#: Same-density companions: reference method -> [(method, option set to the reference's density,
-#: whether the method must be in --methods too)].
+#: Same-density companions: reference method -> [(method, option matched to the reference's
+#: density, whether the method must be in --methods too)]. sta's companions follow its first
+#: entry; svg2's follow every svg2 entry (each operating point gets its own).
 COMPANIONS = {"sta": [("sparge", "topk", True), ("svg", "density", True)],
-              "svg2": [("svg", "density", False), ("sparge", "topk", False)]}
+              "svg2": [("sta", "window", False), ("svg", "density", False), ("sparge", "topk", False)]}
+#: Block sizes svg tries, from its configured one down, to reach a low density.
+SVG_BLOCK_SIZES = (128, 64, 32, 16)
 
 
 def variants(specs, corrections, registered):
     """The runs: each spec, same-density companions of sta and svg2, and correction variants.
-    A companion's last item is ``(reference method, option)``; other runs have None there."""
+    A companion's last item is ``(reference label, option, fitted)``; other runs have None there.
+    ``fitted``: svg2's companions are fitted to its density by ``match_companion``; sta's keep
+    the plain rule (``option = sta's density``) of the published tables."""
     runs, skipped = [], []
     for label, name, options in specs:
         if name not in registered:
@@ -224,12 +228,16 @@ def variants(specs, corrections, registered):
             continue
         runs.append((label, name, options, None))
     present = {n for _, n, _, _ in runs}
-    for reference, companions in COMPANIONS.items():
-        if reference not in present:
-            continue
-        for name, option, needs_run in companions:
+    references = []  # (label, method, tag of the companions' labels)
+    for label, name, _, _ in list(runs):
+        if name == "sta" and not any(r[1] == "sta" for r in references):
+            references.append((label, name, "sta"))
+        elif name == "svg2":  # the first svg2 entry's companions are "x@svg2", later ones "x@<label>"
+            references.append((label, name, label if any(r[1] == "svg2" for r in references) else "svg2"))
+    for reference, method, tag in references:
+        for name, option, needs_run in COMPANIONS[method]:
             if name in registered and (name in present or not needs_run):
-                runs.append((f"{name}@{reference}", name, {}, (reference, option)))
+                runs.append((f"{name}@{tag}", name, {}, (reference, option, method == "svg2")))
     extra = []
     for label, name, options, same in runs:
         fields = getattr(get_method(name).config_cls, "__dataclass_fields__", {})
@@ -239,6 +247,66 @@ def variants(specs, corrections, registered):
     return runs + extra, skipped
 
 
+def build_method(name, options):
+    cls = get_method(name)
+    return cls(cls.resolve(cls.make_config(**{"dense_steps": 0, "dense_layers": 0, **options}), None))
+
+
+def plan_density(name, options, inputs, args):
+    """The density (token pairs, as ``info["density"]``) of the plan ``name`` selects on ``inputs``,
+    without running the attention (1.0 when the method would run dense)."""
+    method = build_method(name, options)
+    q, k, v, layout = inputs.q, inputs.k, inputs.v, inputs.layout
+    ctx, _ = make_call(method, layout, q, k, v, backend=args.backend)
+    ctx.info = {}
+    with torch.no_grad():
+        takes_v = "v" in inspect.signature(method.select).parameters
+        plan = method.select(ctx, q, k, v) if takes_v else method.select(ctx, q, k)
+    if plan is None:
+        return 1.0
+    return float(plan.pair_counts().double().mean()) / float(layout.seq_len) ** 2
+
+
+def match_companion(name, option, target, options, inputs, args, reference="the reference"):
+    """``(options, note)``: ``options`` with ``option`` set so that ``name`` runs at about density
+    ``target`` (``reference``'s measured one; tolerance: ``bench_methods_claims.density_tolerance``).
+    sparge: ``topk = target``, rescaled by ``target / plan density`` (up to 4 times) while its
+    plan (whole key blocks, at least ``min_blocks``) is off. svg: ``density = target`` at the
+    largest block size of ``SVG_BLOCK_SIZES`` (from its configured one down) whose plan is within
+    the tolerance (one block row of 128 tokens can be far above ``target``). sta: the odd window
+    (tiles per axis) whose plan density is closest. The note says what was chosen, and "not
+    reachable" when even the best choice is outside the tolerance."""
+    options = dict(options)
+    tolerance = claims_module.density_tolerance(target)
+    if option == "topk":
+        choices = [{"topk": min(1.0, target)}]
+    elif option == "density":
+        options["density"] = min(1.0, target)
+        start = build_method(name, options).config.block_size
+        choices = [{"block_size": b} for b in (start,) + tuple(b for b in SVG_BLOCK_SIZES if b < start)]
+    else:
+        method = build_method(name, options)
+        n_tiles = [-(-g // t) for g, t in zip(inputs.layout.grid, method.tile_for(inputs.layout))]
+        odd = [list(range(1, n + 1 + (n % 2 == 0), 2)) for n in n_tiles]
+        choices = [{"window": (a, b, c)} for a in odd[0] for b in odd[1] for c in odd[2]]
+    best, rescales = None, 0
+    while choices:
+        choice = choices.pop(0)
+        density = plan_density(name, {**options, **choice}, inputs, args)
+        if best is None or abs(density - target) < abs(best[1] - target):
+            best = (choice, density)
+        if option != "window" and abs(density - target) <= tolerance:
+            break
+        if option == "topk" and density > 0 and rescales < 4:  # rescale topk toward the target density
+            rescales += 1
+            choices.append({"topk": min(1.0, choice["topk"] * target / density)})
+    options.update(best[0])
+    chosen = ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                       for key, value in best[0].items())
+    return options, (f"{chosen}: plan density {best[1]:.3f} for {reference}'s {target:.3f}"
+                     + ("" if abs(best[1] - target) <= tolerance else " (not reachable within the tolerance)"))
+
+
 def run_benchmark(args):
     device = common.pick_device(args.device, args.threads)
     cuda = device.type == "cuda"
@@ -246,11 +314,12 @@ def run_benchmark(args):
     registered = method_names()
     specs = parse_methods(args.methods)
     runs, skipped = variants(specs, [c for c in split_top_level(args.corrections) if c != "none"], registered)
+    references = {same[0] for *_, same in runs if same is not None}
     for label, message in skipped:
         print(f"skipped {label}: {message}", file=sys.stderr)
     results = {"meta": {**common.machine(device), "grid": (args.frames, args.height, args.width),
                         "heads": args.heads, "head_dim": args.head_dim, "text": args.text, "dtype": args.dtype,
-                        "runs": args.runs, "warmup": args.warmup, "backend": args.backend},
+                        "runs": args.runs, "warmup": args.warmup, "backend": args.backend, "objects": args.objects},
                "skipped": dict(skipped), "rows": [], "claims": {}}
     results["meta"]["tokens"] = args.frames * args.height * args.width + args.text
     for kind in split_top_level(args.kinds):
@@ -266,130 +335,46 @@ def run_benchmark(args):
             dense_ms = common.time_fn(lambda: plain_sdpa(*inputs[:3]), args.runs, args.warmup, cuda)
         results["rows"].append({"method": "dense", "kind": kind, "density": 1.0, "rel_l2": 0.0,
                                 "total_ms": dense_ms, "attention_ms": dense_ms})
-        reference_density = {}  # the first run of sta / svg2 on this kind
+        reference_density = {}  # label of a reference run (sta's first, every svg2) -> its density on this kind
         match = dict(parse_methods(args.match)[0][2]) if args.match else {}
         for label, name, options, same in runs:
-            options = dict(options)
-            if same is not None:
-                reference, option = same
-                if reference not in reference_density:
-                    continue
-                options[option] = min(1.0, reference_density[reference])
-                fields = get_method(name).config_cls.__dataclass_fields__
-                options.update({key: value for key, value in match.items() if key in fields})
+            options, note = dict(options), None
             try:
+                if same is not None:
+                    reference, option, fitted = same
+                    if reference not in reference_density:
+                        continue
+                    fields = get_method(name).config_cls.__dataclass_fields__
+                    options.update({key: value for key, value in match.items() if key in fields})
+                    if fitted:
+                        options, note = match_companion(name, option, reference_density[reference], options,
+                                                        inputs, args, reference)
+                    else:
+                        options[option] = min(1.0, reference_density[reference])
                 row = measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda)
             except Exception as error:
                 row = {"error": common.first_line(error, 300)}
                 print(f"{label} on {kind} heads failed: {row['error']}", file=sys.stderr)
             row.update(method=label, kind=kind, options=options)
-            if same is None and name in COMPANIONS and name not in reference_density and "density" in row:
-                reference_density[name] = row["density"]
+            if same is not None:
+                row["same_as"] = same[0]
+                if note:
+                    row["match_note"] = note
+            elif label in references and label not in reference_density and "density" in row:
+                reference_density[label] = row["density"]
                 row["same_density_reference"] = True
             results["rows"].append(row)
     results["claims"] = claims(results["rows"])
     return results
 
 
-def _find(rows, method, kind):
-    return next((r for r in rows if r["method"] == method and r["kind"] == kind and "rel_l2" in r), None)
-
-
-def claims(rows):
-    """The claims of the module docstring: ``{claim: "holds" | "fails ..." | "not run"}``."""
-    found = {}
-    sta_label = next((r["method"] for r in rows if r.get("same_density_reference") and
-                      r["method"].split(":")[0] == "sta"), "sta")
-    sta = _find(rows, sta_label, "temporal")
-    for name in ("sparge@sta", "svg@sta"):
-        other = _find(rows, name, "temporal")
-        key = f"{name.split('@')[0]} lower error than sta at the same density on temporal heads"
-        if sta is None or other is None:
-            found[key] = "not run"
-        elif other["density"] > sta["density"] + CLAIM_SLACK:
-            found[key] = f"fails: density {other['density']:.3f} above sta's {sta['density']:.3f}"
-        else:
-            found[key] = ("holds" if other["rel_l2"] < sta["rel_l2"] else "fails") + (
-                f" ({other['rel_l2']:.4f} vs {sta['rel_l2']:.4f})")
-    found["svg2 lower error than svg and sparge at the same density on spatial and temporal heads"] = svg2_claim(rows)
-    for row in rows:
-        label = row["method"]
-        if ":correction=" not in label or "rel_l2" not in row:
-            continue
-        base = _find(rows, label.split(":correction=")[0], row["kind"])
-        key = f"{label} lowers the error on {row['kind']} heads"
-        if base is None:
-            found[key] = "not run"
-        elif base["rel_l2"] < 1e-6:
-            found[key] = "not run (no error to lower: the plan is dense)"
-        else:
-            found[key] = ("holds" if row["rel_l2"] < base["rel_l2"] else "fails") + (
-                f" ({row['rel_l2']:.4f} vs {base['rel_l2']:.4f})")
-    return found
-
-
-def svg2_claim(rows):
-    """svg2 against svg@svg2 and sparge@svg2 on spatial and temporal heads (the module docstring)."""
-    label = next((r["method"] for r in rows if r.get("same_density_reference") and
-                  r["method"].split(":")[0] == "svg2"), None)
-    verdicts, notes = [], []
-    for kind in ("spatial", "temporal"):
-        own = _find(rows, label, kind) if label else None
-        others = [_find(rows, name, kind) for name in ("svg@svg2", "sparge@svg2")]
-        if own is None or None in others:
-            continue
-        for name, other in zip(("svg", "sparge"), others):
-            if abs(other["density"] - own["density"]) > CLAIM_SLACK:  # not the same budget: nothing shown
-                verdicts.append(False)
-                notes.append(f"{kind}: {name} density {other['density']:.3f} not within {CLAIM_SLACK} of svg2's "
-                             f"{own['density']:.3f}")
-            else:
-                verdicts.append(own["rel_l2"] < other["rel_l2"])
-                notes.append(f"{kind}: {own['rel_l2']:.4f} vs {name} {other['rel_l2']:.4f}")
-    if not verdicts:
-        return "not run"
-    return ("holds" if all(verdicts) else "fails") + f" ({'; '.join(notes)})"
-
-
-def print_table(results, file=None):
-    file = sys.stdout if file is None else file
-    meta = results["meta"]
-    print(f"structured inputs {meta['grid']} + {meta['text']} text = {meta['tokens']} tokens, {meta['heads']} heads, "
-          f"D={meta['head_dim']}, {meta['dtype']}, {meta['device']}; median of {meta['runs']} runs", file=file)
-    header = (f"{'method':34} {'kind':8} {'density':>7} {'rel_l2':>8} {'select':>8} {'attn':>8} {'total':>8} "
-              f"{'outside':>8} {'saved':>8} {'sel/dns':>7} {'peakMB':>7}")
-    print(header, file=file)
-    print("-" * len(header), file=file)
-    for row in results["rows"]:
-        if "error" in row:
-            print(f"{row['method'][:34]:34} {row['kind']:8} ERROR {row['error']}", file=file)
-            continue
-        f = common.fmt
-        print(f"{row['method'][:34]:34} {row['kind']:8} {f(row.get('density'), '7.3f')} {f(row.get('rel_l2'), '8.4f')} "
-              f"{f(row.get('select_ms'), '8.2f')} {f(row.get('attention_ms'), '8.2f')} {f(row.get('total_ms'), '8.2f')} "
-              f"{f(row.get('outside_ms'), '8.2f')} {f(row.get('saved_ms'), '8.2f')} "
-              f"{f(row.get('select_over_dense'), '7.3f')} {f(row.get('peak_mb'), '7.1f')}", file=file)
-    split = [row for row in results["rows"] if "cluster_ms" in row]
-    if split:
-        print(f"{'method':34} {'kind':8} {'cluster':>8} {'cold':>8} {'score':>8} {'cl+sc/dns':>9} {'cold/dns':>8}",
-              file=file)
-        for row in split:
-            f = common.fmt
-            print(f"{row['method'][:34]:34} {row['kind']:8} {f(row['cluster_ms'], '8.2f')} "
-                  f"{f(row['cluster_cold_ms'], '8.2f')} {f(row['score_ms'], '8.2f')} "
-                  f"{f(row['cluster_over_dense'], '9.3f')} {f(row['cold_over_dense'], '8.3f')}", file=file)
-    print("times in ms per call (all heads of the kind)", file=file)
-    for claim, verdict in results["claims"].items():
-        print(f"claim: {claim}: {verdict}", file=file)
-    for label, message in results["skipped"].items():
-        print(f"skipped {label}: {message}", file=file)
-
-
 def build_parser():
     parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench_methods", description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="sta,sparge,svg", help="comma-separated name or name:option=value:...")
     parser.add_argument("--corrections", default="none", help="extra correction variants: pooled,cached")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="head kinds to run: spatial,temporal,global")
+    parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
+                        help=f"head kinds to run, of {','.join(KINDS)} (default: {','.join(DEFAULT_KINDS)})")
+    parser.add_argument("--objects", type=int, default=DEFAULT_OBJECTS, help="objects of semantic heads")
     parser.add_argument("--match", default="", help="options for the @sta runs, as x:option=value:...")
     parser.add_argument("--frames", type=int, default=21)
     parser.add_argument("--height", type=int, default=30)
