@@ -2,7 +2,9 @@
 
 Run ``python -m fastdit.eval.bench_methods --methods sta,sparge,svg`` (options below). Inputs come
 from ``fastdit.eval.structured`` (see its docstring: heads whose attention is spatially local,
-temporal or global, by construction), one input set per head kind with every head of that kind,
+temporal, global or semantic, by construction; ``--kinds`` picks them, default
+spatial,temporal,global; ``--objects`` sets the semantic heads' object count), one input set per
+head kind with every head of that kind,
 the same for every method. Methods run at ``dense_steps=0, dense_layers=0`` (every call sparse)
 through the method protocol, exactly as ``fastdit.attention`` runs them.
 
@@ -10,10 +12,19 @@ Method list: comma-separated ``name`` or ``name:option=value:option=value`` (val
 ``--set`` reads them, e.g. ``sparge:topk=0.2``, ``sta:tile=(4,4,8)``). ``--corrections
 pooled,cached`` adds, for every block-sparse method, one variant per correction. When ``sta`` runs
 (its first entry, at any options), ``sparge`` and ``svg`` also run at sta's density of each kind
-(``sparge`` with ``topk``, ``svg`` with ``density``, labelled ``@sta``); when ``svg2`` runs, they
-also run at svg2's measured density (labelled ``@svg2``). ``--match`` adds options to those
-same-density runs, e.g. ``--match x:tile=(2,4,4)`` (each run takes the ones its method has), so
-the claims below compare like with like.
+(``sparge`` with ``topk``, ``svg`` with ``density``, labelled ``@sta``). Every ``svg2`` entry (an
+operating point) gets ``sta``, ``svg`` and ``sparge`` companions fitted to its measured density
+on each kind by ``match_companion`` (plan densities computed before the run: sparge's ``topk``
+rescaled, svg's ``block_size`` lowered from its configured one to 64, 32, 16 until one block row
+is small enough, sta's odd window in tiles), labelled ``@svg2`` for the first entry and
+``@<entry>`` for later ones; a fit outside the tolerance is printed "not reachable". ``--match``
+adds options to all same-density runs, e.g. ``--match x:tile=(2,4,4)`` (each run takes the ones
+its method has), so the claims below compare like with like.
+
+svg2 operating points used for issue 17 (BENCHMARKS.md): the defaults (100 / 500 clusters,
+``top_p = 0.9``), ``svg2:q_clusters=400:k_clusters=1000:top_p=0.999`` (the paper's HunyuanVideo
+cluster counts; ``top_p`` raised until the density of spatial and temporal heads is ~0.02-0.06 at
+12x16x24) and ``svg2:q_clusters=400:k_clusters=1000:min_kc_ratio=0.1`` (its scripts' floor).
 
 Default size: Wan2.1 480p x 81 frames (21x30x52 = 32760 video tokens), 2 heads, D=64, where the
 5% prediction-cost claim applies (a GPU run). On a CPU pass a smaller grid, e.g. ``--frames 12
@@ -47,9 +58,12 @@ variants first run one refresh call (step 0) on inputs perturbed by 10% toward a
 the generator (consecutive denoising steps are close, not equal), then are measured at step 1.
 
 Claims printed at the end (each "holds" / "fails" / "not run"): on temporal heads sparge@sta and
-svg@sta have lower error than sta at no more than sta's density (+0.02); on spatial and temporal
-heads svg2 has lower error than svg@svg2 and sparge@svg2, each within 0.02 of svg2's density
-(svg's 128-token blocks cannot go below one block row: a larger gap fails the claim); every correction lowers its method's error (all kinds, same plan density).
+svg@sta have lower error than sta at no more than sta's density (+0.02); per svg2 entry and
+kind (spatial, temporal: issue 17; semantic as an extra line), svg2 has lower error than its
+svg and sparge companions at the same density ("holds" / "fails" / "undecided" by the same-budget
+rule of ``bench_methods_claims``: within 25% of svg2's density, or a companion worse on more
+budget / better on less; sta@svg2 is printed alongside), and issue 17's verdict over spatial and
+temporal heads; every correction lowers its method's error (all kinds, same plan density).
 """
 from __future__ import annotations
 
