@@ -1,7 +1,9 @@
 """The claims and the table of ``fastdit.eval.bench_methods`` (see its docstring).
 
 Same-density rule of the svg2 claim (one pair: svg2 at density ``d`` and error ``e``, a companion
-at ``d'`` and ``e'``; ``tol(d) = max(SAME_DENSITY_REL * d, SAME_DENSITY_ABS)``):
+at ``d'`` and ``e'``; ``tol(d) = max(SAME_DENSITY_REL * min(d, 1 - d), SAME_DENSITY_ABS)``: relative
+to the kept fraction at low density and to the dropped fraction at high density, so a dense
+companion (``d' = 1``) is never "the same budget" as ``d = 0.9``):
 
 * ``|d' - d| <= tol``: the same budget; svg2 wins the pair iff ``e < e'``;
 * ``d' > d + tol`` (the companion could not get down to svg2's density): svg2 wins iff ``e < e'``
@@ -30,7 +32,7 @@ SVG2_EXTRA_KINDS = ("semantic",)
 
 
 def density_tolerance(density):
-    return max(SAME_DENSITY_REL * density, SAME_DENSITY_ABS)
+    return max(SAME_DENSITY_REL * min(density, 1.0 - density), SAME_DENSITY_ABS)
 
 
 def _ok(row):

@@ -125,6 +125,9 @@ def test_svg2_claim_rule():
     assert verdict(rows).startswith("fails")
     rows[-1].update(rel_l2=float("nan"), density=0.1, finite=False)  # a NaN output never wins
     assert verdict(rows).startswith("holds")
+    high = [row("svg2", "spatial", 0.9, 0.01, same_density_reference=True)]
+    high += [row(name, "spatial", 1.0, 0.0, same_as="svg2") for name in ("svg@svg2", "sparge@svg2")]
+    assert verdict(high).startswith("undecided")  # dense companions are not svg2's budget of 0.9
     rows[0]["rel_l2"] = float("nan")
     assert verdict(rows).startswith("fails")
     assert verdict(rows[:1]).startswith("undecided") and claims_module.svg2_kind_claim(rows, "other", "spatial") == "not run"
