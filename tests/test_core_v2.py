@@ -52,6 +52,30 @@ def test_compiled_patched_model_matches_eager(family, backend):
     assert (out - eager).abs().max() <= 1e-4
 
 
+DYNAMIC = {  # per-call plans chosen from q, k (and v): really sparse on the 3x8x10 grid
+    "sparge": dict(tile=(1, 4, 4), topk=0.25, simthresh=-1.0, dense_steps=0),
+    "svg": dict(density=0.34, block_size=16, n_samples=16, dense_steps=0, dense_layers=0),
+    "svg2": dict(q_clusters=6, k_clusters=12, top_p=0.5, warm_start=False, dense_steps=0, dense_layers=0),
+}
+
+
+@pytest.mark.parametrize("method", sorted(DYNAMIC))
+def test_compiled_dynamic_methods_match_eager(method):
+    """The dynamic methods' selection (k-means, sampled errors, block means) runs inside the opaque
+    op too: a compiled model gives the eager patched output. (svg2 without warm start, so both
+    calls start k-means from the same centroids whatever state the other call left.)"""
+    model, inputs = _model("wan")
+    with torch.no_grad():
+        dense = model(**inputs)[0]
+        with fastdit.patch(model, method, **DYNAMIC[method]) as p:
+            eager = model(**inputs)[0]
+            out = torch.compile(model, backend="aot_eager")(**inputs)[0]
+            assert p.stats.fallback_calls == 0 and p.stats.sparse_calls == 2 * len(p.layers)
+            assert p.stats.sparse_density < 0.9
+    assert (eager - dense).abs().max() > 1e-3, "the patch did not change attention: the test would prove nothing"
+    assert (out - eager).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("family", ["wan", "flux", "hunyuan_video", "ltx_video", "cogvideox", "sd3", "pixart_sigma"])
 def test_no_graph_break_in_patched_attention_layers(family):
     """Dispatching processors go through fastdit's backend, legacy ones through the SDPA mode; in
