@@ -31,15 +31,13 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import fastdit
-from fastdit.calibration import calibrate
+from fastdit.calibration import DenseProbe, calibrate
 from fastdit.jsonutil import dump_json
-from fastdit.methods.base import Method, MethodConfig, option
 from fastdit.plan_file import plan_options_for
 
 CAL_PROMPTS = ["a red fox runs through fresh snow", "a paper boat drifts down a rainy street",
@@ -60,25 +58,7 @@ FULL = dict(num_frames=13, height=128, width=128, num_inference_steps=4, guidanc
 QUICK = dict(num_frames=9, height=80, width=112, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16)
 
 
-# -- teacher-forced measurement of many settings in one dense run ------------------------------
-@dataclass
-class MeasureConfig(MethodConfig):
-    """The probe's only option: the ``Meter`` that runs the settings on the side."""
-
-    meter: object = option(None, "the bench's meter (internal)")
-
-
-class _MeasureProbe(Method):
-    """Returns the model's own attention (the run stays dense); the meter runs every setting too."""
-
-    name = "bench-calibration-probe"
-    config_cls = MeasureConfig
-
-    def attend(self, ctx, q, k, v):
-        out = ctx.dense()
-        ctx.info["dense"] = True
-        self.config.meter.observe(ctx, q, k, v, out)
-        return out
+# -- teacher-forced measurement of many settings in one dense run (through calibration's DenseProbe)
 
 
 class Meter:
@@ -118,7 +98,7 @@ class Meter:
 
 def teacher_forced(pipe, method, settings, prompt, call, seed, buckets, backend):
     meter = Meter(method, settings, buckets, backend)
-    probe = fastdit.patch(pipe, _MeasureProbe, meter=meter, dense_steps=0, dense_layers=0)
+    probe = fastdit.patch(pipe, DenseProbe, observer=meter, dense_steps=0, dense_layers=0)
     try:
         with torch.inference_mode():
             pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="latent", **call)

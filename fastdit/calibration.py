@@ -55,20 +55,24 @@ DEFAULT_ROWS = 256
 
 # -- the probe: dense attention, with every candidate measured on the side ---------------------
 @dataclass
-class ProbeConfig(MethodConfig):
-    """The probe's only option: the ``_Recorder`` that evaluates the candidates."""
+class DenseProbeConfig(MethodConfig):
+    """The probe's only option: the observer that measures settings on the side."""
 
-    recorder: object = option(None, "the calibration recorder (internal)")
+    observer: object = option(None, "an object with observe(ctx, q, k, v, dense_out) (internal)")
 
 
-class _Probe(Method):
-    name = "calibration-probe"
-    config_cls = ProbeConfig
+class DenseProbe(Method):
+    """A method that keeps the run dense (the model's own attention, counted as dense) and hands
+    every call's ``q, k, v`` and dense output to ``config.observer.observe(ctx, q, k, v, out)``:
+    calibration and ``eval/bench_calibration.py`` measure their settings this way."""
+
+    name = "dense-probe"
+    config_cls = DenseProbeConfig
 
     def attend(self, ctx, q, k, v):
         out = ctx.dense()
         ctx.info["dense"] = True
-        self.config.recorder.observe(ctx, q, k, v)
+        self.config.observer.observe(ctx, q, k, v, out)
         return out
 
 
@@ -104,7 +108,7 @@ class _Recorder:
             return sorted({int(i * n // self.buckets) for i in range(self.buckets)})
         return list(self.buckets)
 
-    def observe(self, ctx, q, k, v):
+    def observe(self, ctx, q, k, v, dense_out):
         self.grids.add(tuple(ctx.layout.grid))
         if self.candidates is None:  # defaults resolved on the first call (they depend on the grid)
             self.candidates = (sta_candidates(ctx.layout, self._tile(ctx.layout)) if self.method == "sta"
@@ -114,7 +118,7 @@ class _Recorder:
             if self.method == "sta":
                 err2, ref2, dens = self._sta(ctx, q, k, v, rows)
             else:
-                err2, ref2, dens = self._generic(ctx, q, k, v, rows)
+                err2, ref2, dens = self._generic(ctx, q, k, v, rows, dense_out)
         key = (self.bucket_of(ctx.step, ctx.num_steps), ctx.layer)
         entry = self.sums.setdefault(key, {"err2": 0.0, "ref2": 0.0, "density": 0.0, "calls": 0})
         entry["err2"] = entry["err2"] + err2
@@ -179,11 +183,11 @@ class _Recorder:
         return err2.cpu(), ref2.cpu(), dens
 
     # -- other methods: the whole call through fastdit.attention ------------------------------
-    def _generic(self, ctx, q, k, v, rows):
+    def _generic(self, ctx, q, k, v, rows, dense_out):
         from fastdit.functional import attention
 
         batch, heads, seq, dim = q.shape
-        reference = ctx.dense()[:, :, rows].double()
+        reference = dense_out[:, :, rows].double()  # the probe's own dense output: not computed twice
         ref2 = reference.pow(2).sum(dim=(0, 2, 3)).cpu()
         err2 = torch.zeros(heads, len(self.candidates), dtype=torch.float64)
         dens = torch.zeros(heads, len(self.candidates), dtype=torch.float64)
@@ -341,7 +345,7 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
         layer_bar = _bar(None, "layer calls", progress, position=1, leave=False)
         recorder = _Recorder(name, base_options, state["candidates"], steps, rows, seed, layer_bar)
         recorder.tile = tuple(state["tile"]) if state["tile"] else None
-        probe = patch(pipe, _Probe, recorder=recorder, dense_steps=0, dense_layers=0)
+        probe = patch(pipe, DenseProbe, observer=recorder, dense_steps=0, dense_layers=0)
         try:
             kwargs = dict(call_kwargs)
             if "output_type" in accepts:
