@@ -59,13 +59,16 @@ def _pooled_reference(q, k, v, plan, key_mask, scale):
     batch, heads, seq, dim = q.shape
     q64, k64, v64 = q.double(), k.double(), v.double()
     kernel_pos = plan.inverse if plan.inverse is not None else torch.arange(seq)
-    computed = computed_block_mask(plan).expand(batch, heads, -1, -1)
+    clusters = getattr(plan, "q_blocks", None) is not None  # svg2: blocks are k-means clusters
+    computed = (plan.kept_pairs() if clusters else computed_block_mask(plan)).expand(batch, heads, -1, -1)
     out = torch.zeros(batch, heads, seq, dim, dtype=torch.float64)
     for b in range(batch):
         for h in range(heads):
             if getattr(plan, "head_inverses", None) is not None:  # svg: each head its own kernel order
                 kernel_pos = plan.head_inverses[b, h]
             qb, kb = kernel_pos // plan.block_m, kernel_pos // plan.block_n
+            if clusters:
+                qb, kb = plan.q_blocks[b, h], plan.k_blocks[b, h]
             for i in range(seq):
                 keep = computed[b, h, qb[i]][kb] & key_mask[b]
                 logits = [q64[b, h, i] @ k64[b, h, keep].t() * scale]
@@ -117,6 +120,27 @@ def test_pooled_svg_matches_float64_reference_with_per_head_orders():
     assert torch.isfinite(out).all()
     assert (out.double() - ref).abs().max().item() < 1e-5
     plain = fastdit.attention(q, k, v, "svg", layout=layout, key_mask=key_mask, backend="torch", **opts)
+    assert (plain.double() - ref).abs().max().item() > 1e-3  # the correction really changed the output
+
+
+def test_pooled_svg2_matches_float64_reference_per_cluster():
+    """svg2's blocks are its k-means clusters (per head, text in a block of its own): each dropped
+    key cluster is pooled as its mean key and value, weighted by its valid keys."""
+    from fastdit.eval.structured import structured_qkv
+
+    inputs = structured_qkv(grid=(4, 5, 6), heads=2, head_dim=16, batch=2, kinds=("spatial", "temporal"),
+                            text_len=5, text_position="suffix", seed=6)
+    q, k, v, layout = inputs.q, inputs.k, inputs.v, inputs.layout
+    key_mask = torch.rand(2, layout.seq_len, generator=torch.Generator().manual_seed(3)) > 0.15
+    opts = dict(q_clusters=6, k_clusters=10, top_p=0.6, dense_steps=0, dense_layers=0)
+    out, info = fastdit.attention(q, k, v, "svg2", layout=layout, key_mask=key_mask, backend="torch",
+                                  correction="pooled", return_info=True, **opts)
+    plan = info["plan"]
+    assert info["density"] < 0.6 and not plan.kept_pairs().all()
+    ref = _pooled_reference(q, k, v, plan, key_mask, q.shape[-1] ** -0.5)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    plain = fastdit.attention(q, k, v, "svg2", layout=layout, key_mask=key_mask, backend="torch", **opts)
     assert (plain.double() - ref).abs().max().item() > 1e-3  # the correction really changed the output
 
 
@@ -173,6 +197,7 @@ METHODS = {  # method -> (grid, options): really sparse plans on small grids
     "radial": ((8, 4, 8), dict(block_size=64, decay=0.2, sink=False, adjacent="band", dense_steps=0)),
     "sparge": ((6, 6, 7), dict(tile=(4, 4, 4), topk=0.125, simthresh=-1.0, dense_steps=0)),
     "svg": ((6, 6, 7), dict(density=0.25, block_size=16, n_samples=64, dense_steps=0, dense_layers=0)),
+    "svg2": ((6, 6, 7), dict(q_clusters=8, k_clusters=24, top_p=0.5, warm_start=False, dense_steps=0, dense_layers=0)),
 }
 
 

@@ -231,7 +231,7 @@ def tiny_wan():
                                           ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
                                           ("kmeans_iters", 0), ("init_iters", 0), ("warm_start", "yes"),
                                           ("min_kc_ratio", -0.1), ("min_kc_ratio", 1.5),
-                                          ("correction", "pooled"), ("skip_threshold", 2.0)])
+                                          ("correction", "blocks"), ("skip_threshold", 2.0)])
 def test_bad_options_raise_at_patch_time_naming_the_option(option, value, tiny_wan):
     with pytest.raises(ValueError, match=option):
         fastdit.patch(tiny_wan, "svg2", **{option: value})

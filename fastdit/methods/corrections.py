@@ -11,7 +11,8 @@ part and merge it through the log-sum-exp.
 
 ``"pooled"`` (after Rectified SpaAttn, 2025, "Revisiting Attention Sparsity for Efficient Video
 Generation", which rectifies the attention given to unselected blocks with pooled block
-representatives): each dropped key block ``b`` stands in as ``n_b`` copies of one token
+representatives): each dropped key block ``b`` (a fixed-size run of the kernel order, or one of
+svg2's key clusters) stands in as ``n_b`` copies of one token
 with the block's mean key ``k_b`` and mean value ``v_b`` (``n_b`` = its valid keys; padding slots
 and masked keys excluded), so ``Z_D ~ sum_b n_b exp(scale q_i . k_b)`` and ``O_D`` the matching
 mix of the ``v_b``. A block with no valid key contributes nothing; with nothing dropped the output
@@ -88,16 +89,25 @@ def _kernel_positions(plan, batch, heads, seq, device):
     return torch.arange(seq, device=device).expand(batch, heads, seq)
 
 
+def token_blocks(plan, batch, heads, seq, device):
+    """``(query_block, key_block, dropped, n_kb)``: each model token's query and key block
+    ``(B, H, S)``, the dropped block pairs bool ``(1|B, 1|H, n_q_blocks, n_kb)`` and the number of
+    key blocks. Plans whose blocks are not fixed-size runs of a kernel order (svg2's clusters)
+    provide their own ``token_blocks(batch, heads, seq)``."""
+    own = getattr(plan, "token_blocks", None)
+    if own is not None:
+        return own(batch, heads, seq)
+    positions = _kernel_positions(plan, batch, heads, seq, device)
+    return (positions // plan.block_m, positions // plan.block_n, ~computed_block_mask(plan), plan.num_kv_blocks)
+
+
 def pooled_correction(q, k, v, plan, out, lse, key_mask=None, query_mask=None, scale=None):
     """``out`` (model order, the plan's sparse result with its ``lse``) merged with the pooled
     dropped key blocks (see the module doc). Returns the corrected ``(B, H, S, D)`` in out's dtype."""
     batch, heads, seq, dim = q.shape
     device = q.device
     scale = dim ** -0.5 if scale is None else float(scale)
-    positions = _kernel_positions(plan, batch, heads, seq, device)
-    key_block = positions // plan.block_n  # (B, H, S)
-    query_block = positions // plan.block_m
-    n_kb = plan.num_kv_blocks
+    query_block, key_block, dropped, n_kb = token_blocks(plan, batch, heads, seq, device)
     valid = torch.ones(batch, seq, device=device) if key_mask is None else key_mask.to(device, torch.float32)
     valid = valid[:, None, :].expand(batch, heads, seq)
     counts = torch.zeros(batch, heads, n_kb, device=device).scatter_add_(2, key_block, valid)  # valid keys per block
@@ -107,7 +117,7 @@ def pooled_correction(q, k, v, plan, out, lse, key_mask=None, query_mask=None, s
     k_mean /= counts.clamp(min=1.0).unsqueeze(-1)
     v_mean /= counts.clamp(min=1.0).unsqueeze(-1)
     log_counts = torch.where(counts > 0, counts.log(), torch.full_like(counts, float("-inf"))).unsqueeze(2)
-    dropped = (~computed_block_mask(plan)).expand(batch, heads, -1, -1)  # (B, H, n_qb, n_kb)
+    dropped = dropped.expand(batch, heads, -1, -1)  # (B, H, n_qb, n_kb)
 
     corrected = torch.empty_like(out)
     chunk = max(1, POOLED_CHUNK_ELEMENTS // max(1, batch * heads * n_kb))

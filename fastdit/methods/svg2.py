@@ -42,8 +42,11 @@ Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2 uses 100 / 100 on Wan
 ``kmeans_iter_step``), ``init_iters = 20`` (SVG2: 50), ``dense_steps = 0.25``, ``dense_layers = 1``.
 
 Corrections: ``correction="cached"`` works (its complement plan keeps the offsets and lists the
-key clusters not kept); ``"pooled"`` pools fixed key blocks in one token order and
-``skip_threshold`` is a rule of the fixed-block engine: both are refused when configured.
+key clusters not kept); ``"pooled"`` stands each dropped key cluster in as its size times one
+token with the cluster's mean key and value (its k-means centroid, over valid keys), per query
+cluster (``corrections.pooled_correction`` through ``ClusterPlan.token_blocks``): one score per
+(query, dropped key cluster), ``Ck / S`` of dense attention's scores. ``skip_threshold`` is a
+rule of the fixed-block engine and is refused when configured.
 
 Known weakness (structured benchmark inputs, ``eval/bench_methods.py``): the centroid scores
 predict a whole query cluster's mass; when a query cluster is much wider than its queries'
@@ -96,7 +99,7 @@ class SVG2Config(BlockSparseConfig):
         min_kc_ratio: keep at least this fraction of the key clusters per query cluster, in [0, 1]
             (SVG2's ``min_kc_ratio``; its scripts use 0.10).
         dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 1.
-        correction: ``"none"`` or ``"cached"`` (``"pooled"`` is refused); ``skip_threshold`` must
+        correction: ``"none"``, ``"pooled"`` or ``"cached"``; ``skip_threshold`` must
             stay None (the variable-size engine has no skip rule).
     """
 
@@ -132,9 +135,6 @@ class SVG2Config(BlockSparseConfig):
         self.min_kc_ratio = float(value)
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"warm_start must be True or False, got {self.warm_start!r}")
-        if self.correction == "pooled":
-            raise ValueError("correction='pooled' needs fixed key blocks in one token order; svg2 permutes every head "
-                             "by its own clusters: use correction='none' or 'cached'")
         if self.skip_threshold is not None:
             raise ValueError("skip_threshold is not supported by svg2 (its variable-size cluster blocks run on an "
                              "engine without the skip rule): leave it None")
@@ -257,6 +257,11 @@ class ClusterPlan(BlockPlan):
         index = torch.where(used, self.kv_indices.long(), mk)
         kept = torch.zeros(*self.kv_counts.shape[:2], mq, mk + 1, dtype=torch.bool, device=index.device)
         return kept.scatter_(-1, index, True)[..., :mk]
+
+    def token_blocks(self, batch, heads, seq):
+        """For ``correction="pooled"``: each token's query and key cluster (text: the text block),
+        the dropped cluster pairs and the number of key blocks (see ``corrections.token_blocks``)."""
+        return self.q_blocks, self.k_blocks, ~self.kept_pairs(), self.num_kv_blocks
 
     def token_mask(self, head=0, key_mask=None, batch=0):
         """The ``(S, S)`` mask of one (batch, head), in model token order (small sizes only)."""
