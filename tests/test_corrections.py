@@ -100,47 +100,38 @@ def test_pooled_matches_float64_reference_with_permutation_and_key_mask():
     assert (plain.double() - ref).abs().max().item() > 1e-3  # the correction really changed the output
 
 
-def test_pooled_svg_matches_float64_reference_with_per_head_orders():
-    """svg gives each head its own kernel order (frame- or position-major): the pooled blocks are
-    that head's blocks. Heads of opposite kinds (spatial / temporal) so both orders occur."""
+def _svg_orders_differ(plan):
+    orders = plan.head_orders[:, :, :3].tolist()
+    return len({tuple(o) for row in orders for o in row}) == 2
+
+
+PER_HEAD_POOLED = {  # method -> (grid, text position, options, check that the per-head blocks really differ)
+    # svg: each head its own kernel order (frame- or position-major); heads of opposite kinds, so
+    # both orders occur and the pooled blocks are each head's own
+    "svg": ((8, 4, 6), "prefix", dict(density=0.375, block_size=8, n_samples=32), _svg_orders_differ),
+    # svg2: the blocks are each head's k-means clusters, text in a block of its own
+    "svg2": ((4, 5, 6), "suffix", dict(q_clusters=6, k_clusters=10, top_p=0.6), lambda plan: True),
+}
+
+
+@pytest.mark.parametrize("method", sorted(PER_HEAD_POOLED))
+def test_pooled_per_head_blocks_match_float64_reference(method):
     from fastdit.eval.structured import structured_qkv
 
-    inputs = structured_qkv(grid=(8, 4, 6), heads=2, head_dim=16, batch=2, kinds=("spatial", "temporal"),
-                            text_len=5, text_position="prefix", seed=4)
+    grid, text_position, opts, blocks_differ = PER_HEAD_POOLED[method]
+    opts = dict(opts, dense_steps=0, dense_layers=0)
+    inputs = structured_qkv(grid=grid, heads=2, head_dim=16, batch=2, kinds=("spatial", "temporal"),
+                            text_len=5, text_position=text_position, seed=4)
     q, k, v, layout = inputs.q, inputs.k, inputs.v, inputs.layout
     key_mask = torch.rand(2, layout.seq_len, generator=torch.Generator().manual_seed(2)) > 0.15
-    opts = dict(density=0.375, block_size=8, n_samples=32, dense_steps=0, dense_layers=0)
-    out, info = fastdit.attention(q, k, v, "svg", layout=layout, key_mask=key_mask, backend="torch",
+    out, info = fastdit.attention(q, k, v, method, layout=layout, key_mask=key_mask, backend="torch",
                                   correction="pooled", return_info=True, **opts)
     plan = info["plan"]
-    orders = plan.head_orders[:, :, :3].tolist()
-    assert len({tuple(o) for row in orders for o in row}) == 2, "both kernel orders must occur"
-    assert info["density"] < 0.6
+    assert blocks_differ(plan) and info["density"] < 0.6
     ref = _pooled_reference(q, k, v, plan, key_mask, q.shape[-1] ** -0.5)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).abs().max().item() < 1e-5
-    plain = fastdit.attention(q, k, v, "svg", layout=layout, key_mask=key_mask, backend="torch", **opts)
-    assert (plain.double() - ref).abs().max().item() > 1e-3  # the correction really changed the output
-
-
-def test_pooled_svg2_matches_float64_reference_per_cluster():
-    """svg2's blocks are its k-means clusters (per head, text in a block of its own): each dropped
-    key cluster is pooled as its mean key and value, weighted by its valid keys."""
-    from fastdit.eval.structured import structured_qkv
-
-    inputs = structured_qkv(grid=(4, 5, 6), heads=2, head_dim=16, batch=2, kinds=("spatial", "temporal"),
-                            text_len=5, text_position="suffix", seed=6)
-    q, k, v, layout = inputs.q, inputs.k, inputs.v, inputs.layout
-    key_mask = torch.rand(2, layout.seq_len, generator=torch.Generator().manual_seed(3)) > 0.15
-    opts = dict(q_clusters=6, k_clusters=10, top_p=0.6, dense_steps=0, dense_layers=0)
-    out, info = fastdit.attention(q, k, v, "svg2", layout=layout, key_mask=key_mask, backend="torch",
-                                  correction="pooled", return_info=True, **opts)
-    plan = info["plan"]
-    assert info["density"] < 0.6 and not plan.kept_pairs().all()
-    ref = _pooled_reference(q, k, v, plan, key_mask, q.shape[-1] ** -0.5)
-    assert torch.isfinite(out).all()
-    assert (out.double() - ref).abs().max().item() < 1e-5
-    plain = fastdit.attention(q, k, v, "svg2", layout=layout, key_mask=key_mask, backend="torch", **opts)
+    plain = fastdit.attention(q, k, v, method, layout=layout, key_mask=key_mask, backend="torch", **opts)
     assert (plain.double() - ref).abs().max().item() > 1e-3  # the correction really changed the output
 
 
