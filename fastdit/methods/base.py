@@ -164,6 +164,13 @@ def normalize_layer_settings(config):
     return {f"{s}_{layer}": checked[s, layer] for s, layer in sorted(checked)}
 
 
+def bucket_start(starts, step):
+    """The step bucket ``step`` belongs to: the largest of the sorted ``starts`` that is ``<= step``
+    (None before the first). Shared by ``layer_settings`` and sta's ``strategy``."""
+    index = bisect.bisect_right(starts, step) - 1
+    return starts[index] if index >= 0 else None
+
+
 class Method:
     """Base class of attention methods (see the module docstring for the protocol).
 
@@ -308,8 +315,8 @@ class Method:
         """``(key, method)`` that runs ``layer`` at ``step`` under ``layer_settings``: the instance with
         the (bucket, layer)'s options, None for a dense entry, or ``self`` (key None) where the
         settings name nothing (no settings, an unnamed layer, or a step before the first bucket)."""
-        position = bisect.bisect_right(self._layer_starts, step) - 1
-        variant = self._layer_table.get((self._layer_starts[position], layer)) if position >= 0 else None
+        start = bucket_start(self._layer_starts, step)
+        variant = self._layer_table.get((start, layer)) if start is not None else None
         if variant is None:
             return None, self
         return variant, self._layer_variants[variant]

@@ -27,7 +27,6 @@ the model's own (dense) attention. ``load_strategy`` imports FastVideo's ``mask_
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import math
@@ -40,7 +39,7 @@ import torch
 
 from fastdit.plan import BlockPlan
 
-from .base import option, register_method
+from .base import bucket_start, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
 #: Published tile (tokens) of STA for HunyuanVideo / Wan: 6x8x8 = 384 tokens.
@@ -164,8 +163,7 @@ class _StrategyIndex:
 
     def bucket(self, step):
         """The start of the bucket step ``step`` belongs to (None: before the first bucket)."""
-        index = bisect.bisect_right(self.starts, step) - 1
-        return self.starts[index] if index >= 0 else None
+        return bucket_start(self.starts, step)
 
     def windows(self, step, layer, defaults):
         """Per-head windows of (step, layer): the strategy's, else ``defaults`` (one per head)."""
