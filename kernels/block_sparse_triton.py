@@ -56,6 +56,9 @@ from .triton_tuning import (  # noqa: F401  (re-exported: tests and benchmarks r
     _prune_configs,
     _shared_mem_bytes,
     _tile_waste,
+    default_config,
+    dtype_name,
+    prune_for_target,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -343,14 +346,59 @@ def skip_tile_sizes(block_m, block_n, skip_tile):
     return tile_m, tile_n
 
 
-def _skip_launch_config(tile_m, tile_n, block_d, elt, device_index):
+def _skip_launch_config(tile_m, tile_n, block_d, elt, device_index, smem=None):
     """Warps / stages for the fixed skip tiles: the deepest pipeline (3, 2, 1) whose K/V buffers and
-    Q tile fit the device's shared memory (the tile sizes themselves are the rule: never changed)."""
-    smem = _shared_mem_bytes(device_index)
+    Q tile fit the device's shared memory, or ``smem`` bytes when given (the offline check passes
+    each target's); the tile sizes themselves are the rule: never changed."""
+    if smem is None:
+        smem = _shared_mem_bytes(device_index)
     for stages in (3, 2, 1):
         if (max(1, stages - 1) * 2 * tile_n * block_d + tile_m * block_d) * elt <= smem:
             break
     return (8 if tile_m >= 128 else 4), stages
+
+
+def kernel_args(q, k, v, out, lse, skipped, kv_indices, kv_counts, kv_valid, block_m, block_n, scale,
+                skip_threshold, interpreted):
+    """The positional arguments of ``_block_sparse_fwd_kernel`` for one call (everything but the
+    tile sizes and the flags the heuristics derive from them). The launcher and the offline compile
+    check (``offline.py``) both build the launch from this, so the offline check compiles the
+    specialisation a real launch gets."""
+    batch, heads, n_q, dim = q.shape
+    n_k = k.shape[2]
+    skip = skip_threshold is not None
+    sib, sih = _broadcast_strides(kv_indices, batch, heads)
+    scb, sch = _broadcast_strides(kv_counts, batch, heads)
+    has_kv_valid = kv_valid is not None
+    if has_kv_valid:
+        kvv = kv_valid.view(torch.uint8) if kv_valid.dtype == torch.bool else kv_valid
+        svb = kvv.stride(0) if kvv.shape[0] == batch and batch > 1 else 0
+        svn = kvv.stride(1)
+    else:
+        kvv = kv_counts  # never read (HAS_KV_VALID=False); any valid pointer
+        svb, svn = 0, 0
+
+    block_d = max(16, _next_pow2(dim))
+    # int64 in-head offsets only when a row/key offset could pass 2**31 elements
+    max_off = max(n_q * abs(q.stride(2)), n_k * abs(k.stride(2)), n_k * abs(v.stride(2)), n_q * dim,
+                  n_k * max(svn, 1))
+    big_offsets = max_off >= 2**31 - 1
+    tune_n = _next_pow2(max(n_q, n_k))
+    return (
+        q, k, v, out, lse, kv_indices, kv_counts, kvv, skipped if skip else lse,  # Skipped: unread without SKIP
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *lse.stride(),
+        sib, sih, kv_indices.stride(2), kv_indices.stride(3),
+        scb, sch, kv_counts.stride(2),
+        svb, svn,
+        heads, n_q, n_k, dim, block_m, block_n, float(scale) * LOG2E,
+        float(skip_threshold) * LOG2E if skip else 0.0, tune_n,
+        block_d, dim == block_d, has_kv_valid, q.dtype == torch.float32, big_offsets,
+        interpreted and q.dtype == torch.bfloat16, skip,
+    )
+
+
+_ARG_INDEX = {name: i for i, name in enumerate(_block_sparse_fwd_kernel.arg_names)}
 
 
 def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid,
@@ -374,38 +422,10 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
         lse.fill_(float("-inf"))
         return (out, lse, skipped) if skip else (out, lse)
     n_qblocks = -(-n_q // block_m)
-
-    sib, sih = _broadcast_strides(kv_indices, batch, heads)
-    scb, sch = _broadcast_strides(kv_counts, batch, heads)
-    has_kv_valid = kv_valid is not None
-    if has_kv_valid:
-        kvv = kv_valid.view(torch.uint8) if kv_valid.dtype == torch.bool else kv_valid
-        svb = kvv.stride(0) if kvv.shape[0] == batch and batch > 1 else 0
-        svn = kvv.stride(1)
-    else:
-        kvv = kv_counts  # never read (HAS_KV_VALID=False); any valid pointer
-        svb, svn = 0, 0
-
-    block_d = max(16, _next_pow2(dim))
-    # int64 in-head offsets only when a row/key offset could pass 2**31 elements
-    max_off = max(n_q * abs(q.stride(2)), n_k * abs(k.stride(2)), n_k * abs(v.stride(2)), n_q * dim,
-                  n_k * max(svn, 1))
-    big_offsets = max_off >= 2**31 - 1
-    tune_n = _next_pow2(max(n_q, n_k))
     interpreted = _interpreter_enabled() or q.device.type != "cuda"
-
-    args = (
-        q, k, v, out, lse, kv_indices, kv_counts, kvv, skipped if skip else lse,  # Skipped: unread without SKIP
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *lse.stride(),
-        sib, sih, kv_indices.stride(2), kv_indices.stride(3),
-        scb, sch, kv_counts.stride(2),
-        svb, svn,
-        heads, n_q, n_k, dim, block_m, block_n, float(scale) * LOG2E,
-        float(skip_threshold) * LOG2E if skip else 0.0, tune_n,
-        block_d, dim == block_d, has_kv_valid, q.dtype == torch.float32, big_offsets,
-        interpreted and q.dtype == torch.bfloat16, skip,
-    )
+    args = kernel_args(q, k, v, out, lse, skipped, kv_indices, kv_counts, kv_valid, block_m, block_n, scale,
+                       skip_threshold, interpreted)
+    block_d = args[_ARG_INDEX["BLOCK_D"]]
 
     if skip:  # fixed tiles: they define which sub-tiles the rule looks at
         bm, bn = skip_tile_sizes(block_m, block_n, skip_tile)
@@ -432,12 +452,14 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
         if forced is None and _autotune_enabled():
             _kernel_tuned[grid](*args)
         else:
-            cfg = forced or triton.Config(
-                {"BLOCK_M": _DEFAULT_GPU_CONFIG["BLOCK_M"], "BLOCK_N": _DEFAULT_GPU_CONFIG["BLOCK_N"]},
-                num_warps=_DEFAULT_GPU_CONFIG["num_warps"], num_stages=_DEFAULT_GPU_CONFIG["num_stages"],
-            )
-            # the same sanity filter as autotuning (falls back to a small tile if cfg does not fit)
-            c = _prune_configs([cfg], {"block_m": block_m, "block_n": block_n, "BLOCK_D": block_d, "Q": q})[0]
+            if forced is None:  # the per-architecture default (offline table: no spills there)
+                major, minor = torch.cuda.get_device_capability(q.device)
+                bm, bn, w, st = default_config(10 * major + minor, block_d, dtype_name(q.dtype))
+                forced = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            # the same sanity filter as autotuning, bar the table (a pinned config is kept even where
+            # the table says it spills); falls back to a small tile if it does not fit the device
+            c = prune_for_target([forced], block_m, block_n, block_d, q.element_size(),
+                                 _shared_mem_bytes(q.device.index))[0]
             _kernel_fixed[grid](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
     return out, lse
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_triton import LOG2E, _forced_config, _interpreter_enabled, _online_update
-from .triton_tuning import _next_pow2
+from .triton_tuning import _next_pow2, dtype_name, table_verdict
 
 
 @triton.jit
@@ -161,12 +161,17 @@ def row_tile_schedule(q_offsets, block_m, n_slots):
     return block.to(torch.int32).contiguous(), (slots - first).to(torch.int32).contiguous()
 
 
-def launch_config(n_q, n_qblocks, n_k, n_kblocks, block_d):
+def launch_config(n_q, n_qblocks, n_k, n_kblocks, block_d, capability=None, dtype=None):
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a GPU launch, from the mean block sizes
     (shapes only, no sync). A row tile or key chunk is cut at its block's end, so tiles much larger
     than the blocks compute mostly masked entries: 128-row tiles (8 warps) only for mean query
     blocks of 128 rows or more, key chunks of 64 / 32 / 16 for mean key blocks of >= 96 / >= 40 /
-    fewer keys (at most 32 for head dims over 128). Not tuned on a GPU yet."""
+    fewer keys (at most 32 for head dims over 128). Not tuned on a GPU yet.
+
+    With ``capability`` (int, e.g. 80) and ``dtype`` (``bf16`` / ``fp16`` / ``fp32``), a choice that
+    the offline compile table records as spilling or over the shared memory on that architecture is
+    replaced by the nearest clean one: the other key chunks of the same row tile (closest first),
+    then those of the other row tile (``_fallback_order``)."""
     forced = _forced_config()
     if forced is not None:
         return forced.kwargs["BLOCK_M"], forced.kwargs["BLOCK_N"], forced.num_warps, forced.num_stages
@@ -175,8 +180,58 @@ def launch_config(n_q, n_qblocks, n_k, n_kblocks, block_d):
     if block_d > 128:
         block_n = min(block_n, 32)
     if n_q >= 128 * max(n_qblocks, 1) and block_d <= 128:
-        return 128, block_n, 8, 2
-    return 64, block_n, 4, 2
+        choice = (128, block_n, 8, 2)
+    else:
+        choice = (64, block_n, 4, 2)
+    if capability is None or dtype is None:
+        return choice
+    for cfg in _fallback_order(choice):
+        verdict = table_verdict("varlen", capability, dtype, block_d, cfg)
+        if verdict is None and cfg == choice:
+            return choice  # not tabled for this architecture: no per-arch pruning
+        if verdict:
+            return cfg
+    return choice
+
+
+def _fallback_order(choice):
+    """The configs tried, in order, when ``choice`` is not clean on the device."""
+    bm, bn, _, _ = choice
+    chunks = sorted((64, 32, 16), key=lambda c: (abs(c - bn), c))  # nearest key chunk first, smaller on ties
+    rows = [bm] + [r for r in (128, 64) if r != bm]
+    return [(r, c, 8 if r == 128 else 4, 2) for r in rows for c in chunks]
+
+
+def varlen_kernel_args(q, k, v, out, lse, q_off, k_off, kv_indices, kv_counts, kv_valid, sched_block, sched_tile,
+                       scale, interpreted):
+    """``(args, flags)`` of ``_varlen_fwd_kernel`` for one call: the positional arguments and the
+    compile-time flags but the tile sizes. Shared by the launcher and the offline compile check
+    (``offline.py``), so both compile the same specialisation."""
+    batch, heads, n_q, dim = q.shape
+    n_k = k.shape[2]
+    n_qblocks = q_off.shape[-1] - 1
+    block_d = max(16, _next_pow2(dim))
+    has_kv_valid = kv_valid is not None
+    if has_kv_valid:
+        kvv = kv_valid.view(torch.uint8)
+        svb, svn = (kvv.stride(0) if kvv.shape[0] == batch and batch > 1 else 0), kvv.stride(1)
+    else:
+        kvv, svb, svn = kv_counts, 0, 0  # never read
+    max_off = max(n_q * abs(q.stride(2)), n_k * abs(k.stride(2)), n_k * abs(v.stride(2)), n_q * dim, n_k * max(svn, 1))
+    args = (
+        q, k, v, out, lse, q_off, k_off, kv_indices, kv_counts, kvv, sched_block, sched_tile,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        *_leading_strides(q_off, batch, heads), *_leading_strides(k_off, batch, heads),
+        *_leading_strides(kv_indices, batch, heads), kv_indices.stride(2), kv_indices.stride(3),
+        *_leading_strides(kv_counts, batch, heads), kv_counts.stride(2),
+        svb, svn,
+        *_leading_strides(sched_block, batch, heads),
+        heads, dim, n_qblocks, float(scale) * LOG2E,
+    )
+    flags = dict(BLOCK_D=block_d, EVEN_D=dim == block_d, HAS_KV_VALID=has_kv_valid,
+                 IS_FP32=q.dtype == torch.float32, BIG_OFFSETS=max_off >= 2**31 - 1,
+                 UPCAST=interpreted and q.dtype == torch.bfloat16)
+    return args, flags
 
 
 def block_sparse_attention_varlen_triton(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale, kv_valid):
@@ -197,33 +252,18 @@ def block_sparse_attention_varlen_triton(q, k, v, q_offsets, k_offsets, kv_indic
     if interpreted:
         block_m, block_n, warps, stages = 16, 16, 4, 1
     else:
-        block_m, block_n, warps, stages = launch_config(n_q, n_qblocks, n_k, k_offsets.shape[-1] - 1, block_d)
+        major, minor = torch.cuda.get_device_capability(q.device)
+        block_m, block_n, warps, stages = launch_config(n_q, n_qblocks, n_k, k_offsets.shape[-1] - 1, block_d,
+                                                        10 * major + minor, dtype_name(q.dtype))
     n_slots = n_qblocks + -(-n_q // block_m)
     sched_block, sched_tile = row_tile_schedule(q_offsets, block_m, n_slots)
     q_off = q_offsets.to(torch.int32).contiguous()
     k_off = k_offsets.to(torch.int32).contiguous()
 
-    has_kv_valid = kv_valid is not None
-    if has_kv_valid:
-        kvv = kv_valid.view(torch.uint8)
-        svb, svn = (kvv.stride(0) if kvv.shape[0] == batch and batch > 1 else 0), kvv.stride(1)
-    else:
-        kvv, svb, svn = kv_counts, 0, 0  # never read
-    max_off = max(n_q * abs(q.stride(2)), n_k * abs(k.stride(2)), n_k * abs(v.stride(2)), n_q * dim, n_k * max(svn, 1))
-    args = (
-        q, k, v, out, lse, q_off, k_off, kv_indices, kv_counts, kvv, sched_block, sched_tile,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        *_leading_strides(q_off, batch, heads), *_leading_strides(k_off, batch, heads),
-        *_leading_strides(kv_indices, batch, heads), kv_indices.stride(2), kv_indices.stride(3),
-        *_leading_strides(kv_counts, batch, heads), kv_counts.stride(2),
-        svb, svn,
-        *_leading_strides(sched_block, batch, heads),
-        heads, dim, n_qblocks, float(scale) * LOG2E,
-    )
+    args, flags = varlen_kernel_args(q, k, v, out, lse, q_off, k_off, kv_indices, kv_counts, kv_valid,
+                                     sched_block, sched_tile, scale, interpreted)
     grid = (n_slots, batch * heads)
-    flags = dict(BLOCK_D=block_d, EVEN_D=dim == block_d, HAS_KV_VALID=has_kv_valid,
-                 IS_FP32=q.dtype == torch.float32, BIG_OFFSETS=max_off >= 2**31 - 1,
-                 UPCAST=interpreted and q.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n)
+    flags.update(BLOCK_M=block_m, BLOCK_N=block_n)
     if interpreted:
         _varlen_fwd_kernel[grid](*args, **flags, num_warps=warps, num_stages=stages)
     else:

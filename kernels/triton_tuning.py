@@ -2,10 +2,19 @@
 
 Split out of ``block_sparse_triton.py`` (which re-exports every name here); imports triton only
 for ``triton.Config``.
+
+Per-architecture limits come from the offline compile table ``offline_table.json`` (written by
+``python -m fastdit.kernels.offline --update``, checked by ``tests/test_offline_compile.py``): a
+config whose machine code spills registers or exceeds the shared memory of a target is pruned on
+that target, and the config used without autotuning (``default_config``) is the first of
+``DEFAULT_PREFERENCE`` that compiled clean there.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -35,15 +44,94 @@ _PREFERRED = {
     (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 2),
 }
 
-# Used when the environment asks not to autotune (FASTDIT_TRITON_AUTOTUNE=0): a config that is
-# good on both Hopper and Ampere for D <= 128 and 128-token plan blocks.
+# Used when the environment asks not to autotune (FASTDIT_TRITON_AUTOTUNE=0): the first config of
+# DEFAULT_PREFERENCE that the offline table records as clean (no spills, shared memory within the
+# limit) on the device's architecture, for its head dim and dtype. 128-row tiles with 8 warps first
+# (Hopper and Ampere for D <= 128 and 128-token plan blocks), then shallower pipelines and narrower
+# K/V tiles, which need fewer registers (BLOCK_M=128, BLOCK_N=64, 8 warps, 3 stages spills on
+# sm_80 / sm_89 at D=128: see BENCHMARKS.md, "GPU readiness").
 _DEFAULT_GPU_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+DEFAULT_PREFERENCE = ((128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2))
+TABLE_PATH = Path(__file__).with_name("offline_table.json")
 
 _SMEM_CACHE = {}
 
 
 def _next_pow2(x):
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def dtype_name(dtype):
+    """``bf16`` / ``fp16`` / ``fp32``: the offline table's name of a torch dtype."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def config_tuple(config):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of a ``triton.Config``."""
+    return (int(config.kwargs["BLOCK_M"]), int(config.kwargs["BLOCK_N"]), int(config.num_warps),
+            int(config.num_stages))
+
+
+@functools.lru_cache(maxsize=None)
+def _table_verdicts():
+    """``{(kernel, capability, dtype, head_dim, config): clean}`` from the offline table.
+
+    Entries of the installed Triton version when the table has any, else of every version, a
+    config counting as clean only if it was clean under each (the conservative choice when the
+    table was made with another Triton). An unreadable or missing table gives ``{}`` (no
+    per-arch pruning: every config is allowed, as before the table existed)."""
+    try:
+        entries = json.loads(Path(TABLE_PATH).read_text())["entries"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    mine = [e for e in entries if e.get("triton") == triton.__version__]
+    verdicts = {}
+    for e in mine or entries:
+        if e.get("registers") is None and e.get("error") is None:
+            continue  # not compiled (skipped target)
+        key = (e["kernel"], int(e["capability"]), e["dtype"], int(e["head_dim"]), tuple(e["config"]))
+        verdicts[key] = verdicts.get(key, True) and bool(e["clean"])
+    return verdicts
+
+
+def table_capability(capability, kernel="fixed"):
+    """The tabled capability that stands for a device of ``capability`` (an int, 86 for sm_86):
+    the device's own, else the largest tabled one below it of the same major (sm_87 -> sm_86),
+    else None (not covered: no per-arch pruning)."""
+    caps = {k[1] for k in _table_verdicts() if k[0] == kernel}
+    if capability in caps:
+        return capability
+    lower = [c for c in caps if c < capability and c // 10 == capability // 10]
+    return max(lower) if lower else None
+
+
+def table_verdict(kernel, capability, dtype, head_dim, config):
+    """True (compiled clean), False (spills or exceeds shared memory) or None (not in the table)
+    for ``config`` = ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` on ``capability``."""
+    cap = table_capability(capability, kernel)
+    if cap is None:
+        return None
+    return _table_verdicts().get((kernel, cap, dtype, int(head_dim), tuple(config)))
+
+
+def default_config(capability, head_dim, dtype):
+    """The config used without autotuning on a device of ``capability`` (int, e.g. 80), for a
+    padded head dim ``head_dim`` (``BLOCK_D``) and ``dtype`` (``bf16`` / ``fp16`` / ``fp32``): the
+    first of ``DEFAULT_PREFERENCE`` recorded clean in the offline table; ``_DEFAULT_GPU_CONFIG``
+    when the table does not cover the device."""
+    for cfg in DEFAULT_PREFERENCE:
+        if table_verdict("fixed", capability, dtype, head_dim, cfg):
+            return cfg
+    d = _DEFAULT_GPU_CONFIG
+    return (d["BLOCK_M"], d["BLOCK_N"], d["num_warps"], d["num_stages"])
+
+
+def _device_capability(device_index):
+    try:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        return 10 * major + minor
+    except Exception:
+        return None
 
 
 def _shared_mem_bytes(device_index):
@@ -82,11 +170,21 @@ def _prune_configs(configs, nargs, **kwargs):
     * unless FASTDIT_TRITON_AUTOTUNE=full, only the short ``_PREFERRED`` list (tuning cost:
       every config is compiled and timed once per autotune key).
     """
-    block_m, block_n = int(nargs["block_m"]), int(nargs["block_n"])
-    block_d = int(nargs["BLOCK_D"])
     q = nargs["Q"]
-    elt = q.element_size()
-    smem = _shared_mem_bytes(q.device.index if q.device.type == "cuda" else 0)
+    on_cuda = q.device.type == "cuda"
+    index = q.device.index if on_cuda else 0
+    return prune_for_target(configs, int(nargs["block_m"]), int(nargs["block_n"]), int(nargs["BLOCK_D"]),
+                            q.element_size(), _shared_mem_bytes(index),
+                            capability=_device_capability(index) if on_cuda else None,
+                            dtype=dtype_name(q.dtype) if q.dtype in (torch.bfloat16, torch.float16, torch.float32) else None)
+
+
+def prune_for_target(configs, block_m, block_n, block_d, elt, smem, capability=None, dtype=None):
+    """``_prune_configs`` for explicit resources: plan blocks ``block_m`` x ``block_n``, padded head
+    dim ``block_d``, element size ``elt`` bytes, ``smem`` bytes of shared memory a block, and, when
+    ``capability`` and ``dtype`` are given, the offline table's verdicts for that architecture
+    (configs recorded as spilling or over the shared memory there are dropped). The offline check
+    calls this with each target's numbers to list the configs a target can select."""
     cap_m, cap_n = max(16, _next_pow2(block_m)), max(16, _next_pow2(block_n))
     full = os.environ.get("FASTDIT_TRITON_AUTOTUNE", "1").lower() == "full"
     cands = [
@@ -115,6 +213,9 @@ def _prune_configs(configs, nargs, **kwargs):
             continue
         if s == 4 and bn * block_d * elt > 128 * 64 * 2:  # deep pipelines only for small K/V tiles
             continue
+        if capability is not None and dtype is not None and \
+                table_verdict("fixed", capability, dtype, block_d, (bm, bn, w, s)) is False:
+            continue  # spills or exceeds shared memory on this architecture (offline table)
         kept.append(c)
     if not kept:  # nothing passed the resource filters: smallest sane tile
         bm, bn = min(64, cap_m), min(32, cap_n)

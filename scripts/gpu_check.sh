@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# GPU check for fastdit, in six timed parts (each under its own time cap, so one slow part cannot
+# GPU check for fastdit, in eight timed parts (each under its own time cap, so one slow part cannot
 # eat the run):
 #
+#   offline  first: the offline compile check for this GPU's own capability (the kernel configs run
+#            without autotuning, bf16 / fp16, head dims 64 / 128, fresh compiles with this machine's
+#            Triton and shared memory): registers, spills, shared memory. Any failure ABORTS the run
+#            at once (exit 3), so a lent GPU's minutes are not spent on a kernel that cannot compile
+#            or spills (python -m fastdit.kernels.offline --targets native)          (T_OFFLINE=40 s)
 #   kernel   correctness pass (Triton vs the float64 reference and the torch fallback), then the
 #            kernel benchmark: dense SDPA (flash, cuDNN) vs fastdit's Triton kernel vs FlexAttention
-#            on synthetic plans; Wan 480p and HunyuanVideo 720p sliding tile      (cap T_KERNEL=130 s)
+#            on synthetic plans; Wan 480p and HunyuanVideo 720p sliding tile      (cap T_KERNEL=120 s)
 #   patched  the patched path: fastdit.attention / run_plan with sta's and radial's own plans (text
 #            tokens and key mask included) next to the kernel alone and dense SDPA   (T_PATCHED=60 s)
 #   varlen   variable-size blocks (offsets; svg2's clusters): a small case against the float64
@@ -13,11 +18,13 @@
 #            density, error against dense, selection / attention / outside-attention time, the
 #            corrections, the same-density claims (bench_attention --methods)       (T_METHODS=60 s)
 #   wan      one transformer forward, Wan2.1-T2V-1.3B at 480p x 81 frames, dense / sta / radial,
-#            eager and torch.compile'd (bf16, random weights)                        (T_WAN=140 s)
-#   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=130 s)
+#            eager and torch.compile'd (bf16, random weights)                        (T_WAN=130 s)
+#   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=105 s)
 #            (a dense forward is ~12 PFLOP: the eager rows fit the cap, the compiled ones, three
 #            whole-model compiles of 60 blocks, do not and are skipped by the budget; run them
 #            with: GPU_CHECK_PARTS=hunyuan T_HY=580 TRANSFORMER_ARGS="--modes compiled" bash ...)
+#   predict  last: every measured time of the parts above beside the cost model's prediction for this
+#            GPU (python -m fastdit.eval.predict --compare; fastdit/costmodel.py)   (T_PREDICT=15 s)
 #
 #   bash scripts/gpu_check.sh
 #   GPU_CHECK_PARTS=hunyuan T_HY=580 bash scripts/gpu_check.sh   # one part, with more time
@@ -34,9 +41,10 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 #
 # Output: every part's JSON plus one log (everything printed) in $OUT when set, else
-# ./bench_results: attention_kernel_<stamp>.json, attention_patched_<stamp>.json, varlen_<stamp>.json,
-# transformer_wan_<stamp>.json, transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (6 files).
-# Caps add up to 540 s plus set-up (~15 s): under 10 minutes, with room for the 10 s after a cap; a part
+# ./bench_results: offline_<stamp>.json, attention_kernel_<stamp>.json, attention_patched_<stamp>.json,
+# varlen_<stamp>.json, attention_methods_<stamp>.json, transformer_wan_<stamp>.json,
+# transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (8 files, the device tool's limit).
+# Caps add up to 570 s plus set-up (~15 s): under 10 minutes, with room for the 10 s after a cap; a part
 # that reaches its cap is interrupted (SIGINT, then killed 10 s later) and keeps the rows it wrote. Transformer parts get
 # --budget-s (cap - 20 s): measurements that would not fit are skipped, with the reason, in the JSON.
 # Exit status: 0 when every part that ran passed, else the first failing part's status (1: a
@@ -51,13 +59,15 @@ PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null 2>&1 || PY=python
 STAMP="$(date +%Y%m%d-%H%M%S)"
 LOG="$OUT_DIR/gpu_check_$STAMP.log"
-PARTS="${GPU_CHECK_PARTS:-kernel,patched,varlen,methods,wan,hunyuan}"
-T_KERNEL="${T_KERNEL:-130}"
+PARTS="${GPU_CHECK_PARTS:-offline,kernel,patched,varlen,methods,wan,hunyuan,predict}"
+T_OFFLINE="${T_OFFLINE:-40}"
+T_PREDICT="${T_PREDICT:-15}"
+T_KERNEL="${T_KERNEL:-120}"
 T_PATCHED="${T_PATCHED:-60}"
 T_VARLEN="${T_VARLEN:-40}"
 T_METHODS="${T_METHODS:-60}"
-T_WAN="${T_WAN:-140}"
-T_HY="${T_HY:-130}"
+T_WAN="${T_WAN:-130}"
+T_HY="${T_HY:-105}"
 HY_FRAMES="${HY_FRAMES:-129}"
 # extra arguments (word-split), e.g. a CPU dry run of the script's logic:
 #   GPU_CHECK_PARTS=patched,wan ATTENTION_ARGS=--quick TRANSFORMER_ARGS="--scale tiny" bash scripts/gpu_check.sh
@@ -158,6 +168,17 @@ part() {  # part NAME CAP_SECONDS COMMAND... : run under the cap, record status 
 }
 skip() { SUMMARY+=("$(printf '%-8s %-60s %4s' "$1" "SKIPPED: $2" "-")"); }
 
+if want offline; then
+    part offline "$T_OFFLINE" "$PY" -m fastdit.kernels.offline --targets native --configs default --fresh used \
+        --dtypes bf16,fp16 --jobs "$(nproc 2>/dev/null || echo 4)" --json "$OUT_DIR/offline_$STAMP.json"
+    if [ "$STATUS" -ne 0 ]; then
+        echo "[gpu_check] ABORT: the offline compile check failed on this GPU's own target (a kernel does not"
+        echo "[gpu_check] compile, spills, or exceeds shared memory; see the FAIL lines above). Nothing else is"
+        echo "[gpu_check] run, so the lease is not spent on kernels that cannot run well. Fix the kernel or the"
+        echo "[gpu_check] config table (python -m fastdit.kernels.offline --update) first."
+        exit 3
+    fi
+fi
 if want kernel; then
     part kernel "$T_KERNEL" "$PY" -m fastdit.eval.bench_attention --check --path kernel \
         --out "$OUT_DIR/attention_kernel_$STAMP.json" $ATTENTION_ARGS
@@ -190,6 +211,19 @@ if want hunyuan; then
             $TRANSFORMER_ARGS
     else
         skip hunyuan "diffusers not available (carry .whl/diffusers-*.whl)"
+    fi
+fi
+
+if want predict; then
+    MEASURED=()
+    for f in "$OUT_DIR"/attention_kernel_"$STAMP".json "$OUT_DIR"/transformer_wan_"$STAMP".json \
+             "$OUT_DIR"/transformer_hunyuan_"$STAMP".json; do
+        [ -f "$f" ] && MEASURED+=("$f")
+    done
+    if [ "${#MEASURED[@]}" -gt 0 ]; then
+        part predict "$T_PREDICT" "$PY" -m fastdit.eval.predict --compare "${MEASURED[@]}"
+    else
+        skip predict "no measurement to compare with"
     fi
 fi
 

@@ -1,0 +1,314 @@
+"""A cost model of GPU time: one attention call and one transformer forward, dense vs a method.
+
+No GPU has run fastdit yet; this model says what the first run should see, and
+``scripts/gpu_check.sh`` prints it beside each measurement so that the first run checks it.
+``python -m fastdit.eval.predict`` prints it for Wan2.1 480p and HunyuanVideo 720p.
+
+Attention call (batch ``B``, heads ``H``, ``N`` queries, ``Nk`` keys, head dim ``D``, element size
+``e`` bytes):
+
+* dense (PyTorch SDPA, FlashAttention-2 class): ``F = 4 B H N Nk D`` FLOPs (Q K^T and P V);
+  time ``max(F / (peak * sdpa_eff), bytes / (bw * mem_eff)) + launch``, bytes = Q, K, V read and
+  O written once (``4 B H N D e``, the fewest a fused kernel moves);
+* a block plan (``BlockPlan``: what the methods actually build, padding included): the kernel
+  computes whole tiles, so each computed (query block, key block) pair costs
+  ``ceil(block_m / BLOCK_M) BLOCK_M * ceil(block_n / BLOCK_N) BLOCK_N`` score entries, with the
+  tile ``(BLOCK_M, BLOCK_N)`` the kernel uses without autotuning on that GPU
+  (``triton_tuning.default_config``: the offline table's clean default); ``F = 4 D`` times the
+  sum of that over every (batch, head, query block) and listed key block; time
+  ``F / (peak * kernel_eff)`` (memory as above over the kernel's padded length), plus what runs
+  outside the kernel: the token permutation of a plan with ``perm`` (gather Q, K, V, scatter O:
+  ``8 B H L D e`` bytes, ``L`` the padded kernel length), and for dynamic plans the selection
+  (reading Q and K once to pool them, ``2 B H N D e`` bytes, and scoring the pooled blocks,
+  ``2 B H Mq Mk D`` FLOPs plus ``16 B H Mq Mk`` bytes of softmax / sort traffic); each outside
+  step at ``bw * mem_eff``, plus ``launch_us`` per kernel launch (3 for a static plan with a
+  permutation, 12 for a dynamic one: an estimate of the pooling / scoring / top-k ops).
+
+Transformer forward (``model_forward``): the linear layers' FLOPs from the published configs
+(``ModelShape``; ``fastdit.eval.predict`` fills it from ``fastdit.eval.bench_transformer_models``) at ``peak * gemm_eff``, elementwise work (norms,
+modulation, RoPE, activations, residuals) as ``ELEMENTWISE_PASSES`` reads + writes of the
+``tokens x dim`` activations per block at ``bw * mem_eff``, cross-attention (Wan) dense, and the
+self / joint attention of every block from the call model above. The attention share of a step
+is what falls out of that; a method changes only the self / joint attention calls.
+
+GPU numbers (``GPUS``; dense bf16 / fp16 tensor throughput with fp32 accumulation, no sparsity;
+HBM bandwidth):
+
+* A100 SXM4 80 GB: 312 TFLOP/s, 2039 GB/s (NVIDIA A100 datasheet, 2021);
+* H100 SXM5 80 GB: 989 TFLOP/s, 3350 GB/s (NVIDIA H100 datasheet, 2023);
+* H200 SXM 141 GB: 989 TFLOP/s, 4800 GB/s (NVIDIA H200 datasheet, 2024); measured on one of this
+  workplace's H200s: 788 TFLOP/s (8192^3 bf16 matmul), 4.3 TB/s (device copy);
+* RTX 4090: 165 TFLOP/s (fp16/bf16 tensor with fp32 accumulate; 330 with fp16 accumulate),
+  1008 GB/s (NVIDIA Ada Lovelace architecture whitepaper, appendix table).
+
+Efficiencies (fractions of peak; *assumptions* the first GPU run checks):
+
+* ``sdpa_eff`` (dense SDPA, FlashAttention-2): A100 0.65 (FlashAttention-2 paper, Dao 2023: the
+  forward reaches 50-73% of A100 peak, ~70% at D = 128 and long sequences); H100 / H200 0.37
+  (FlashAttention-3 paper, Shah et al. 2024: FlashAttention-2 forward ~350-370 TFLOP/s at D = 128
+  on H100, against ~740 for FlashAttention-3, i.e. 35-38% and 75%); RTX 4090 0.60 (no published
+  figure found; Ampere-like kernels at Ampere-like efficiency);
+* ``kernel_eff`` (fastdit's Triton kernel, an FA2-style forward without TMA or warp
+  specialisation, walking a block list): 0.85 of ``sdpa_eff`` (index loads, masks, a
+  non-contiguous K/V walk);
+* ``gemm_eff`` (the model's linear layers): 0.75 (A100), 0.70 (H100 / H200, smaller GEMMs than
+  the 8192^3 measurement's 0.80), 0.70 (RTX 4090);
+* ``mem_eff`` 0.80 of the HBM bandwidth for memory-bound steps; ``launch_us`` 5 us a launch.
+
+What the model leaves out: L2 reuse beyond the minimal traffic, tails of the grid (waves), the
+autotuner's choice (it may beat the default tile), clocks under power limits, and CPU overheads
+(the Python of the patched call; ``torch.compile`` removes part of it). It covers the GPUs above:
+``gpu_for(device)`` maps a CUDA device to one by name, else by compute capability (8.0 -> A100,
+8.6 / 8.9 -> RTX 4090, 9.0 -> H100); a CPU device or another GPU gives None (no prediction).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ELEMENTWISE_PASSES = 24  # reads + writes of tokens x dim activations per transformer block
+LAUNCH_US = 5.0
+MEM_EFF = 0.80
+KERNEL_OVER_SDPA = 0.85
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Published peak numbers and assumed efficiencies of one GPU (see the module docstring)."""
+
+    name: str
+    capability: int
+    peak_tflops: float  # dense bf16 / fp16 tensor, fp32 accumulate
+    bandwidth_gbs: float  # HBM
+    sdpa_eff: float
+    gemm_eff: float
+    memory_gb: float
+    source: str
+
+    @property
+    def kernel_eff(self):
+        return self.sdpa_eff * KERNEL_OVER_SDPA
+
+
+GPUS = {
+    "A100": GPU("A100", 80, 312.0, 2039.0, 0.65, 0.75, 80, "NVIDIA A100 datasheet (SXM4 80GB)"),
+    "H100": GPU("H100", 90, 989.0, 3350.0, 0.37, 0.70, 80, "NVIDIA H100 datasheet (SXM5)"),
+    "H200": GPU("H200", 90, 989.0, 4800.0, 0.37, 0.70, 141, "NVIDIA H200 datasheet (SXM)"),
+    "RTX 4090": GPU("RTX 4090", 89, 165.2, 1008.0, 0.60, 0.70, 24, "NVIDIA Ada Lovelace whitepaper"),
+}
+_BY_CAPABILITY = {80: "A100", 86: "RTX 4090", 89: "RTX 4090", 90: "H100"}
+
+
+def gpu_for(device=None):
+    """The ``GPU`` that models ``device`` (a torch device, index or None for the current CUDA
+    device): by name (A100, H100, H200, 4090), else by compute capability; None for a CPU device
+    or a GPU the model does not cover."""
+    import torch
+
+    if device is not None and not isinstance(device, int):
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        device = device.index
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    for key in ("H200", "H100", "A100"):
+        if key in name:
+            return GPUS[key]
+    if "4090" in name:
+        return GPUS["RTX 4090"]
+    major, minor = torch.cuda.get_device_capability(device)
+    key = _BY_CAPABILITY.get(10 * major + minor)
+    return GPUS[key] if key else None
+
+
+@dataclass
+class CallPrediction:
+    """Predicted time of one attention call (milliseconds) and what it is made of."""
+
+    label: str
+    flops: float  # of the attention kernel, padding and tile rounding included
+    kernel_ms: float
+    outside_ms: float  # permutation, selection, launches
+    density: float  # computed score entries / dense's, tile rounding included
+
+    @property
+    def total_ms(self):
+        return self.kernel_ms + self.outside_ms
+
+
+def _seconds_ms(flops, tflops, eff, nbytes, gbs):
+    return 1e3 * max(flops / (tflops * 1e12 * eff), nbytes / (gbs * 1e9 * MEM_EFF))
+
+
+def dense_call(gpu, batch, heads, n_q, n_k, head_dim, elt=2):
+    """Dense SDPA (FlashAttention-2 class) for one call."""
+    flops = 4.0 * batch * heads * n_q * n_k * head_dim
+    nbytes = (2 * n_q + 2 * n_k) * batch * heads * head_dim * elt
+    ms = _seconds_ms(flops, gpu.peak_tflops, gpu.sdpa_eff, nbytes, gpu.bandwidth_gbs) + 1e-3 * LAUNCH_US
+    return CallPrediction("dense", flops, ms, 0.0, 1.0)
+
+
+def kernel_tile(gpu, head_dim, dtype="bf16"):
+    """``(BLOCK_M, BLOCK_N)`` the kernel runs without autotuning on ``gpu`` (offline table)."""
+    from fastdit.kernels.triton_tuning import _next_pow2, default_config
+
+    bm, bn, _, _ = default_config(gpu.capability, max(16, _next_pow2(head_dim)), dtype)
+    return bm, bn
+
+
+def plan_pairs(plan, batch, heads, tile):
+    """Score entries the kernel computes for ``plan`` over ``batch`` x ``heads``: every listed
+    (query block, key block) pair costs its blocks rounded up to whole kernel tiles."""
+    bm, bn = tile
+    rows = -(-plan.block_m // bm) * bm
+    cols = -(-plan.block_n // bn) * bn
+    counts = plan.kv_counts
+    listed = float(counts.double().sum()) * (batch / counts.shape[0]) * (heads / counts.shape[1])
+    return listed * rows * cols
+
+
+def plan_call(gpu, plan, batch, heads, head_dim, elt=2, dtype="bf16", label=None):
+    """One attention call on ``plan`` (a ``BlockPlan`` as the method built it)."""
+    tile = kernel_tile(gpu, head_dim, dtype)
+    pairs = plan_pairs(plan, batch, heads, tile)
+    flops = 4.0 * head_dim * pairs
+    length = plan.kernel_len
+    nbytes = 4 * batch * heads * length * head_dim * elt
+    kernel_ms = _seconds_ms(flops, gpu.peak_tflops, gpu.kernel_eff, nbytes, gpu.bandwidth_gbs) + 1e-3 * LAUNCH_US
+    outside_bytes, outside_flops, launches = 0.0, 0.0, 0
+    if plan.perm is not None:
+        outside_bytes += 8.0 * batch * heads * length * head_dim * elt
+        launches += 2
+    if plan.dynamic:
+        mq, mk = plan.kv_counts.shape[-1], plan.num_kv_blocks
+        outside_bytes += 2.0 * batch * heads * plan.seq_len * head_dim * elt + 16.0 * batch * heads * mq * mk
+        outside_flops += 2.0 * batch * heads * mq * mk * head_dim
+        launches += 12
+    outside_ms = 0.0
+    if outside_bytes or outside_flops:
+        outside_ms = _seconds_ms(outside_flops, gpu.peak_tflops, gpu.gemm_eff, outside_bytes, gpu.bandwidth_gbs)
+    outside_ms += 1e-3 * LAUNCH_US * launches
+    density = pairs / (batch * heads * float(plan.seq_len) ** 2)
+    return CallPrediction(label or plan.name, flops, kernel_ms, outside_ms, density)
+
+
+def density_call(gpu, density, batch, heads, n, head_dim, elt=2, dynamic=True, block=128, label="", dtype="bf16"):
+    """One call of a plan known only by its block density (dynamic methods in ``predict``):
+    ``density`` of ``block`` x ``block`` pairs of an ``n``-token call, no padding."""
+    from types import SimpleNamespace
+
+    import torch
+
+    blocks = -(-n // block)
+    listed = max(1, round(density * blocks))
+    plan = SimpleNamespace(block_m=block, block_n=block, kv_counts=torch.full((1, 1, blocks), float(listed)),
+                           kernel_len=blocks * block, seq_len=n, perm=None, dynamic=dynamic, num_kv_blocks=blocks,
+                           name=label)
+    return plan_call(gpu, plan, batch, heads, head_dim, elt, dtype, label)
+
+
+# --------------------------------------------------------------------------------------------------
+# Transformer forward
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class ForwardPrediction:
+    label: str
+    other_ms: float  # everything but the self / joint attention calls
+    attention_ms: float  # all self / joint attention calls of one forward
+
+    @property
+    def total_ms(self):
+        return self.other_ms + self.attention_ms
+
+    @property
+    def attention_share(self):
+        return self.attention_ms / self.total_ms
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the forward model needs of a transformer: attention layers, heads, tokens."""
+
+    name: str
+    family: str  # fastdit family (method defaults)
+    grid: tuple  # video tokens (T, H, W)
+    text_len: int  # text tokens in the joint sequence (0: text enters by cross-attention)
+    text_position: str
+    heads: int
+    head_dim: int
+    layers: int  # self / joint attention calls a forward
+    linear_flops: float  # one forward's linear layers
+    cross_flops: float  # one forward's cross-attention (dense)
+    elementwise_bytes: float
+
+    @property
+    def tokens(self):
+        return math.prod(self.grid) + self.text_len
+
+
+def model_forward(gpu, shape, attention_call_ms, label=""):
+    """One forward: the non-attention work of ``shape`` plus ``layers`` calls of
+    ``attention_call_ms`` (the predicted time of one self / joint attention call)."""
+    other = _seconds_ms(shape.linear_flops, gpu.peak_tflops, gpu.gemm_eff, 0.0, gpu.bandwidth_gbs)
+    other += _seconds_ms(shape.cross_flops, gpu.peak_tflops, gpu.sdpa_eff, 0.0, gpu.bandwidth_gbs)
+    other += 1e3 * shape.elementwise_bytes / (gpu.bandwidth_gbs * 1e9 * MEM_EFF)
+    return ForwardPrediction(label, other, shape.layers * attention_call_ms)
+
+
+def speedup(dense, other):
+    """``dense / other`` of two predictions (anything with ``total_ms``)."""
+    return dense.total_ms / other.total_ms
+
+
+# --------------------------------------------------------------------------------------------------
+# "Is sparse worth it at this size?" (fastdit.patch's one-time warning)
+# --------------------------------------------------------------------------------------------------
+
+MIN_GAIN = 0.05
+
+
+def call_gain(q, k, info, gpu=None):
+    """``(gpu, dense CallPrediction, method CallPrediction)`` of one intercepted call, or None when
+    the model has nothing to say: no covered GPU (a CPU device, or a GPU not in ``GPUS``), or the
+    method reported neither a plan nor its performed work (``info`` is the call's ``ctx.info``).
+    A dense step or a dense layer (``info["dense"]``) is not a sparse call: None."""
+    import torch
+
+    gpu = gpu or gpu_for(q.device)
+    if gpu is None or info.get("dense"):
+        return None
+    batch, heads, n_q, head_dim = q.shape
+    n_k = k.shape[2]
+    elt = q.element_size()
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(q.dtype, "bf16")
+    dense = dense_call(gpu, batch, heads, n_q, n_k, head_dim, elt)
+    plan = info.get("plan")
+    if plan is not None and hasattr(plan, "kv_counts"):
+        call = plan_call(gpu, plan, batch, heads, head_dim, elt, dtype)
+    elif "performed" in info and info.get("total"):
+        density = float(info["performed"]) / float(info["total"])
+        call = CallPrediction("method", density * dense.flops, density * dense.kernel_ms, 0.0, density)
+    else:
+        return None
+    return gpu, dense, call
+
+
+def worth_warning(method, q, k, info, threshold=MIN_GAIN):
+    """The warning text when the predicted gain of ``method`` on this call (dense time over the
+    method's, minus 1) is below ``threshold``; None otherwise or when there is no prediction."""
+    got = call_gain(q, k, info)
+    if got is None:
+        return None
+    gpu, dense, call = got
+    gain = dense.total_ms / call.total_ms - 1.0
+    if gain >= threshold:
+        return None
+    batch, heads, n_q, head_dim = q.shape
+    return (f"method {method!r} is predicted to gain {gain:+.0%} over dense attention on this call "
+            f"(batch {batch}, {heads} heads, {n_q} tokens, head dim {head_dim}) on {gpu.name}: "
+            f"{call.total_ms:.3f} ms (kernel {call.kernel_ms:.3f} + outside {call.outside_ms:.3f}, computed "
+            f"fraction {call.density:.2f} with padding and tile rounding) vs dense {dense.total_ms:.3f} ms "
+            f"(fastdit.costmodel; below {threshold:.0%}: sparse attention may not pay off at this size)")

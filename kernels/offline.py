@@ -1,0 +1,705 @@
+"""Offline compile check: every Triton kernel of fastdit compiled to machine code for each NVIDIA
+target, without a GPU, with its registers, spills, stack and shared memory.
+
+    python -m fastdit.kernels.offline                       # the checked-in table's state, no compile
+    python -m fastdit.kernels.offline --update              # compile what is missing or stale, save
+    python -m fastdit.kernels.offline --targets native --fresh default   # gpu_check.sh's first part
+    python -m fastdit.kernels.offline --markdown            # the table for BENCHMARKS.md
+
+What is compiled. Kernels (every ``@triton.jit`` kernel of ``kernels/``; ``KERNELS`` lists them and
+``tests/test_offline_compile.py`` fails when a new one is not listed):
+
+* ``fixed``: ``_block_sparse_fwd_kernel`` (fixed-size blocks), every config the pruner
+  (``triton_tuning.prune_for_target``) can select on the target for 128 x 128 plan blocks (the
+  plan size that admits every tile; ``--configs full``: the whole autotune grid), and the
+  default-config candidates ``DEFAULT_PREFERENCE``;
+* ``skip``: the same kernel with ``SKIP=True``, on the skip rule's default 64 x 64 tiles with the
+  warps / stages ``_skip_launch_config`` picks for the target's shared memory;
+* ``varlen``: ``_varlen_fwd_kernel`` (variable-size blocks), each tile that ``launch_config`` can
+  return for head dims <= 128 (BLOCK_M 128 with 8 warps or 64 with 4, BLOCK_N 64 / 32 / 16, 2
+  stages). Its scheduler (``row_tile_schedule``) is torch ops, not a Triton kernel: nothing to
+  compile.
+
+Targets ``TARGETS``: sm_80 (A100, 163 KiB of shared memory a block), sm_86 (RTX 30xx / A40,
+99 KiB), sm_89 (RTX 40xx / L40, 99 KiB), sm_90 (H100 / H200, 227 KiB), sm_100 (B200, 227 KiB),
+sm_120 (RTX 50xx, 99 KiB); a target the installed Triton cannot compile for is listed as skipped
+with the compiler's reason. Head dims 64 and 128; bf16, fp16 and fp32 (the kernels take fp32 too).
+
+The specialisation is the real launch's: the arguments are built by the launchers' own
+``kernel_args`` / ``varlen_kernel_args`` from meta tensors of a Wan2.1 480p call (1 x 12 heads x
+32760 tokens, contiguous, 128-token plan blocks, a key-validity vector: the masked path, the
+superset of the unmasked one), and each argument is specialised by Triton's own rule (integers
+divisible by 16 get ``tt.divisibility = 16``, integers equal to 1 become constants, pointers are
+16-byte aligned) via ``native_specialize_impl`` where the installed Triton has it.
+
+What is recorded, from ``ptxas -v`` as Triton itself runs it (the log of Triton's own ``ptxas``
+call, ``knobs.nvidia.dump_ptxas_log``, on a fresh compile): registers a thread, spill stores /
+loads (bytes), stack frame (bytes); shared memory (bytes) from the compiled kernel's metadata.
+A kernel is *clean* on a target when it spills 0 bytes and its shared memory is within the
+target's limit. Budgets (``check``): every compile succeeds; the default config of each kernel
+(``fixed``: ``default_config`` of the target; ``skip``, ``varlen``: their launch configs) is
+clean; at least one config the pruner keeps per (target, head dim, dtype) is clean. Configs that
+are not clean are pruned on that target at run time (``triton_tuning.table_verdict``).
+
+The table ``offline_table.json`` (beside this file) caches results: one entry per (kernel,
+target, dtype, head dim, config, Triton version), with the kernel's source hash (the source of
+the kernel and of the jitted functions it calls). An entry whose hash differs from the current
+source is *stale* and is recompiled by ``--update`` (and by the CI test).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from . import block_sparse_triton as bst
+from . import block_sparse_varlen_triton as bsv
+from . import triton_tuning as tuning
+
+KIB = 1024
+TABLE_PATH = tuning.TABLE_PATH
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    capability: int
+    shared_limit: int  # opt-in shared memory a block, bytes
+    gpus: str
+
+
+TARGETS = {t.name: t for t in (
+    Target("sm_80", 80, 163 * KIB, "A100"),
+    Target("sm_86", 86, 99 * KIB, "RTX 30xx, A40, A10"),
+    Target("sm_89", 89, 99 * KIB, "RTX 40xx, L4, L40"),
+    Target("sm_90", 90, 227 * KIB, "H100, H200"),
+    Target("sm_100", 100, 227 * KIB, "B200"),
+    Target("sm_120", 120, 99 * KIB, "RTX 50xx"),
+)}
+CI_TARGETS = ("sm_80", "sm_89", "sm_90")
+HEAD_DIMS = (64, 128)
+DTYPES = ("bf16", "fp16", "fp32")
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# kernel name -> the raw @triton.jit function
+KERNELS = {
+    "fixed": bst._block_sparse_fwd_kernel,
+    "skip": bst._block_sparse_fwd_kernel,
+    "varlen": bsv._varlen_fwd_kernel,
+}
+
+# the representative launch: Wan2.1-T2V-1.3B at 480p x 81 frames
+_BATCH, _HEADS, _TOKENS, _PLAN_BLOCK = 1, 12, 32760, 128
+_SKIP_TILE = (64, 64)
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str
+    target: str
+    dtype: str
+    head_dim: int
+    config: tuple  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    role: str = "pruned"  # "default": must be clean; "pruned": the pruner may select it; "full": grid only
+
+    @property
+    def label(self):
+        bm, bn, w, s = self.config
+        return f"{bm}x{bn} w{w} s{s}"
+
+    @property
+    def key(self):
+        return f"{self.kernel}|{self.target}|{self.dtype}|d{self.head_dim}|{self.label}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Which configs each target can run
+# --------------------------------------------------------------------------------------------------
+
+def _configs(tuples):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tuples]
+
+
+def skip_config(target, head_dim, dtype):
+    bm, bn = bst.skip_tile_sizes(_PLAN_BLOCK, _PLAN_BLOCK, _SKIP_TILE)
+    warps, stages = bst._skip_launch_config(bm, bn, head_dim, _TORCH_DTYPE[dtype].itemsize, None,
+                                            smem=TARGETS[target].shared_limit)
+    return (bm, bn, warps, stages)
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    """``os.environ[name] = value`` (``None``: unset) for the block."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def varlen_configs(head_dim):
+    """Every tile ``launch_config`` returns (it depends on the mean block sizes only)."""
+    seen = []
+    with _env("FASTDIT_TRITON_CONFIG", None):
+        for mean_q in (128, 64):
+            for mean_k in (128, 64, 16):
+                cfg = bsv.launch_config(mean_q * 10, 10, mean_k * 10, 10, head_dim)
+                if cfg not in seen:
+                    seen.append(cfg)
+    return seen
+
+
+def cases(targets=tuple(TARGETS), kernels=tuple(KERNELS), head_dims=HEAD_DIMS, dtypes=DTYPES, configs="pruned"):
+    """The compile cases: ``configs`` is ``default`` (the configs that must be clean), ``pruned``
+    (those plus every config the pruner can select) or ``full`` (the whole autotune grid too)."""
+    out = []
+    for t in targets:
+        target = TARGETS[t]
+        for dtype in dtypes:
+            elt = _TORCH_DTYPE[dtype].itemsize
+            for d in head_dims:
+                if "fixed" in kernels:
+                    chosen = {}
+                    # the default config is the first clean one of DEFAULT_PREFERENCE: all of them
+                    # are compiled, so the choice can be made from the table
+                    for cfg in tuning.DEFAULT_PREFERENCE:
+                        chosen[cfg] = "default"
+                    if configs != "default":
+                        with _env("FASTDIT_TRITON_AUTOTUNE", "full" if configs == "full" else "1"):
+                            kept = tuning.prune_for_target(tuning.AUTOTUNE_CONFIGS, _PLAN_BLOCK, _PLAN_BLOCK, d, elt,
+                                                           target.shared_limit)
+                        for c in kept:
+                            chosen.setdefault(tuning.config_tuple(c), "pruned" if configs == "pruned" else "full")
+                    out += [Case("fixed", t, dtype, d, cfg, role) for cfg, role in chosen.items()]
+                if "skip" in kernels:
+                    out.append(Case("skip", t, dtype, d, skip_config(t, d, dtype), "default"))
+                if "varlen" in kernels:  # all of launch_config's choices; one clean one must exist
+                    out += [Case("varlen", t, dtype, d, cfg, "default") for cfg in varlen_configs(d)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The launch's specialisation
+# --------------------------------------------------------------------------------------------------
+
+def _meta(*shape, dtype):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def launch(case):
+    """``(fn, named arguments, compile options)`` of ``case``'s launch, built by the launchers' own
+    argument builders on meta tensors (no memory, real strides)."""
+    dt = _TORCH_DTYPE[case.dtype]
+    bm, bn, warps, stages = case.config
+    b, h, n, d = _BATCH, _HEADS, _TOKENS, case.head_dim
+    q, k, v, out = (_meta(b, h, n, d, dtype=dt) for _ in range(4))
+    lse = _meta(b, h, n, dtype=torch.float32)
+    kv_valid = _meta(b, n, dtype=torch.bool)
+    fn = KERNELS[case.kernel]
+    if case.kernel in ("fixed", "skip"):
+        m = -(-n // _PLAN_BLOCK)
+        kv_indices = _meta(1, h, m, 64, dtype=torch.int32)
+        kv_counts = _meta(1, h, m, dtype=torch.int32)
+        skip = case.kernel == "skip"
+        skipped = _meta(b, h, dtype=torch.int32) if skip else None
+        args = bst.kernel_args(q, k, v, out, lse, skipped, kv_indices, kv_counts, kv_valid, _PLAN_BLOCK, _PLAN_BLOCK,
+                               d ** -0.5, 1.0 if skip else None, False)
+        named = dict(zip(fn.arg_names, args), BLOCK_M=bm, BLOCK_N=bn)
+        named.update({name: rule(named) for name, rule in bst._HEURISTICS.items()})
+    else:
+        mq, mk = 100, 500  # svg2-like clusters
+        q_off = _meta(1, h, mq + 1, dtype=torch.int32)
+        k_off = _meta(1, h, mk + 1, dtype=torch.int32)
+        kv_indices = _meta(1, h, mq, 64, dtype=torch.int32)
+        kv_counts = _meta(1, h, mq, dtype=torch.int32)
+        n_slots = mq + -(-n // bm)
+        sched = _meta(1, h, n_slots, dtype=torch.int32)
+        args, flags = bsv.varlen_kernel_args(q, k, v, out, lse, q_off, k_off, kv_indices, kv_counts, kv_valid,
+                                             sched, sched, d ** -0.5, False)
+        named = dict(zip(fn.arg_names, args), **flags, BLOCK_M=bm, BLOCK_N=bn)
+    missing = [a for a in fn.arg_names if a not in named]
+    if missing:
+        raise RuntimeError(f"{case.kernel}: no value for kernel arguments {missing}")
+    return fn, named, {"num_warps": warps, "num_stages": stages}
+
+
+def _specialize(backend, value):
+    """``(type, specialisation)`` of one runtime argument, by Triton's own rule when it has one."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:  # older Triton: the same rule, written out
+        native_specialize_impl = None
+    if native_specialize_impl is not None:
+        return native_specialize_impl(type(backend), value, False, True, True)
+    if isinstance(value, bool):
+        return "i1", None
+    if isinstance(value, int):
+        if value == 1:
+            return "constexpr", 1
+        kind = "i32" if -2**31 <= value < 2**31 else "i64"
+        return kind, "D" if value % 16 == 0 else ""
+    if isinstance(value, float):
+        return "fp32", None
+    if isinstance(value, torch.Tensor):
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+        return "*" + names[value.dtype], "D"
+    raise TypeError(f"cannot specialise {type(value).__name__}")
+
+
+def specialise(fn, named, target):
+    """``ASTSource`` inputs ``(signature, constexprs, attrs)`` of a launch of ``fn`` with ``named``."""
+    from triton.compiler.compiler import make_backend
+    backend = make_backend(target)
+    import inspect
+    signature, constexprs, attrs = {}, {}, {}
+    # constexpr parameters by annotation (works for JITFunction and, in tests, the interpreter's)
+    params = inspect.signature(fn.fn).parameters
+    for i, name in enumerate(fn.arg_names):
+        value = named[name]
+        if "constexpr" in str(params[name].annotation):
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+            continue
+        kind, spec = _specialize(backend, value)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = spec
+        elif isinstance(spec, str) and spec:
+            try:
+                attrs[(i,)] = backend.parse_attr(spec)
+            except AttributeError:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiling one case
+# --------------------------------------------------------------------------------------------------
+
+def dependencies(kernel):
+    """The jitted functions ``kernel`` is made of: its own and every jitted function it calls,
+    directly or not (found by name in the source, among the defining module's globals)."""
+    seen, order, todo = set(), [], [KERNELS[kernel]]
+    while todo:
+        fn = todo.pop()
+        if fn.__name__ in seen:
+            continue
+        seen.add(fn.__name__)
+        order.append(fn)
+        src = _source(fn)
+        for name, value in fn.fn.__globals__.items():
+            if hasattr(value, "fn") and hasattr(value, "arg_names") and re.search(rf"\b{re.escape(name)}\b", src):
+                todo.append(value)
+    return sorted(order, key=lambda f: f.__name__)
+
+
+def _source(fn):
+    """The source of a jitted function from its ``def`` on (as ``JITFunction.src``; the same under
+    the interpreter, so the hash does not depend on ``TRITON_INTERPRET``)."""
+    import inspect
+    import textwrap
+    src = textwrap.dedent(inspect.getsource(fn.fn))
+    return src[re.search(r"^def\s+\w+\s*\(", src, re.MULTILINE).start():]
+
+
+def source_hash(kernel):
+    """sha256 (16 hex digits) of the source of ``dependencies(kernel)`` (and, for the fixed-size
+    kernel, of the heuristics that set its flags): a change to any of them makes the kernel's
+    table entries stale. Docstring / line moves elsewhere in the file do not."""
+    digest = hashlib.sha256()
+    for fn in dependencies(kernel):
+        digest.update(fn.__name__.encode() + b"\0" + _source(fn).encode() + b"\0")
+    if kernel == "fixed" or kernel == "skip":  # the heuristics decide constexpr flags
+        import inspect
+        for rule in bst._HEURISTICS.values():
+            digest.update(inspect.getsource(rule).encode())
+    return digest.hexdigest()[:16]
+
+
+_PTXAS_RE = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def _target_error(capability):
+    """None when the installed Triton compiles for ``capability``, else the reason (one line)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    try:
+        triton.compile(ASTSource(_probe_kernel, {"X": "*fp32"}, {}), target=GPUTarget("cuda", capability, 32),
+                       options={"num_warps": 1})
+        return None
+    except Exception as error:  # noqa: BLE001 - reported as the skip reason
+        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+        fatal = [ln for ln in lines if "fatal" in ln.lower() or "error" in ln.lower()]
+        return f"{type(error).__name__}: {(fatal or lines or [''])[0][:200]}"
+
+
+@triton.jit
+def _probe_kernel(X):
+    tl.store(X + tl.arange(0, 32), tl.zeros([32], dtype=tl.float32))
+
+
+def compile_case(case):
+    """Compile ``case`` (a fresh compile: Triton's cache is bypassed so that ``ptxas`` runs) and
+    return its table entry."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    target = TARGETS[case.target]
+    gpu = GPUTarget("cuda", target.capability, 32)
+    entry = dict(asdict(case), key=case.key, capability=target.capability, triton=triton.__version__,
+                 source_hash=source_hash(case.kernel), shared_limit=target.shared_limit,
+                 registers=None, spill_stores=None, spill_loads=None, stack=None, shared=None,
+                 clean=False, error=None, compile_s=None)
+    entry["config"] = list(case.config)
+    start = time.perf_counter()
+    log = io.StringIO()
+    try:
+        fn, named, options = launch(case)
+        signature, constexprs, attrs = specialise(fn, named, gpu)
+        knobs = triton.knobs
+        with _knob(knobs.nvidia, "dump_ptxas_log", True), _knob(knobs.compilation, "always_compile", True), \
+                contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options)
+        entry["shared"] = int(kernel.metadata.shared)
+        text = log.getvalue()
+        for field, pattern in _PTXAS_RE.items():
+            found = pattern.findall(text)
+            entry[field] = int(found[-1]) if found else None
+        if entry["registers"] is None:
+            entry["error"] = "no ptxas -v report in Triton's log"
+    except Exception as error:  # noqa: BLE001 - the check reports it with the case
+        lines = [ln for ln in str(error).splitlines() if ln.strip()]
+        entry["error"] = f"{type(error).__name__}: {' / '.join(lines[:3])[:400]}"
+    entry["compile_s"] = round(time.perf_counter() - start, 2)
+    entry["clean"] = (entry["error"] is None and entry["spill_stores"] == 0 and entry["spill_loads"] == 0
+                      and entry["shared"] <= target.shared_limit)
+    return entry
+
+
+@contextlib.contextmanager
+def _knob(group, name, value):
+    old = getattr(group, name)
+    setattr(group, name, value)
+    try:
+        yield
+    finally:
+        setattr(group, name, old)
+
+
+def _worker_init(cache_dir):
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # keep the user's Triton cache out of it
+    with contextlib.suppress(Exception):
+        triton.knobs.cache.dir = cache_dir
+
+
+def compile_cases(todo, jobs=1, progress=None):
+    """Compile ``todo`` with ``jobs`` processes; entries in ``todo``'s order."""
+    if not todo:
+        return []
+    with tempfile.TemporaryDirectory(prefix="fastdit-offline-") as cache_dir:
+        if jobs <= 1:
+            _worker_init(cache_dir)
+            results = []
+            for case in todo:
+                results.append(compile_case(case))
+                if progress:
+                    progress(results[-1])
+            return results
+        import multiprocessing
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(cache_dir,)) as pool:
+            results = []
+            for entry in pool.map(compile_case, todo):
+                results.append(entry)
+                if progress:
+                    progress(entry)
+            return results
+
+
+# --------------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------------
+
+def load_table(path=TABLE_PATH):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {"entries": [], "skipped_targets": []}
+
+
+def save_table(table, path=TABLE_PATH):
+    table["entries"] = sorted(table["entries"], key=lambda e: (e["triton"], e["key"]))
+    table["skipped_targets"] = sorted(table.get("skipped_targets", []), key=lambda e: (e["triton"], e["target"]))
+    Path(path).write_text(json.dumps(table, indent=1) + "\n")
+
+
+def current_entries(table, version=None):
+    """``{key: entry}`` of the table's entries for Triton ``version`` (default: the installed one)."""
+    version = version or triton.__version__
+    return {e["key"]: e for e in table["entries"] if e["triton"] == version}
+
+
+def stale_or_missing(todo, table):
+    """The cases of ``todo`` whose entry is missing for this Triton or has another source hash."""
+    have = current_entries(table)
+    hashes = {k: source_hash(k) for k in KERNELS}
+    return [c for c in todo if c.key not in have or have[c.key]["source_hash"] != hashes[c.kernel]]
+
+
+def supported_targets(names):
+    """``(supported names, [{target, triton, reason}] skipped)``."""
+    ok, skipped = [], []
+    for name in names:
+        reason = _target_error(TARGETS[name].capability)
+        if reason is None:
+            ok.append(name)
+        else:
+            skipped.append({"target": name, "triton": triton.__version__, "reason": reason})
+    return ok, skipped
+
+
+def check(entries, all_cases):
+    """Budget failures (strings naming kernel, target and config) of compiled ``entries``:
+
+    * a compile that failed;
+    * ``skip``: its one launch config per target is not clean (it runs without autotuning);
+    * ``fixed``, per (target, dtype, head dim): no clean config among ``DEFAULT_PREFERENCE`` (then
+      ``default_config`` has nothing clean to pick), or none among the configs the pruner keeps;
+    * ``varlen``, likewise: no clean config among ``launch_config``'s choices (a choice that is not
+      clean is replaced by the nearest clean one at run time).
+    """
+    by_key = {e["key"]: e for e in entries}
+    failures = []
+    for e in entries:
+        if e["error"]:
+            failures.append(f"{e['kernel']} on {e['target']} ({e['dtype']}, d={e['head_dim']}, "
+                            f"config {Case(**_case_fields(e)).label}) failed to compile: {e['error']}")
+    groups = {}
+    for c in all_cases:
+        groups.setdefault((c.kernel, c.target, c.dtype, c.head_dim), []).append(c)
+    for (kernel, target, dtype, d), group in groups.items():
+        got = [(c, by_key.get(c.key)) for c in group]
+        got = [(c, e) for c, e in got if e is not None and not e["error"]]
+        if not got:
+            continue
+        where = f"{kernel} on {target} ({dtype}, d={d})"
+        if kernel == "skip":
+            for c, e in got:
+                if not e["clean"]:
+                    failures.append(f"{where}, config {c.label}, breaks the budget: {_budget_text(e)}")
+            continue
+        defaults = [(c, e) for c, e in got if c.role == "default"]
+        if defaults and not any(e["clean"] for _, e in defaults):
+            worst = "; ".join(f"{c.label}: {_budget_text(e)}" for c, e in defaults)
+            failures.append(f"{where}: no default candidate is clean ({worst})")
+        kept = [(c, e) for c, e in got if c.role in ("default", "pruned")]
+        if kernel == "fixed" and kept and not any(e["clean"] for _, e in kept):
+            failures.append(f"{where}: no config the pruner keeps is clean")
+    return failures
+
+
+def _case_fields(e):
+    return {"kernel": e["kernel"], "target": e["target"], "dtype": e["dtype"], "head_dim": e["head_dim"],
+            "config": tuple(e["config"]), "role": e.get("role", "pruned")}
+
+
+def _budget_text(e):
+    return (f"{e['spill_stores']} B spill stores, {e['spill_loads']} B spill loads, "
+            f"shared {e['shared']} B of {e['shared_limit']} B")
+
+
+def used_cases(names, all_cases):
+    """The cases of ``all_cases`` that run without autotuning on targets ``names``: the fixed
+    kernel's ``default_config`` (from the installed table), the skip kernel's config, and the
+    varlen kernel's ``launch_config`` for a Wan 480p call with svg2's default clusters (100 query /
+    500 key clusters)."""
+    wanted = set()
+    for name in names:
+        cap = TARGETS[name].capability
+        for c in all_cases:
+            if c.target != name:
+                continue
+            if c.kernel == "fixed" and c.config == tuning.default_config(cap, c.head_dim, c.dtype):
+                wanted.add(c)
+            elif c.kernel == "skip":
+                wanted.add(c)
+            elif c.kernel == "varlen" and c.config == bsv.launch_config(_TOKENS, 100, _TOKENS, 500, c.head_dim, cap,
+                                                                        c.dtype):
+                wanted.add(c)
+    return [c for c in all_cases if c in wanted]
+
+
+def default_choice(entries, target, dtype, d):
+    """The fixed kernel's default config on ``target`` from ``entries`` (as ``default_config``)."""
+    clean = {tuple(e["config"]) for e in entries if e["kernel"] == "fixed" and e["target"] == target
+             and e["dtype"] == dtype and e["head_dim"] == d and e["clean"]}
+    return next((cfg for cfg in tuning.DEFAULT_PREFERENCE if cfg in clean), None)
+
+
+def markdown(table, version=None):
+    """The target x kernel x config table (Markdown) of Triton ``version``'s entries."""
+    version = version or triton.__version__
+    entries = sorted(current_entries(table, version).values(),
+                     key=lambda e: (TARGETS[e["target"]].capability, e["kernel"], e["dtype"], e["head_dim"],
+                                    [-x for x in e["config"]]))
+    lines = [f"Triton {version}; registers a thread / spill stores+loads (bytes) / stack (bytes) / shared "
+             "memory (KiB) of the target's limit. **default**: the config used without autotuning there.",
+             "", "| target | kernel | dtype | d | config | regs | spills | stack | shared KiB | clean |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in entries:
+        label = Case(**_case_fields(e)).label
+        if e["kernel"] == "fixed" and default_choice(entries, e["target"], e["dtype"], e["head_dim"]) == tuple(e["config"]):
+            label = f"**{label}** default"
+        if e["error"]:
+            lines.append(f"| {e['target']} | {e['kernel']} | {e['dtype']} | {e['head_dim']} | {label} | "
+                         f"compile failed: {e['error'][:80]} | | | | no |")
+            continue
+        spills = f"{e['spill_stores']}+{e['spill_loads']}"
+        lines.append(f"| {e['target']} | {e['kernel']} | {e['dtype']} | {e['head_dim']} | {label} | {e['registers']} | "
+                     f"{spills} | {e['stack']} | {e['shared'] / KIB:.0f} / {e['shared_limit'] // KIB} | "
+                     f"{'yes' if e['clean'] else '**no**'} |")
+    skipped = [s for s in table.get("skipped_targets", []) if s["triton"] == version]
+    for s in skipped:
+        lines.append(f"| {s['target']} | all | | | | skipped: {s['reason']} | | | | |")
+    return "\n".join(lines)
+
+
+def _native_targets():
+    """The local device's target (``--targets native``), with its own shared memory as the limit."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--targets native: no CUDA device here")
+    major, minor = torch.cuda.get_device_capability(0)
+    cap = 10 * major + minor
+    smem = tuning._shared_mem_bytes(0)
+    name = f"sm_{cap}"
+    if name not in TARGETS:
+        TARGETS[name] = Target(name, cap, smem, torch.cuda.get_device_name(0))
+    else:
+        TARGETS[name] = Target(name, cap, smem, TARGETS[name].gpus)
+    return [name]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default="all", help=f"comma list of {', '.join(TARGETS)}, 'all', 'ci' "
+                        f"({', '.join(CI_TARGETS)}) or 'native' (this machine's GPU)")
+    parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--configs", default="pruned", choices=("default", "pruned", "full"))
+    parser.add_argument("--update", action="store_true", help="compile missing / stale entries and save the table")
+    parser.add_argument("--fresh", default="none", choices=("none", "used", "default", "all"),
+                        help="also recompile these cases even when the table has them: 'used' the configs "
+                             "run without autotuning (fixed: default_config; skip; varlen: launch_config "
+                             "of a Wan 480p svg2-like call), 'default' every default candidate, 'all'")
+    parser.add_argument("--table", default=str(TABLE_PATH))
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--json", default=None, help="write the compiled entries and failures here")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown and exit")
+    args = parser.parse_args(argv)
+
+    from triton.runtime.jit import JITFunction
+    if not all(isinstance(fn, JITFunction) for fn in KERNELS.values()):
+        raise SystemExit("fastdit.kernels.offline: the kernels were built for the Triton interpreter; "
+                         "run it without TRITON_INTERPRET=1")
+    table = load_table(args.table)
+    if args.markdown:
+        print(markdown(table))
+        return 0
+    if args.targets == "native":
+        names = _native_targets()
+    elif args.targets == "all":
+        names = list(TARGETS)
+    elif args.targets == "ci":
+        names = list(CI_TARGETS)
+    else:
+        names = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise SystemExit(f"unknown target(s) {unknown}; known: {', '.join(TARGETS)}, all, ci, native")
+    t0 = time.perf_counter()
+    names, skipped = supported_targets(names)
+    for s in skipped:
+        print(f"[offline] {s['target']}: skipped ({s['reason']})")
+    all_cases = cases(names, args.kernels.split(","), [int(x) for x in args.head_dims.split(",")],
+                      args.dtypes.split(","), args.configs)
+    todo = stale_or_missing(all_cases, table) if args.update or args.fresh != "none" else []
+    if args.fresh == "all":
+        todo = all_cases
+    elif args.fresh == "used":
+        todo += [c for c in used_cases(names, all_cases) if c not in todo]
+    elif args.fresh == "default":
+        todo += [c for c in all_cases if c.role == "default" and c not in todo]
+    print(f"[offline] Triton {triton.__version__}; {len(all_cases)} cases on {', '.join(names) or 'no target'}; "
+          f"compiling {len(todo)} with {args.jobs} job(s)", flush=True)
+
+    def progress(e):
+        state = "ERROR " + e["error"][:120] if e["error"] else (
+            f"regs {e['registers']:3d} spills {e['spill_stores']}+{e['spill_loads']} B stack {e['stack']} B "
+            f"shared {e['shared'] / KIB:.0f}/{e['shared_limit'] // KIB} KiB {'ok' if e['clean'] else 'NOT CLEAN'}")
+        print(f"[offline] {e['key']:44s} {state} ({e['compile_s']:.1f}s)", flush=True)
+
+    compiled = compile_cases(todo, args.jobs, progress)
+    entries = dict(current_entries(table))
+    entries.update({e["key"]: e for e in compiled})
+    relevant = [entries[c.key] for c in all_cases if c.key in entries]
+    # roles of the current case list (an entry's stored role may come from another --configs run)
+    role = {c.key: c.role for c in all_cases}
+    for e in relevant:
+        e["role"] = role[e["key"]]
+    failures = check(relevant, all_cases)
+    missing = [c.key for c in all_cases if c.key not in entries]
+    if args.update:
+        others = [e for e in table["entries"] if e["triton"] != triton.__version__]
+        table["entries"] = others + list(entries.values())
+        table["skipped_targets"] = [s for s in table.get("skipped_targets", []) if s["triton"] != triton.__version__
+                                    or s["target"] not in {x["target"] for x in skipped}] + skipped
+        save_table(table, args.table)
+        print(f"[offline] table saved: {args.table}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"triton": triton.__version__, "targets": names, "skipped": skipped,
+                                               "compiled": compiled, "failures": failures, "missing": missing},
+                                              indent=1))
+    print(f"[offline] {len(compiled)} compiled in {time.perf_counter() - t0:.0f}s; "
+          f"{len(missing)} case(s) not in the table; {len(failures)} failure(s)")
+    for name in names:
+        for dtype in args.dtypes.split(","):
+            for d in [int(x) for x in args.head_dims.split(",")]:
+                cfg = default_choice(relevant, name, dtype, d)
+                e = entries.get(Case("fixed", name, dtype, d, cfg).key) if cfg else None
+                if e is not None:
+                    print(f"[offline] default on {name} {dtype} d={d}: {Case('fixed', name, dtype, d, cfg).label} "
+                          f"regs {e['registers']} spills {e['spill_stores']}+{e['spill_loads']} B")
+    for f in failures:
+        print(f"[offline] FAIL {f}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

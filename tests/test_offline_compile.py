@@ -1,0 +1,182 @@
+"""The offline compile check (``fastdit.kernels.offline``) and the per-architecture limits it feeds.
+
+``test_ci_targets_compile_within_budgets`` compiles the kernels to cubin for sm_80, sm_89 and sm_90
+on the CPU (a subprocess without ``TRITON_INTERPRET``): the configs used without autotuning, fresh,
+plus every table entry that is missing or stale for the installed Triton; it fails naming kernel,
+target and config when a compile fails or a budget breaks, and when a fresh compile disagrees with
+the checked-in table. The other tests need no compiler.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from fastdit.kernels import block_sparse_varlen_triton as bsv
+from fastdit.kernels import offline
+from fastdit.kernels import triton_tuning as tuning
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """Point the pruner at a table of our own; returns a writer of entries."""
+    path = tmp_path / "table.json"
+    monkeypatch.setattr(tuning, "TABLE_PATH", path)
+    tuning._table_verdicts.cache_clear()
+
+    def write(entries, version=None):
+        rows = []
+        for kernel, cap, dtype, d, cfg, clean in entries:
+            rows.append({"kernel": kernel, "capability": cap, "dtype": dtype, "head_dim": d, "config": list(cfg),
+                         "clean": clean, "registers": 100, "error": None, "triton": version or triton.__version__})
+        path.write_text(json.dumps({"entries": rows}))
+        tuning._table_verdicts.cache_clear()
+
+    yield write
+    tuning._table_verdicts.cache_clear()
+
+
+def test_every_triton_kernel_is_checked():
+    """Each ``@triton.jit`` function of kernels/ is a listed kernel or called by one (a new kernel
+    that is not in ``offline.KERNELS`` fails here)."""
+    covered = {fn.__name__ for k in offline.KERNELS for fn in offline.dependencies(k)}
+    found = set()
+    for path in (REPO / "kernels").glob("*.py"):
+        if path.name == "offline.py":  # its target probe is not a fastdit kernel
+            continue
+        found |= set(re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)", path.read_text()))
+    assert found, "no @triton.jit function found: the scan is broken"
+    assert found <= covered, f"Triton kernels not in fastdit.kernels.offline.KERNELS: {sorted(found - covered)}"
+
+
+def test_launch_specialisation_matches_triton_rules():
+    """Integers equal to 1 become constants, multiples of 16 get tt.divisibility, others none."""
+    case = offline.Case("fixed", "sm_80", "bf16", 128, (128, 64, 8, 3))
+    fn, named, options = offline.launch(case)
+    assert options == {"num_warps": 8, "num_stages": 3}
+    from triton.backends.compiler import GPUTarget
+    signature, constexprs, attrs = offline.specialise(fn, named, GPUTarget("cuda", 80, 32))
+    index = {name: (i,) for i, name in enumerate(fn.arg_names)}
+    assert signature["stride_qd"] == "constexpr" and constexprs[index["stride_qd"]] == 1  # contiguous
+    assert signature["stride_qn"] == "i32" and attrs[index["stride_qn"]] == [["tt.divisibility", 16]]  # 128
+    assert signature["N"] == "i32" and index["N"] not in attrs  # 32760 is not a multiple of 16
+    assert signature["Q"] == "*bf16" and index["Q"] in attrs
+    assert constexprs[index["BLOCK_M"]] == 128 and constexprs[index["MASKED"]] is True  # key-validity vector
+
+
+def test_pruner_drops_configs_the_table_marks_per_arch(table):
+    table([("fixed", 80, "bf16", 128, (128, 64, 8, 3), False), ("fixed", 90, "bf16", 128, (128, 64, 8, 3), True)])
+    grid = tuning.AUTOTUNE_CONFIGS
+    on_80 = {tuning.config_tuple(c) for c in tuning.prune_for_target(grid, 128, 128, 128, 2, 163 * 1024, 80, "bf16")}
+    on_90 = {tuning.config_tuple(c) for c in tuning.prune_for_target(grid, 128, 128, 128, 2, 227 * 1024, 90, "bf16")}
+    assert (128, 64, 8, 3) in on_90 and (128, 64, 8, 3) not in on_80
+    assert on_80 - on_90 == set()  # nothing else changed but shared memory
+    # sm_87 (Orin) is read as sm_86 when tabled, else as nothing; sm_75 is not covered
+    table([("fixed", 86, "bf16", 128, (128, 64, 8, 3), False)])
+    assert tuning.table_capability(87) == 86 and tuning.table_capability(75) is None
+    assert tuning.table_verdict("fixed", 87, "bf16", 128, (128, 64, 8, 3)) is False
+
+
+def test_default_config_is_the_first_clean_candidate(table):
+    first, second, third = tuning.DEFAULT_PREFERENCE[:3]
+    table([("fixed", 80, "bf16", 128, first, False), ("fixed", 80, "bf16", 128, second, False),
+           ("fixed", 80, "bf16", 128, third, True), ("fixed", 90, "bf16", 128, first, True)])
+    assert tuning.default_config(80, 128, "bf16") == third
+    assert tuning.default_config(90, 128, "bf16") == first
+    assert tuning.default_config(75, 128, "bf16") == first  # not covered: the plain default
+    table([("fixed", 80, "bf16", 128, first, True)], version="0.0.0")  # another Triton only: used
+    assert tuning.default_config(80, 128, "bf16") == first
+
+
+def test_varlen_launch_falls_back_to_a_clean_tile(table):
+    table([("varlen", 80, "bf16", 128, (128, 32, 8, 2), False), ("varlen", 80, "bf16", 128, (128, 16, 8, 2), True),
+           ("varlen", 80, "bf16", 128, (128, 64, 8, 2), False)])
+    args = (32760, 100, 32760, 500, 128)  # 328-row / 66-key mean blocks: 128 x 32 by the size rule
+    assert bsv.launch_config(*args) == (128, 32, 8, 2)
+    assert bsv.launch_config(*args, capability=80, dtype="bf16") == (128, 16, 8, 2)
+    assert bsv.launch_config(*args, capability=90, dtype="bf16") == (128, 32, 8, 2)  # not tabled
+
+
+def _entry(kernel, target, cfg, clean=True, error=None, dtype="bf16", d=128):
+    case = offline.Case(kernel, target, dtype, d, cfg)
+    return {"key": case.key, "kernel": kernel, "target": target, "dtype": dtype, "head_dim": d, "config": list(cfg),
+            "error": error, "clean": clean, "spill_stores": 0 if clean else 28, "spill_loads": 0 if clean else 28,
+            "shared": 1024, "shared_limit": 99 * 1024, "role": "default"}
+
+
+def test_check_names_kernel_target_and_config():
+    cases = [offline.Case("fixed", "sm_89", "bf16", 128, cfg, "default") for cfg in tuning.DEFAULT_PREFERENCE]
+    cases += [offline.Case("skip", "sm_89", "bf16", 128, (64, 64, 4, 3), "default")]
+    entries = [_entry("fixed", "sm_89", cfg, clean=False) for cfg in tuning.DEFAULT_PREFERENCE]
+    entries += [_entry("skip", "sm_89", (64, 64, 4, 3), error="PTXASError: boom")]
+    failures = offline.check(entries, cases)
+    assert any("skip on sm_89" in f and "64x64 w4 s3" in f and "boom" in f for f in failures)
+    assert any("fixed on sm_89 (bf16, d=128): no default candidate is clean" in f and "128x64 w8 s3" in f
+               for f in failures)
+    entries[2]["clean"] = True
+    entries[2]["spill_stores"] = entries[2]["spill_loads"] = 0
+    assert not any(f.startswith("fixed") for f in offline.check(entries, cases))
+
+
+def test_checked_in_table_has_clean_defaults_everywhere():
+    """The table in the repository: for every tabled target, head dim and dtype, the fixed kernel
+    has a clean default and the skip kernel is clean (what the run time relies on)."""
+    table = offline.load_table()
+    entries = table["entries"]
+    assert entries, "kernels/offline_table.json is empty: run python -m fastdit.kernels.offline --update"
+    versions = {e["triton"] for e in entries}
+    for version in versions:
+        mine = [e for e in entries if e["triton"] == version]
+        for target in {e["target"] for e in mine}:
+            for dtype in {e["dtype"] for e in mine if e["target"] == target}:
+                for d in {e["head_dim"] for e in mine if e["target"] == target and e["dtype"] == dtype}:
+                    assert offline.default_choice(mine, target, dtype, d) is not None, (version, target, dtype, d)
+        bad = [e["key"] for e in mine if e["kernel"] == "skip" and not e["clean"]]
+        assert not bad, f"Triton {version}: skip kernel not clean: {bad}"
+
+
+def test_ci_targets_compile_within_budgets(tmp_path):
+    """Compile for sm_80, sm_89, sm_90 (bf16 / fp16, d 64 / 128): the default configs fresh, stale
+    or missing table entries too; no failure, and fresh results equal the table's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONWARNINGS"] = "ignore"
+    out = tmp_path / "offline.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastdit.kernels.offline", "--targets", "ci", "--dtypes", "bf16,fp16",
+         "--configs", "default", "--fresh", "used", "--jobs", "2", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert out.exists(), proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert not result["failures"], "\n".join(result["failures"])
+    assert not result["skipped"], result["skipped"]  # the CI targets must be compilable
+    assert result["compiled"], "nothing was compiled"
+    assert proc.returncode == 0
+    have = offline.current_entries(offline.load_table())
+    for e in result["compiled"]:
+        old = have.get(e["key"])
+        if old is not None and old["source_hash"] == e["source_hash"]:
+            got = (e["registers"], e["spill_stores"], e["spill_loads"], e["shared"])
+            want = (old["registers"], old["spill_stores"], old["spill_loads"], old["shared"])
+            assert got == want, f"{e['key']}: fresh compile {got} != table {want} (regenerate the table)"
+
+
+def test_unsupported_target_is_skipped_with_its_reason(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONWARNINGS"] = "ignore"
+    code = ("from fastdit.kernels import offline as o\n"
+            "o.TARGETS['sm_10'] = o.Target('sm_10', 10, 16 * 1024, 'none')\n"
+            "ok, skipped = o.supported_targets(['sm_10'])\n"
+            "print(ok, skipped)\n"
+            "assert ok == [] and skipped[0]['target'] == 'sm_10' and skipped[0]['reason']\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
