@@ -563,30 +563,46 @@ def default_choice(entries, target, dtype, d):
 
 
 def markdown(table, version=None):
-    """The target x kernel x config table (Markdown) of Triton ``version``'s entries."""
+    """The target x kernel x config table (Markdown) of Triton ``version``'s entries: one row per
+    (target, kernel, config), one column per (dtype, head dim), each cell
+    ``registers / spill bytes (stores + loads) / shared KiB``; **bold**: the config that runs there
+    without autotuning (fixed: ``default_config``; varlen: the Wan 480p svg2-like choice)."""
     version = version or triton.__version__
-    entries = sorted(current_entries(table, version).values(),
-                     key=lambda e: (TARGETS[e["target"]].capability, e["kernel"], e["dtype"], e["head_dim"],
-                                    [-x for x in e["config"]]))
-    lines = [f"Triton {version}; registers a thread / spill stores+loads (bytes) / stack (bytes) / shared "
-             "memory (KiB) of the target's limit. **default**: the config used without autotuning there.",
-             "", "| target | kernel | dtype | d | config | regs | spills | stack | shared KiB | clean |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    entries = list(current_entries(table, version).values())
+    columns = sorted({(e["dtype"], e["head_dim"]) for e in entries}, key=lambda c: (DTYPES.index(c[0]), c[1]))
+    cells, rows = {}, []
     for e in entries:
-        label = Case(**_case_fields(e)).label
-        if e["kernel"] == "fixed" and default_choice(entries, e["target"], e["dtype"], e["head_dim"]) == tuple(e["config"]):
-            label = f"**{label}** default"
+        row = (TARGETS[e["target"]].capability if e["target"] in TARGETS else 0, e["target"], e["kernel"],
+               tuple(e["config"]))
+        if row not in rows:
+            rows.append(row)
         if e["error"]:
-            lines.append(f"| {e['target']} | {e['kernel']} | {e['dtype']} | {e['head_dim']} | {label} | "
-                         f"compile failed: {e['error'][:80]} | | | | no |")
-            continue
-        spills = f"{e['spill_stores']}+{e['spill_loads']}"
-        lines.append(f"| {e['target']} | {e['kernel']} | {e['dtype']} | {e['head_dim']} | {label} | {e['registers']} | "
-                     f"{spills} | {e['stack']} | {e['shared'] / KIB:.0f} / {e['shared_limit'] // KIB} | "
-                     f"{'yes' if e['clean'] else '**no**'} |")
-    skipped = [s for s in table.get("skipped_targets", []) if s["triton"] == version]
-    for s in skipped:
-        lines.append(f"| {s['target']} | all | | | | skipped: {s['reason']} | | | | |")
+            text = "fails"
+        else:
+            text = f"{e['registers']}/{e['spill_stores'] + e['spill_loads']}/{e['shared'] / KIB:.0f}"
+            if not e["clean"]:
+                text = f"*{text}*"
+        used = (e["kernel"] == "fixed" and tuple(e["config"]) == default_choice(entries, e["target"], e["dtype"],
+                                                                                 e["head_dim"]))
+        if e["kernel"] == "varlen" and e["target"] in TARGETS:
+            used = tuple(e["config"]) == bsv.launch_config(_TOKENS, 100, _TOKENS, 500, e["head_dim"],
+                                                             TARGETS[e["target"]].capability, e["dtype"])
+        if e["kernel"] == "skip":
+            used = True
+        cells[(row, (e["dtype"], e["head_dim"]))] = f"**{text}**" if used else text
+    order = {"fixed": 0, "skip": 1, "varlen": 2}
+    rows.sort(key=lambda r: (r[0], order.get(r[2], 9), [-x for x in r[3]]))
+    head = " | ".join(f"{dt} d{d}" for dt, d in columns)
+    lines = [f"| target (shared KiB) | kernel | config | {head} |", "|" + " --- |" * (3 + len(columns))]
+    for row in rows:
+        _, target, kernel, cfg = row
+        limit = TARGETS[target].shared_limit // KIB if target in TARGETS else "?"
+        label = Case(kernel, target, "bf16", 0, cfg).label
+        lines.append(f"| {target} ({limit}) | {kernel} | {label} | "
+                     + " | ".join(cells.get((row, c), "") for c in columns) + " |")
+    for s in table.get("skipped_targets", []):
+        if s["triton"] == version:
+            lines.append(f"| {s['target']} | all | skipped | {s['reason']} |" + " |" * (len(columns) - 1))
     return "\n".join(lines)
 
 
