@@ -490,7 +490,9 @@ def check(entries, all_cases):
     * a compile that failed;
     * ``skip``: its one launch config per target is not clean (it runs without autotuning);
     * ``fixed``, per (target, dtype, head dim): no clean config among ``DEFAULT_PREFERENCE`` (then
-      ``default_config`` has nothing clean to pick), or none among the configs the pruner keeps;
+      ``default_config`` has nothing clean to pick), or, when all of them were compiled, none among
+      the pruner's short list for the target (at run time the clean default joins that list, so the
+      autotuner always has a clean config);
     * ``varlen``, likewise: no clean config among ``launch_config``'s choices (a choice that is not
       clean is replaced by the nearest clean one at run time).
     """
@@ -518,9 +520,17 @@ def check(entries, all_cases):
         if defaults and not any(e["clean"] for _, e in defaults):
             worst = "; ".join(f"{c.label}: {_budget_text(e)}" for c, e in defaults)
             failures.append(f"{where}: no default candidate is clean ({worst})")
-        kept = [(c, e) for c, e in got if c.role in ("default", "pruned")]
-        if kernel == "fixed" and kept and not any(e["clean"] for _, e in kept):
-            failures.append(f"{where}: no config the pruner keeps is clean")
+        if kernel == "fixed":  # the pruner's short list for this target (before the table prunes it)
+            elt = _TORCH_DTYPE[dtype].itemsize
+            with _env("FASTDIT_TRITON_AUTOTUNE", "1"):
+                short = {tuning.config_tuple(c) for c in tuning.prune_for_target(
+                    tuning.AUTOTUNE_CONFIGS, _PLAN_BLOCK, _PLAN_BLOCK, d, elt, TARGETS[target].shared_limit)}
+            kept = [(c, e) for c, e in got if c.config in short]
+            # judged only when every config of the list was compiled (--configs pruned); at run time
+            # the architecture's clean default joins the list anyway (prune_for_target)
+            if {c.config for c, _ in kept} == short and not any(e["clean"] for _, e in kept):
+                failures.append(f"{where}: no config of the pruner's list is clean "
+                                f"({', '.join(c.label for c, _ in kept)}: all spill or exceed shared memory)")
     return failures
 
 

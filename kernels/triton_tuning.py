@@ -183,15 +183,19 @@ def prune_for_target(configs, block_m, block_n, block_d, elt, smem, capability=N
     """``_prune_configs`` for explicit resources: plan blocks ``block_m`` x ``block_n``, padded head
     dim ``block_d``, element size ``elt`` bytes, ``smem`` bytes of shared memory a block, and, when
     ``capability`` and ``dtype`` are given, the offline table's verdicts for that architecture
-    (configs recorded as spilling or over the shared memory there are dropped). The offline check
-    calls this with each target's numbers to list the configs a target can select."""
+    (configs recorded as spilling or over the shared memory there are dropped, and the
+    architecture's ``default_config`` joins the short list). The offline check calls this with
+    each target's numbers, without ``capability``, to list the configs a target can select."""
     cap_m, cap_n = max(16, _next_pow2(block_m)), max(16, _next_pow2(block_n))
     full = os.environ.get("FASTDIT_TRITON_AUTOTUNE", "1").lower() == "full"
+    preferred = _PREFERRED
+    if capability is not None and dtype is not None:  # the architecture's clean default is a candidate too
+        preferred = preferred | {default_config(capability, block_d, dtype)}
     cands = [
         c for c in configs
         if c.kwargs["BLOCK_M"] <= cap_m and c.kwargs["BLOCK_N"] <= cap_n
         and (full or len(configs) == 1
-             or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in _PREFERRED)
+             or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in preferred)
     ]
     if not cands:
         bm, bn = min(64, cap_m), min(32, cap_n)

@@ -123,6 +123,15 @@ def test_check_names_kernel_target_and_config():
     entries[2]["clean"] = True
     entries[2]["spill_stores"] = entries[2]["spill_loads"] = 0
     assert not any(f.startswith("fixed") for f in offline.check(entries, cases))
+    # every config of the pruner's short list compiled, none clean: named
+    short = [tuning.config_tuple(c) for c in tuning.prune_for_target(tuning.AUTOTUNE_CONFIGS, 128, 128, 128, 2,
+                                                                     99 * 1024)]
+    cases += [offline.Case("fixed", "sm_89", "bf16", 128, cfg, "pruned") for cfg in short]
+    entries += [_entry("fixed", "sm_89", cfg, clean=False) for cfg in short if cfg not in tuning.DEFAULT_PREFERENCE]
+    for e in entries:
+        if tuple(e["config"]) in short:
+            e["clean"] = False
+    assert any("no config of the pruner's list is clean" in f for f in offline.check(entries, cases))
 
 
 def test_checked_in_table_has_clean_defaults_everywhere():
