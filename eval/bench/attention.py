@@ -1,13 +1,13 @@
 """Benchmark: dense SDPA against fastdit's block-sparse attention (and FlexAttention on CUDA).
 
-Run ``python -m fastdit.eval.bench_attention`` (``--quick`` for a short CPU smoke run). Prints a
+Run ``python -m fastdit.eval.bench.attention`` (``--quick`` for a short CPU smoke run). Prints a
 table and writes JSON (``--out``, default ``bench_results/attention_<device>_<timestamp>.json``).
 ``--path kernel`` (default) times the engine on synthetic plans (below); ``--path patched`` times
 what a patched layer runs, with each method's own plan (section "Patched path"); ``--path both``
 does both in one run. ``--path methods``, which ``--methods`` without ``--path`` implies, compares
 every method on structured video-like inputs per head kind (spatial, temporal, global): density,
 relative L2 error against dense attention, selection and attention time, and the time token
-methods spend outside attention (``fastdit.eval.bench_methods``, which takes the remaining flags).
+methods spend outside attention (``fastdit.eval.bench.methods``, which takes the remaining flags).
 
 Cases
   * everywhere: B=1, H=2, D=64, float32, N in {8192, 32768}, plans at densities
@@ -69,9 +69,9 @@ where Triton cannot run) against the float64 reference on small shapes, and on C
 shapes against the torch fallback on a subset of query blocks; prints PASS/FAIL and exits non-zero
 on any failure.
 
-Modules: ``bench_kernel`` (the kernel mode: plans, cases, dense and FlexAttention baselines),
-``bench_kernel_check`` (the correctness pass), ``bench_patched`` (the patched path),
-``bench_common`` (timing, memory, the report); this module parses the command line and runs them.
+Modules: ``attention_kernel`` (the kernel mode: plans, cases, dense and FlexAttention baselines),
+``attention_check`` (the correctness pass), ``attention_patched`` (the patched path),
+``common`` (timing, memory, the report); this module parses the command line and runs them.
 """
 from __future__ import annotations
 
@@ -81,14 +81,14 @@ import sys
 
 import torch
 
-from fastdit.kernels import triton_interpreter_enabled
+from fastdit.kernels import available_backends
 
-from .bench_common import BenchReport, default_out_path, machine, pick_device, triton_available
-from .bench_kernel import run_kernel
-from .bench_kernel_check import run_checks
-from .bench_patched import HEADER as PATCHED_HEADER
-from .bench_patched import format_row as format_patched_row
-from .bench_patched import run_patched
+from .common import BenchReport, default_out_path, machine, pick_device
+from .attention_kernel import run_kernel
+from .attention_check import run_checks
+from .attention_patched import HEADER as PATCHED_HEADER
+from .attention_patched import format_row as format_patched_row
+from .attention_patched import run_patched
 
 
 def parser():
@@ -124,7 +124,7 @@ def _methods_mode(argv):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if _methods_mode(argv):
-        from .bench_methods import main as methods_main
+        from .methods import main as methods_main
 
         rest = [a for i, a in enumerate(argv) if a not in ("--path", "--path=methods")
                 and not (i and argv[i - 1] == "--path")]
@@ -140,7 +140,7 @@ def main(argv=None):
 def _main(args):
     device = pick_device(args.device, args.threads)
     cuda = device.type == "cuda"
-    triton_ok = triton_available() and (cuda or triton_interpreter_enabled())
+    triton_ok = "triton" in available_backends(device)
     do_check = (args.check if args.check is not None else cuda) or args.check_only
     reps = args.reps or (2 if args.quick else (10 if cuda else 3))
     warmup = args.warmup if args.warmup is not None else (2 if cuda else 1)

@@ -16,8 +16,8 @@ import torch
 
 from fastdit.kernels import block_sparse_attention, dense_reference, plan_to_token_mask
 
-from .bench_common import rel_error
-from .bench_kernel import big_cases
+from .common import rel_error
+from .attention_kernel import big_cases
 
 SMALL_CHECKS = [
     ("d64_f16_pow2", 1, 2, 300, 300, 64, 128, 128, torch.float16, False, "128,64,8,3"),

@@ -5,7 +5,7 @@ attending a window of neighbouring tiles, shifted inward at the borders like sli
 attention, sized to hit a density. Per case, dense SDPA (every backend that runs; the fastest is
 the baseline), fastdit's engine (``validate=False``: the plans are valid by construction) and on
 CUDA compiled FlexAttention with a BlockMask of the same plan. The cases and columns are described
-in ``fastdit.eval.bench_attention``.
+in ``fastdit.eval.bench.attention``.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from fastdit.kernels import block_sparse_attention
+from fastdit.kernels import available_backends, block_sparse_attention
 
-from .bench_common import first_line, fmt, rel_error, time_fn, triton_available
+from .common import first_line, fmt, rel_error, time_fn
 
 # --------------------------------------------------------------------------------------------------
 # Plans
@@ -260,7 +260,7 @@ def run_kernel(device, quick, reps, warmup, report, fixed_reps=None, fixed_warmu
     ``fixed_reps`` / ``fixed_warmup``: what the command line asked for; without them, CPU cases over
     2 x 8192^2 pairs per head (seconds per dense call) run 2 timed calls after none."""
     cuda = device.type == "cuda"
-    sparse_backend = "triton" if cuda and triton_available() else "torch"
+    sparse_backend = "triton" if cuda and "triton" in available_backends(device) else "torch"
     cases = base_cases(quick) + (big_cases() if cuda else [])
     report.log("")
     report.log(HEADER)

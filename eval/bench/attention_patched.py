@@ -3,7 +3,7 @@
 The methods' own plans (``dense_steps=0``, ``dense_layers=0``: every call sparse) on the token
 layouts of real models, text tokens and the text key mask included; per case and method the kernel
 alone on pre-permuted inputs, ``fastdit.run_plan`` from model order and ``fastdit.attention``,
-next to dense SDPA. The cases and columns are described in ``fastdit.eval.bench_attention``.
+next to dense SDPA. The cases and columns are described in ``fastdit.eval.bench.attention``.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from fastdit.jsonutil import to_json
-from fastdit.kernels import block_sparse_attention
+from fastdit.kernels import available_backends, block_sparse_attention
 
-from .bench_common import first_line, fmt, peak_memory_mb, rel_error, time_once, triton_available
+from .common import first_line, fmt, peak_memory_mb, rel_error, time_once
 
 #: Text of the HunyuanVideo case: 256 token slots (the pipeline's max_sequence_length) after the
 #: video, of which the first 64 are a prompt and the rest padding (masked as keys).
@@ -182,7 +182,7 @@ def run_patched(device, methods, reps, warmup, quick, log, emit):
     of every implementation in turn (interleaved, so that a change in the machine's load during
     the run hits all of them alike); the row's time is the median over the rounds."""
     cuda = device.type == "cuda"
-    backend = "triton" if cuda and triton_available() else "torch"
+    backend = "triton" if cuda and "triton" in available_backends(device) else "torch"
     for case in patched_cases(cuda, quick):
         if cuda:
             torch.cuda.empty_cache()

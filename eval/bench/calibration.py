@@ -1,6 +1,6 @@
 """Calibration evidence on the embedded tiny model: a calibrated plan against every single global setting.
 
-    python -m fastdit.eval.bench_calibration [--methods sta,sparge] [--quick] [--json FILE]
+    python -m fastdit.eval.bench.calibration [--methods sta,sparge] [--quick] [--json FILE]
 
 For each method, ``fastdit.calibrate`` makes a plan on the calibration prompts at an error
 ``budget`` (per (step bucket, layer, head) for sta, per (step bucket, layer) for the others),
@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 import fastdit
-from fastdit.calibration import DenseProbe, calibrate
+from fastdit.calibration.search import DenseProbe, calibrate
 from fastdit.jsonutil import dump_json
-from fastdit.plan_file import plan_options_for
+from fastdit.calibration.plan_file import plan_options_for
 
 CAL_PROMPTS = ["a red fox runs through fresh snow", "a paper boat drifts down a rainy street",
                "waves break on a black sand beach"]
@@ -194,7 +194,7 @@ def run_method(pipe, name, setup, call, args, log):
 
 
 # -- the same choice on structured inputs (layers of known, different attention kinds) ---------
-#: Per synthetic layer: the kinds of its two heads (``fastdit.eval.structured``).
+#: Per synthetic layer: the kinds of its two heads (``fastdit.eval.bench.structured``).
 STRUCTURED_LAYERS = [("spatial", "spatial"), ("temporal", "temporal"), ("global", "global"),
                      ("spatial", "temporal"), ("spatial", "global"), ("temporal", "global")]
 
@@ -202,7 +202,7 @@ STRUCTURED_LAYERS = [("spatial", "spatial"), ("temporal", "temporal"), ("global"
 def _structured_table(name, setup, candidates, grid, seed, backend):
     """``{"0_l": {err2 (heads x candidates), ref2 (heads), density (heads x candidates)}}`` on
     structured inputs of ``seed``: every candidate run on every synthetic layer."""
-    from fastdit.eval.structured import structured_qkv
+    from fastdit.eval.bench.structured import structured_qkv
 
     table = {}
     for layer, kinds in enumerate(STRUCTURED_LAYERS):
@@ -226,7 +226,7 @@ def structured_evidence(name, setup, budget, args):
     otherwise) on structured inputs of one seed, then measure the plan and every global setting on
     those and on fresh inputs (another seed); heads are independent in both methods, so a plan's
     error and density are its chosen entries of the per-(head, candidate) tables."""
-    from fastdit.calibration_candidates import select_plan
+    from fastdit.calibration.candidates import select_plan
 
     candidates = setup["candidates"][: args.max_candidates] if args.max_candidates else setup["candidates"]
     grid = (2, 4, 8) if args.quick else (4, 8, 8)
@@ -305,7 +305,7 @@ def _budgets(text):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench_calibration", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.calibration", description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="sta,sparge", help=f"comma-separated, from {sorted(SETUPS)}")
     parser.add_argument("--budget", type=_budgets, default={}, help="per method, e.g. sta=0.5,sparge=0.4")
     parser.add_argument("--structured-budget", type=_budgets, default={},

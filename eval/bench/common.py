@@ -160,11 +160,6 @@ def versions():
     return (torch.__version__, *found)
 
 
-def triton_available():
-    """Whether triton imports (it may still need a GPU or the interpreter to run)."""
-    return versions()[1] is not None
-
-
 def pick_device(name=None, threads=None):
     """``torch.device(name)``, default cuda when available; ``threads`` sets torch's CPU threads."""
     if threads:

@@ -1,7 +1,7 @@
 """Benchmark: every attention method on structured video-like inputs, per head kind.
 
-Run ``python -m fastdit.eval.bench_methods --methods sta,sparge,svg`` (options below). Inputs come
-from ``fastdit.eval.structured`` (see its docstring: heads whose attention is spatially local,
+Run ``python -m fastdit.eval.bench.methods --methods sta,sparge,svg`` (options below). Inputs come
+from ``fastdit.eval.bench.structured`` (see its docstring: heads whose attention is spatially local,
 temporal, global or semantic, by construction; ``--kinds`` picks them, default
 spatial,temporal,global; ``--objects`` sets the semantic heads' object count), one input set per
 head kind with every head of that kind,
@@ -74,10 +74,10 @@ import sys
 import torch
 
 from fastdit.context import AttentionContext, CallState
-from fastdit.eval import bench_common as common
-from fastdit.eval import bench_methods_claims as claims_module
-from fastdit.eval.bench_methods_claims import claims, print_table
-from fastdit.eval.structured import DEFAULT_KINDS, DEFAULT_OBJECTS, KINDS, structured_qkv
+from fastdit.eval.bench import common
+from fastdit.eval.bench import methods_claims as claims_module
+from fastdit.eval.bench.methods_claims import claims, print_table
+from fastdit.eval.bench.structured import DEFAULT_KINDS, DEFAULT_OBJECTS, KINDS, structured_qkv
 from fastdit.functional import call_info
 from fastdit.intercept import plain_sdpa
 from fastdit.jsonutil import dump_json
@@ -383,7 +383,7 @@ def run_benchmark(args):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench_methods", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.methods", description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="sta,sparge,svg", help="comma-separated name or name:option=value:...")
     parser.add_argument("--corrections", default="none", help="extra correction variants: pooled,cached")
     parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS),

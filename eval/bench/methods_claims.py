@@ -1,4 +1,4 @@
-"""The claims and the table of ``fastdit.eval.bench_methods`` (see its docstring).
+"""The claims and the table of ``fastdit.eval.bench.methods`` (see its docstring).
 
 Same-density rule of the svg2 claim (one pair: svg2 at density ``d`` and error ``e``, a companion
 at ``d'`` and ``e'``; ``tol(d) = max(SAME_DENSITY_REL * min(d, 1 - d), SAME_DENSITY_ABS)``: relative
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import sys
 
-from fastdit.eval import bench_common as common
+from fastdit.eval.bench import common
 
 #: The sta claim's slack on density (unchanged).
 CLAIM_SLACK = 0.02
@@ -109,7 +109,7 @@ def svg2_claims(rows):
 
 
 def claims(rows):
-    """The claims of bench_methods' docstring: ``{claim: "holds" | "fails ..." | ...}``."""
+    """The claims of bench.methods' docstring: ``{claim: "holds" | "fails ..." | ...}``."""
     found = {}
     sta_label = next((r["method"] for r in rows if r.get("same_density_reference") and
                       r["method"].split(":")[0] == "sta"), "sta")

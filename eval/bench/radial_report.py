@@ -1,9 +1,9 @@
 """Radial attention in numbers and pictures: densities against video length, the reference settings'
 densities, and a picture of the block mask.
 
-    python -m fastdit.eval.radial_report --table            # Wan 480p densities against frame count
-    python -m fastdit.eval.radial_report --reference        # the published settings, block by block
-    python -m fastdit.eval.radial_report --frames 21 --height 30 --width 52 --out radial.png
+    python -m fastdit.eval.bench.radial_report --table            # Wan 480p densities against frame count
+    python -m fastdit.eval.bench.radial_report --reference        # the published settings, block by block
+    python -m fastdit.eval.bench.radial_report --frames 21 --height 30 --width 52 --out radial.png
 
 The mask rule itself lives in ``fastdit/methods/radial.py``; this module only measures and draws it
 (family defaults come from the model adapters, as in a patched pipeline).
@@ -15,7 +15,7 @@ import math
 import sys
 
 from fastdit.layout import TokenLayout
-from fastdit.pictures import mask_picture, pooled_mask
+from fastdit.media.pictures import mask_picture, pooled_mask
 from fastdit.methods.radial import ADJACENT_RULES, SUPPORTED_BLOCK_SIZES, Radial, block_counts, block_mask
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def reference_densities():
 
 
 def save_mask_picture(mask, path, max_side=1024, title=None):
-    """Save a boolean block mask as a picture (``fastdit.pictures``: attended = dark), max-pooled to
+    """Save a boolean block mask as a picture (``fastdit.media.pictures``: attended = dark), max-pooled to
     at most ``max_side`` cells a side; returns the pooling factor. ``title`` is printed by the caller."""
     pooled, factor = pooled_mask(mask, size=max_side)
     mask_picture(pooled, factor, path, size=max_side)

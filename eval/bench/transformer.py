@@ -1,6 +1,6 @@
 """Benchmark: one transformer forward, dense against fastdit's methods, eager and ``torch.compile``d.
 
-Run ``python -m fastdit.eval.bench_transformer`` (CUDA: full size) or ``--scale tiny`` (CPU, about
+Run ``python -m fastdit.eval.bench.transformer`` (CUDA: full size) or ``--scale tiny`` (CPU, about
 a minute). Prints a table and writes JSON (``--out``, default
 ``bench_results/transformer_<device>_<timestamp>.json``).
 
@@ -66,8 +66,8 @@ back to eager silently; expect long compiles.
 ``--budget-s`` caps the run: each measurement is skipped (a row with the reason) when its
 estimated time exceeds what is left; rows are written as they come, so a kill keeps them.
 
-Modules: ``bench_transformer_models`` (configs, builds, inputs), ``bench_transformer_run`` (the
-measurements of one model), ``bench_common`` (timing, memory, the report); this module parses the
+Modules: ``transformer_models`` (configs, builds, inputs), ``transformer_run`` (the
+measurements of one model), ``common`` (timing, memory, the report); this module parses the
 command line and prints the table.
 """
 from __future__ import annotations
@@ -77,9 +77,9 @@ import sys
 
 import torch
 
-from .bench_common import BenchReport, default_out_path, fmt, machine, pick_device
-from .bench_transformer_models import MODELS
-from .bench_transformer_run import Budget, bench_model
+from .common import BenchReport, default_out_path, fmt, machine, pick_device
+from .transformer_models import MODELS
+from .transformer_run import Budget, bench_model
 
 HEADER = (f"{'model':<17} {'mode':<8} {'method':<7} {'tokens':>7} {'time_ms':>10} {'speedup':>8} {'density':>7} "
           f"{'peak':>8} {'compile_s':>9} {'breaks':>6}")

@@ -4,7 +4,7 @@
 ``HUNYUAN_13B``), the full-size video and latent shape, the text length, the repeated-block lists
 and the tiny scale's overrides; ``model_spec`` resolves a scale, ``build_model`` builds with random
 weights (nothing is downloaded), ``make_inputs`` the call's inputs, ``first_blocks_only`` cuts the
-repeated blocks to their first for a cheap warm-up. See ``fastdit.eval.bench_transformer``.
+repeated blocks to their first for a cheap warm-up. See ``fastdit.eval.bench.transformer``.
 """
 from __future__ import annotations
 

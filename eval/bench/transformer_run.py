@@ -4,7 +4,7 @@ Per model (``ModelBench``): build it once, then for each mode (eager, compiled) 
 then the requested ones) patch it (``dense_steps=0``), count dynamo's graphs and breaks
 (``explain_breaks``), compile it afresh when compiled, warm up, time ``reps`` forwards and record
 time, density (``pair_density``), peak memory and the patch's statistics; undo everything before
-the next. What is timed and what each column means: ``fastdit.eval.bench_transformer``.
+the next. What is timed and what each column means: ``fastdit.eval.bench.transformer``.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 
 from fastdit.jsonutil import to_json
 
-from .bench_common import RSSPeak, first_line, sync, time_calls
-from .bench_transformer_models import (
+from .common import RSSPeak, first_line, sync, time_calls
+from .transformer_models import (
     MODELS, build_model, count_parameters, first_blocks_only, make_inputs, model_spec, token_grid,
 )
 

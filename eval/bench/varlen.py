@@ -1,7 +1,7 @@
 """Benchmark: variable-size blocks (``block_sparse_attention_varlen``) against fixed-size blocks
 (``block_sparse_attention``) at equal token-pair density.
 
-Run ``python -m fastdit.eval.bench_varlen`` (``--quick`` for a seconds-long CPU run). Prints a
+Run ``python -m fastdit.eval.bench.varlen`` (``--quick`` for a seconds-long CPU run). Prints a
 table and writes JSON (``--out``, default ``bench_results/varlen_<device>_<timestamp>.json``).
 
 Per fixed block size ``b`` (``--blocks``, default 64 and 128) and one set of q, k, v
@@ -40,7 +40,7 @@ import torch
 
 from fastdit.kernels import block_sparse_attention, block_sparse_attention_varlen, varlen_reference
 
-from .bench_common import BenchReport, default_out_path, fmt, machine, peak_memory_mb, pick_device, rel_error, time_once
+from .common import BenchReport, default_out_path, fmt, machine, peak_memory_mb, pick_device, rel_error, time_once
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,7 +107,7 @@ def check_small(device, dtype, backend, seed=0):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m fastdit.eval.bench_varlen", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.varlen", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=None, help="tokens (default 12288 on the CPU, 32768 on CUDA)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=None, help="B*H (default 8 on the CPU, 24 on CUDA)")

@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from fastdit.video import to_uint8
+from fastdit.media.video import to_uint8
 
 PathLike = Union[str, os.PathLike]
 DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"

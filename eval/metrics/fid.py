@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 
-from fastdit.video import to_uint8
+from fastdit.media.video import to_uint8
 
 PathLike = Union[str, os.PathLike]
 

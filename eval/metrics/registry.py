@@ -21,8 +21,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from fastdit.eval.config import EvalError
-from fastdit.eval.storage import fid_features_path, load_frames
+from fastdit.eval.runner.config import EvalError
+from fastdit.eval.runner.storage import fid_features_path, load_frames
 
 __all__ = ["COLUMN_INFO", "METRICS", "PER_SAMPLE_COLUMNS", "VBENCH_CUSTOM_DIMENSIONS", "Metric", "SampleInput",
            "SampleValue", "SettingScores", "check_metrics", "resolve_clip_model", "run_checks", "sample_values"]
@@ -86,19 +86,19 @@ class Metric:
 # -- per-sample values -------------------------------------------------------------------------
 
 def _psnr(x):
-    from fastdit.eval.fidelity import psnr
+    from fastdit.eval.metrics.fidelity import psnr
 
     return float(psnr(x.frames, x.reference))
 
 
 def _ssim(x):
-    from fastdit.eval.fidelity import ssim
+    from fastdit.eval.metrics.fidelity import ssim
 
     return float(ssim(x.frames, x.reference))
 
 
 def _lpips(x):
-    from fastdit.eval.fidelity import lpips_distance
+    from fastdit.eval.metrics.fidelity import lpips_distance
 
     return float(lpips_distance(x.frames, x.reference, net=x.cfg.lpips_net, weights=x.cfg.lpips_weights,
                                 device=x.device))
@@ -106,19 +106,19 @@ def _lpips(x):
 
 def resolve_clip_model(cfg):
     """The CLIP model of a run: ``cfg.clip_model``, else ``$FASTDIT_CLIP_MODEL``, else the default."""
-    from fastdit.eval.clip_score import DEFAULT_CLIP_MODEL
+    from fastdit.eval.metrics.clip_score import DEFAULT_CLIP_MODEL
 
     return cfg.clip_model or os.environ.get("FASTDIT_CLIP_MODEL") or DEFAULT_CLIP_MODEL
 
 
 def _clip(x):
-    from fastdit.eval.clip_score import clip_score_video
+    from fastdit.eval.metrics.clip_score import clip_score_video
 
     return float(clip_score_video(x.frames, x.sample.prompt.text, resolve_clip_model(x.cfg), device=x.device))
 
 
 def _temporal_flickering(x):
-    from fastdit.eval.vbench import temporal_flickering
+    from fastdit.eval.metrics.vbench import temporal_flickering
 
     return float(temporal_flickering(x.frames)) if len(x.frames) > 1 else None
 
@@ -129,8 +129,8 @@ def _fid_frames(frames, count):
 
 
 def _fid_features(x):
-    from fastdit.eval.fid import inception_features
-    from fastdit.eval.storage import save_npy
+    from fastdit.eval.metrics.fid import inception_features
+    from fastdit.eval.runner.storage import save_npy
 
     feats = inception_features(_fid_frames(x.frames, x.cfg.fid_frames), weights=x.cfg.fid_weights, device=x.device)
     save_npy(fid_features_path(x.cfg, x.sample), feats)
@@ -139,7 +139,7 @@ def _fid_features(x):
 # -- up-front checks -----------------------------------------------------------------------------
 
 def _check_lpips(cfg):
-    from fastdit.eval.fidelity import LPIPS_NETS, resolve_lpips_files
+    from fastdit.eval.metrics.fidelity import LPIPS_NETS, resolve_lpips_files
 
     if cfg.lpips_net not in LPIPS_NETS:
         raise EvalError(f"--lpips-net must be one of {sorted(LPIPS_NETS)}, got {cfg.lpips_net!r}")
@@ -150,7 +150,7 @@ def _check_lpips(cfg):
 
 
 def _check_fid(cfg):
-    from fastdit.eval.fid import resolve_fid_weights
+    from fastdit.eval.metrics.fid import resolve_fid_weights
 
     try:
         resolve_fid_weights(cfg.fid_weights)
@@ -188,7 +188,7 @@ def _check_clip(cfg):
 def _check_vbench(cfg):
     if not cfg.vbench_python:
         return
-    from fastdit.eval.vbench import NORMALIZE, resolve_vbench_python
+    from fastdit.eval.metrics.vbench import NORMALIZE, resolve_vbench_python
 
     try:
         resolve_vbench_python(cfg.vbench_python)
@@ -202,7 +202,7 @@ def _check_vbench(cfg):
 # -- per-setting steps ---------------------------------------------------------------------------
 
 def _fid_per_setting(cfg, settings, samples, log):
-    from fastdit.eval.fid import compute_stats, frechet_distance
+    from fastdit.eval.metrics.fid import compute_stats, frechet_distance
 
     def stats(setting):
         feats = np.concatenate([np.load(fid_features_path(cfg, s)) for s in samples if s.setting == setting])
@@ -224,7 +224,7 @@ def _vbench_per_setting(cfg, settings, samples, log):
                 "dimensions need VBench's own interpreter: --vbench-python /path/to/vbench-env/bin/python "
                 "(or FASTDIT_VBENCH_PYTHON).")
         return SettingScores([], {}, [note])
-    from fastdit.eval.vbench import run_vbench, vbench_scores, write_vbench_videos
+    from fastdit.eval.metrics.vbench import run_vbench, vbench_scores, write_vbench_videos
 
     tagged = all(p.dimension for p in cfg.prompts)
     mode = "standard" if tagged else "custom"

@@ -40,7 +40,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from fastdit.video import to_uint8
+from fastdit.media.video import to_uint8
 
 PathLike = Union[str, os.PathLike]
 

@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from fastdit.eval.config import SCHEMA, EvalError
-from fastdit.eval.metrics import COLUMN_INFO, METRICS, PER_SAMPLE_COLUMNS
-from fastdit.eval.processes import Log
-from fastdit.eval.storage import load_record, read_metric_cache
+from fastdit.eval.runner.config import SCHEMA, EvalError
+from fastdit.eval.metrics.registry import COLUMN_INFO, METRICS, PER_SAMPLE_COLUMNS
+from fastdit.eval.runner.processes import Log
+from fastdit.eval.runner.storage import load_record, read_metric_cache
 from fastdit.jsonutil import to_json
 
 __all__ = ["CALL_FIELDS", "DENSITY_DEFINITION", "SPEEDUP_DEFINITION", "aggregate", "attention_work", "mean", "std"]

@@ -29,7 +29,7 @@ class EvalError(ValueError):
 class EvalConfig:
     """Everything that defines an eval run. ``call`` holds the requested generation sizes
     (``steps``, ``frames``, ``height``, ``width``, ``guidance``, ``negative_prompt``); the model's
-    defaults fill the rest when the pipeline is loaded. ``prompts``: ``fastdit.eval.prompts.Prompt``
+    defaults fill the rest when the pipeline is loaded. ``prompts``: ``fastdit.eval.runner.prompts.Prompt``
     objects (``load_prompts``)."""
 
     out: str

@@ -18,10 +18,10 @@ import time
 import numpy as np
 
 from fastdit.compare import COMPARE_TINY_SIZE
-from fastdit.eval.config import EvalError
-from fastdit.eval.processes import Log, process_device, process_rank, several, shard
-from fastdit.eval.settings import fingerprint
-from fastdit.eval.storage import load_record, store_sample
+from fastdit.eval.runner.config import EvalError
+from fastdit.eval.runner.processes import Log, process_device, process_rank, several, shard
+from fastdit.eval.runner.settings import fingerprint
+from fastdit.eval.runner.storage import load_record, store_sample
 
 __all__ = ["TINY_CALL_SIZE", "call_kwargs", "generate_samples", "load_pipe", "sample_record", "timed_generate",
            "warmup"]
@@ -127,7 +127,7 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
     ``check_call``: see ``call_kwargs``."""
     from tqdm.auto import tqdm
 
-    from fastdit.video import to_uint8
+    from fastdit.media.video import to_uint8
 
     log = log or Log(state)
     parallel = None

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 
-from fastdit.eval.config import EvalError
+from fastdit.eval.runner.config import EvalError
 
 __all__ = ["SHIPPED_PROMPTS", "Prompt", "load_prompts", "shipped_prompt_file"]
 
@@ -21,7 +21,7 @@ class Prompt:
 
 def shipped_prompt_file(name):
     """Path of a prompt file shipped with fastdit: ``coco`` or ``vbench``."""
-    return str(resources.files("fastdit.eval").joinpath("prompts", SHIPPED_PROMPTS[name]))
+    return str(resources.files("fastdit.eval.runner").joinpath("prompts", SHIPPED_PROMPTS[name]))
 
 
 def load_prompts(path):

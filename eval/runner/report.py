@@ -5,8 +5,8 @@ import os
 
 import numpy as np
 
-from fastdit.eval.metrics import PER_SAMPLE_COLUMNS
-from fastdit.eval.storage import write_json
+from fastdit.eval.metrics.registry import PER_SAMPLE_COLUMNS
+from fastdit.eval.runner.storage import write_json
 
 __all__ = ["format_cell", "markdown_table", "pareto_front", "write_plots", "write_reports"]
 

@@ -5,30 +5,30 @@ with one set of options (``sta``, or ``sta[dense_steps=0.25]`` from a ``--grid``
 unpatched pipeline) is always the first setting and the reference of every fidelity metric.
 
     check_inputs     settings, metric weights and tools         (every process, before any work)
-    generate_samples phase 1, sharded: samples -> OUT/samples/   (``fastdit.eval.generation``)
-    compute_sample_metrics  phase 2, sharded: per-sample values  (``fastdit.eval.scoring``, ``metrics``)
-    aggregate        phase 3, main process: results dict         (``fastdit.eval.aggregate``)
-    write_reports    results.json, results.md, plots/            (``fastdit.eval.report``)
+    generate_samples phase 1, sharded: samples -> OUT/samples/   (``fastdit.eval.runner.generation``)
+    compute_sample_metrics  phase 2, sharded: per-sample values  (``fastdit.eval.runner.scoring``, ``metrics``)
+    aggregate        phase 3, main process: results dict         (``fastdit.eval.runner.aggregate``)
+    write_reports    results.json, results.md, plots/            (``fastdit.eval.runner.report``)
 
 Resume: a sample whose record, video and frames exist and whose record's fingerprint (model,
 requested sizes, dtype, backend, method options, prompt text, seed) matches is never generated
 again; an interrupted run therefore loses at most the samples that were in flight. Metric values
 are cached the same way (keyed by the fingerprints of the sample and of its dense reference).
-Files: ``fastdit.eval.storage``; metrics: ``fastdit.eval.metrics``; timing and what a record
-holds: ``fastdit.eval.generation``; speedup and density: ``fastdit.eval.aggregate``.
+Files: ``fastdit.eval.runner.storage``; metrics: ``fastdit.eval.metrics.registry``; timing and what a record
+holds: ``fastdit.eval.runner.generation``; speedup and density: ``fastdit.eval.runner.aggregate``.
 """
 from __future__ import annotations
 
 import os
 
-from fastdit.eval.aggregate import aggregate
-from fastdit.eval.config import EvalError
-from fastdit.eval.generation import generate_samples
-from fastdit.eval.metrics import check_metrics, run_checks
-from fastdit.eval.processes import Log
-from fastdit.eval.report import markdown_table, write_reports
-from fastdit.eval.scoring import compute_sample_metrics
-from fastdit.eval.settings import build_samples, build_settings
+from fastdit.eval.runner.aggregate import aggregate
+from fastdit.eval.runner.config import EvalError
+from fastdit.eval.runner.generation import generate_samples
+from fastdit.eval.metrics.registry import check_metrics, run_checks
+from fastdit.eval.runner.processes import Log
+from fastdit.eval.runner.report import markdown_table, write_reports
+from fastdit.eval.runner.scoring import compute_sample_metrics
+from fastdit.eval.runner.settings import build_samples, build_settings
 
 __all__ = ["check_inputs", "run_eval"]
 
@@ -52,7 +52,7 @@ def check_inputs(cfg):
 def run_eval(cfg, state=None, log=None, check_call=None):
     """Check inputs, generate (sharded), score (sharded), aggregate and report (main process).
 
-    ``state``: an ``accelerate.PartialState`` (None: one process; ``fastdit.eval.processes.make_state``
+    ``state``: an ``accelerate.PartialState`` (None: one process; ``fastdit.eval.runner.processes.make_state``
     makes one). ``check_call(pipe, call_kwargs)``: called once the pipeline is loaded, may refuse
     the call (the command line checks its size limits). Returns the results dict on the main
     process, None on the others.

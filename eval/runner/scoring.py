@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 
-from fastdit.eval.config import EvalError
-from fastdit.eval.metrics import SampleInput, sample_values
-from fastdit.eval.processes import Log, process_device, process_rank, shard
-from fastdit.eval.settings import fingerprint
-from fastdit.eval.storage import load_frames, read_metric_cache, write_metric_cache
+from fastdit.eval.runner.config import EvalError
+from fastdit.eval.metrics.registry import SampleInput, sample_values
+from fastdit.eval.runner.processes import Log, process_device, process_rank, shard
+from fastdit.eval.runner.settings import fingerprint
+from fastdit.eval.runner.storage import load_frames, read_metric_cache, write_metric_cache
 
 __all__ = ["compute_sample_metrics", "missing_values"]
 

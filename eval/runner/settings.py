@@ -9,8 +9,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from fastdit.eval.config import EvalError
-from fastdit.eval.prompts import Prompt
+from fastdit.eval.runner.config import EvalError
+from fastdit.eval.runner.prompts import Prompt
 from fastdit.jsonutil import to_json
 
 __all__ = ["Sample", "Setting", "build_samples", "build_settings", "fingerprint", "format_option_value",

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from fastdit.eval.settings import fingerprint
+from fastdit.eval.runner.settings import fingerprint
 from fastdit.jsonutil import dump_json
 
 __all__ = ["fid_features_path", "load_frames", "load_record", "read_json", "read_metric_cache", "save_npy",
@@ -47,7 +47,7 @@ def read_json(path):
 def store_sample(cfg, sample, frames8, record):
     """Write the sample's video, frames and record, the record last: its presence means the
     sample is complete (an interrupted write leaves no record, so the sample is generated again)."""
-    from fastdit.video import write_video
+    from fastdit.media.video import write_video
 
     stem = sample.stem(cfg.out)
     os.makedirs(os.path.dirname(stem), exist_ok=True)

@@ -44,9 +44,9 @@ import torch
 
 from fastdit.methods.base import Method, MethodConfig, get_method, option
 from fastdit.methods.sta import SlidingTile
-from fastdit.calibration_candidates import (candidates_for, has_candidates, register_candidates, select_plan,
+from fastdit.calibration.candidates import (candidates_for, has_candidates, register_candidates, select_plan,
                                             sta_candidates)
-from fastdit.plan_file import PLAN_FORMAT, PLAN_VERSION, model_facts, write_plan
+from fastdit.calibration.plan_file import PLAN_FORMAT, PLAN_VERSION, model_facts, write_plan
 
 __all__ = ["calibrate", "candidates_for", "register_candidates", "select_plan"]
 
@@ -64,7 +64,7 @@ class DenseProbeConfig(MethodConfig):
 class DenseProbe(Method):
     """A method that keeps the run dense (the model's own attention, counted as dense) and hands
     every call's ``q, k, v`` and dense output to ``config.observer.observe(ctx, q, k, v, out)``:
-    calibration and ``eval/bench_calibration.py`` measure their settings this way."""
+    calibration and ``eval/bench/calibration.py`` measure their settings this way."""
 
     name = "dense-probe"
     config_cls = DenseProbeConfig

@@ -27,7 +27,7 @@ def _budget(text):
 
 
 def add_calibrate_arguments(parser):
-    from fastdit.cli_common import add_generation_arguments, positive_int, seed_int
+    from fastdit.cli.common import add_generation_arguments, positive_int, seed_int
 
     add_generation_arguments(parser)
     parser.add_argument("--method", default="sta", help="the method to calibrate (sta: per layer and head; the others per layer)")
@@ -51,7 +51,7 @@ def add_calibrate_arguments(parser):
 
 def parse_candidates(text, method):
     """``"1,3,3;3,3,3"`` (sta windows) or ``"ratio=0.25,0.5"`` -> a list of candidate option dicts."""
-    from fastdit.cli_common import CLIError
+    from fastdit.cli.common import CLIError
     from fastdit.options import parse_value
 
     if text is None:
@@ -76,11 +76,11 @@ def cmd_calibrate(args):
     import torch
 
     import fastdit
-    from fastdit.calibration import calibrate
-    from fastdit.cli_common import CLIError, call_arguments, check_device, check_requested_size
-    from fastdit.eval.config import EvalError
-    from fastdit.eval.prompts import load_prompts
-    from fastdit.eval.settings import tiny_method_presets
+    from fastdit.calibration.search import calibrate
+    from fastdit.cli.common import CLIError, call_arguments, check_device, check_requested_size
+    from fastdit.eval.runner.config import EvalError
+    from fastdit.eval.runner.prompts import load_prompts
+    from fastdit.eval.runner.settings import tiny_method_presets
     from fastdit.options import parse_value
     from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline
 

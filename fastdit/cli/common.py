@@ -1,6 +1,6 @@
 """What the ``fastdit`` subcommands share: one-line errors, option and size checks, argument groups.
 
-``fastdit/cli.py`` (compare, methods, the entry point) and ``fastdit/cli_eval.py`` (eval) both import
+``fastdit/cli/command.py`` (compare, methods, the entry point) and ``fastdit/cli/eval.py`` (eval) both import
 from here, so neither imports the other's helpers (no import circle).
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def check_method_options(method, options, what):
 def apply_plan_argument(path, methods, options, user_options):
     """``--plan FILE``: the plan's method runs with ``plan=FILE`` and the options the user set
     (``--set``) on top; the tiny models' presets do not apply to it (the plan fixes its own tile)."""
-    from fastdit.plan_file import PlanError, load_plan
+    from fastdit.calibration.plan_file import PlanError, load_plan
 
     if path is None:
         return options

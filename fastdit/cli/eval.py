@@ -4,7 +4,7 @@
     accelerate launch --multi_gpu --num_processes 2 -m fastdit.eval ...   # shards samples over processes
 
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/plots/*.png``; re-running the same
-command resumes (finished samples are kept). See ``fastdit.eval.runner`` for what is measured.
+command resumes (finished samples are kept). See ``fastdit.eval.runner.run`` for what is measured.
 
 This module only reads and checks the arguments; the run itself is ``fastdit.eval`` (the library,
 which never imports the command line).
@@ -20,7 +20,7 @@ DEFAULT_METRICS = "psnr,ssim,vbench"
 
 
 def add_eval_arguments(parser):
-    from fastdit.cli_common import add_generation_arguments, positive_int
+    from fastdit.cli.common import add_generation_arguments, positive_int
 
     add_generation_arguments(parser)
     parser.add_argument("--methods", default="dense,sta", help="comma-separated methods; dense always runs, first")
@@ -67,7 +67,7 @@ def add_eval_arguments(parser):
 
 def parse_seeds(text):
     """``"0,1"`` / ``"0-4"`` -> a list of seeds."""
-    from fastdit.cli_common import CLIError
+    from fastdit.cli.common import CLIError
 
     seeds = []
     for part in (p.strip() for p in str(text).split(",")):
@@ -88,7 +88,7 @@ def parse_seeds(text):
 
 def parse_grid(entries, methods):
     """``["sta.dense_steps=0,0.25", ...]`` -> ``{"sta": {"dense_steps": [0, 0.25]}}`` (values checked)."""
-    from fastdit.cli_common import CLIError, check_method_options
+    from fastdit.cli.common import CLIError, check_method_options
     from fastdit.options import parse_value
 
     grid = {}
@@ -112,11 +112,11 @@ def config_from_args(args):
     import os
 
     import fastdit
-    from fastdit.cli_common import (CLIError, apply_plan_argument, check_generation_arguments, check_method_options,
+    from fastdit.cli.common import (CLIError, apply_plan_argument, check_generation_arguments, check_method_options,
                                     parse_options)
-    from fastdit.eval.config import EvalConfig, EvalError
-    from fastdit.eval.prompts import load_prompts
-    from fastdit.eval.settings import tiny_method_presets
+    from fastdit.eval.runner.config import EvalConfig, EvalError
+    from fastdit.eval.runner.prompts import load_prompts
+    from fastdit.eval.runner.settings import tiny_method_presets
     from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -160,17 +160,17 @@ def config_from_args(args):
 
 def size_check(cfg):
     """``check_call`` for ``run_eval``: the command line's size limits on the loaded pipeline's call."""
-    from fastdit.cli_common import check_loaded_size
+    from fastdit.cli.common import check_loaded_size
 
     requested = {"frames": cfg.call.get("frames"), "height": cfg.call.get("height"), "width": cfg.call.get("width")}
     return lambda pipe, call_kwargs: check_loaded_size(pipe, call_kwargs, requested)
 
 
 def cmd_eval(args):
-    from fastdit.cli_common import CLIError
-    from fastdit.eval.config import EvalError
-    from fastdit.eval.processes import make_state
-    from fastdit.eval.runner import run_eval
+    from fastdit.cli.common import CLIError
+    from fastdit.eval.runner.config import EvalError
+    from fastdit.eval.runner.processes import make_state
+    from fastdit.eval.runner.run import run_eval
 
     cfg = config_from_args(args)
     if cfg.cp is not None:
@@ -197,7 +197,7 @@ def add_eval_parser(subparsers):
 
 
 def build_parser():
-    from fastdit.cli_common import ArgumentParser
+    from fastdit.cli.common import ArgumentParser
 
     parser = ArgumentParser(prog="python -m fastdit.eval", description=__doc__.splitlines()[0])
     add_eval_arguments(parser)
@@ -205,7 +205,7 @@ def build_parser():
 
 
 def main(argv=None):
-    from fastdit.cli_common import run_command
+    from fastdit.cli.common import run_command
 
     return run_command(lambda argv: run_command(cmd_eval, build_parser().parse_args(argv), "fastdit eval"), argv,
                        "fastdit eval")
