@@ -14,13 +14,13 @@ speedup over dense SDPA, one transformer forward with every attention call spars
 Plans: static methods (``sta``, ``radial``) are the plans the methods build (``prepare`` on the
 model's token layout, with the family's defaults, on the CPU). Dynamic methods (``sparge``,
 ``svg``) choose blocks from q and k, so their density is an input: by default sta's plan density
-on the same model (as ``bench_methods``' ``@sta`` companions), ``--dynamic-density`` to set it;
-they add the selection cost (see ``fastdit.costmodel``). Token methods (``tome``, ``todo``,
+on the same model (as the ``@sta`` companions of ``fastdit.eval.bench.methods``),
+``--dynamic-density`` to set it; they add the selection cost (see ``fastdit.costmodel``). Token methods (``tome``, ``todo``,
 ``prune``) are not modelled.
 
-``--compare FILE`` reads benchmark JSON written by ``scripts/gpu_check.sh`` (``bench_attention
---path kernel`` and ``bench_transformer`` rows) and prints each measured time beside the model's
-prediction for this machine's GPU (``--gpu`` to name one), so the first GPU run checks the model.
+``--compare FILE`` reads benchmark JSON written by ``scripts/gpu_check.sh``
+(``fastdit.eval.bench.attention --path kernel`` and ``fastdit.eval.bench.transformer`` rows) and
+prints each measured time beside the model's prediction for this machine's GPU (``--gpu`` to name one), so the first GPU run checks the model.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ STATIC = ("sta", "radial")
 def model_shape(name, hy_frames=None, elt=2):
     """``ModelShape`` of ``wan`` (Wan2.1-T2V-1.3B, 480p x 81 frames) or ``hunyuan`` (HunyuanVideo
     13B, 720p x 129 frames) from the benchmark's published configs, batch 1."""
-    from fastdit.eval.bench_transformer_models import MODELS as SPECS
-    from fastdit.eval.bench_transformer_models import model_spec, token_grid
+    from fastdit.eval.bench.transformer_models import MODELS as SPECS
+    from fastdit.eval.bench.transformer_models import model_spec, token_grid
 
     config, latent, text, _, video = model_spec(name, "full", hy_frames)
     grid = token_grid(config, latent)

@@ -25,7 +25,8 @@ Attention call (batch ``B``, heads ``H``, ``N`` queries, ``Nk`` keys, head dim `
   permutation, 12 for a dynamic one: an estimate of the pooling / scoring / top-k ops).
 
 Transformer forward (``model_forward``): the linear layers' FLOPs from the published configs
-(``ModelShape``; ``fastdit.eval.predict`` fills it from ``fastdit.eval.bench_transformer_models``) at ``peak * gemm_eff``, elementwise work (norms,
+(``ModelShape``; ``fastdit.eval.predict`` fills it from ``fastdit.eval.bench.transformer_models``)
+at ``peak * gemm_eff``, elementwise work (norms,
 modulation, RoPE, activations, residuals) as ``ELEMENTWISE_PASSES`` reads + writes of the
 ``tokens x dim`` activations per block at ``bw * mem_eff``, cross-attention (Wan) dense, and the
 self / joint attention of every block from the call model above. The attention share of a step
