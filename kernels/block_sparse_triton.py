@@ -59,6 +59,7 @@ from .triton_tuning import (  # noqa: F401  (re-exported: tests and benchmarks r
     default_config,
     dtype_name,
     prune_for_target,
+    table_verdict,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -346,16 +347,22 @@ def skip_tile_sizes(block_m, block_n, skip_tile):
     return tile_m, tile_n
 
 
-def _skip_launch_config(tile_m, tile_n, block_d, elt, device_index, smem=None):
+def _skip_launch_config(tile_m, tile_n, block_d, elt, device_index, smem=None, capability=None, dtype=None):
     """Warps / stages for the fixed skip tiles: the deepest pipeline (3, 2, 1) whose K/V buffers and
-    Q tile fit the device's shared memory, or ``smem`` bytes when given (the offline check passes
-    each target's); the tile sizes themselves are the rule: never changed."""
+    Q tile fit the device's shared memory (``smem`` bytes when given: the offline check passes each
+    target's) and that the offline table does not record as spilling on ``capability`` (int, e.g.
+    89) for ``dtype`` (``bf16`` / ``fp16`` / ``fp32``); the tile sizes themselves are the rule:
+    never changed."""
     if smem is None:
         smem = _shared_mem_bytes(device_index)
-    for stages in (3, 2, 1):
-        if (max(1, stages - 1) * 2 * tile_n * block_d + tile_m * block_d) * elt <= smem:
-            break
-    return (8 if tile_m >= 128 else 4), stages
+    warps = 8 if tile_m >= 128 else 4
+    fitting = [s for s in (3, 2, 1) if (max(1, s - 1) * 2 * tile_n * block_d + tile_m * block_d) * elt <= smem]
+    fitting = fitting or [1]
+    for stages in fitting:
+        if capability is None or dtype is None or \
+                table_verdict("skip", capability, dtype, block_d, (tile_m, tile_n, warps, stages)) is not False:
+            return warps, stages
+    return warps, fitting[-1]
 
 
 def kernel_args(q, k, v, out, lse, skipped, kv_indices, kv_counts, kv_valid, block_m, block_n, scale,
@@ -433,7 +440,9 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
         if interpreted:
             _kernel_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
         else:
-            warps, stages = _skip_launch_config(bm, bn, block_d, q.element_size(), q.device.index)
+            major, minor = torch.cuda.get_device_capability(q.device)
+            warps, stages = _skip_launch_config(bm, bn, block_d, q.element_size(), q.device.index,
+                                                capability=10 * major + minor, dtype=dtype_name(q.dtype))
             with torch.cuda.device(q.device):
                 _kernel_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         return out, lse, skipped
