@@ -76,22 +76,24 @@ def config_tuple(config):
 def _table_verdicts():
     """``{(kernel, capability, dtype, head_dim, config): clean}`` from the offline table.
 
-    Entries of the installed Triton version when the table has any, else of every version, a
-    config counting as clean only if it was clean under each (the conservative choice when the
-    table was made with another Triton). An unreadable or missing table gives ``{}`` (no
-    per-arch pruning: every config is allowed, as before the table existed)."""
+    Per key, the entry of the installed Triton version when the table has one, else the entries of
+    every other version, the config counting as clean only if it was clean under each (the
+    conservative choice for a Triton the table was not made with). An unreadable or missing table
+    gives ``{}`` (no per-arch pruning: every config is allowed, as before the table existed)."""
     try:
         entries = json.loads(Path(TABLE_PATH).read_text())["entries"]
     except (OSError, ValueError, KeyError):
         return {}
-    mine = [e for e in entries if e.get("triton") == triton.__version__]
-    verdicts = {}
-    for e in mine or entries:
+    mine, others = {}, {}
+    for e in entries:
         if e.get("registers") is None and e.get("error") is None:
             continue  # not compiled (skipped target)
         key = (e["kernel"], int(e["capability"]), e["dtype"], int(e["head_dim"]), tuple(e["config"]))
-        verdicts[key] = verdicts.get(key, True) and bool(e["clean"])
-    return verdicts
+        if e.get("triton") == triton.__version__:
+            mine[key] = bool(e["clean"])
+        else:
+            others[key] = others.get(key, True) and bool(e["clean"])
+    return {**others, **mine}
 
 
 def table_capability(capability, kernel="fixed"):

@@ -95,6 +95,19 @@ def test_default_config_is_the_first_clean_candidate(table):
     assert tuning.default_config(80, 128, "bf16") == first
 
 
+def test_installed_triton_entries_win_and_others_fill_in(table, tmp_path):
+    first, second = tuning.DEFAULT_PREFERENCE[:2]
+    rows = []
+    for version, cfg, clean in ((triton.__version__, first, True), ("0.0.1", first, False),  # mine wins
+                                ("0.0.1", second, True), ("0.0.2", second, False)):  # others: all must be clean
+        rows.append({"kernel": "fixed", "capability": 86, "dtype": "fp16", "head_dim": 64, "config": list(cfg),
+                     "clean": clean, "registers": 100, "error": None, "triton": version})
+    tuning.TABLE_PATH.write_text(json.dumps({"entries": rows}))
+    tuning._table_verdicts.cache_clear()
+    assert tuning.table_verdict("fixed", 86, "fp16", 64, first) is True
+    assert tuning.table_verdict("fixed", 86, "fp16", 64, second) is False
+
+
 def test_varlen_launch_falls_back_to_a_clean_tile(table):
     table([("varlen", 80, "bf16", 128, (128, 32, 8, 2), False), ("varlen", 80, "bf16", 128, (128, 16, 8, 2), True),
            ("varlen", 80, "bf16", 128, (128, 64, 8, 2), False)])
