@@ -606,13 +606,16 @@ def markdown(table, version=None):
             text = f"{e['registers']}/{e['spill_stores'] + e['spill_loads']}/{e['shared'] / KIB:.0f}"
             if not e["clean"]:
                 text = f"*{text}*"
+        group = {tuple(x["config"]): x["clean"] for x in entries if x["kernel"] == e["kernel"]
+                 and x["target"] == e["target"] and x["dtype"] == e["dtype"] and x["head_dim"] == e["head_dim"]}
         used = (e["kernel"] == "fixed" and tuple(e["config"]) == default_choice(entries, e["target"], e["dtype"],
                                                                                  e["head_dim"]))
-        if e["kernel"] == "varlen" and e["target"] in TARGETS:
-            used = tuple(e["config"]) == bsv.launch_config(_TOKENS, 100, _TOKENS, 500, e["head_dim"],
-                                                             TARGETS[e["target"]].capability, e["dtype"])
-        if e["kernel"] == "skip" and e["target"] in TARGETS:
-            used = tuple(e["config"]) == skip_used(e["target"], e["head_dim"], e["dtype"])
+        if e["kernel"] == "varlen":  # launch_config's choice, with this version's verdicts
+            with _env("FASTDIT_TRITON_CONFIG", None):
+                choice = bsv.launch_config(_TOKENS, 100, _TOKENS, 500, e["head_dim"])
+            used = tuple(e["config"]) == next((c for c in bsv._fallback_order(choice) if group.get(c)), choice)
+        if e["kernel"] == "skip":  # the deepest clean pipeline, with this version's verdicts
+            used = tuple(e["config"]) == max((c for c, ok in group.items() if ok), key=lambda c: c[3], default=None)
         cells[(row, (e["dtype"], e["head_dim"]))] = f"**{text}**" if used else text
     order = {"fixed": 0, "skip": 1, "varlen": 2}
     rows.sort(key=lambda r: (r[0], order.get(r[2], 9), [-x for x in r[3]]))
