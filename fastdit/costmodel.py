@@ -302,8 +302,13 @@ def call_gain(q, k, info, gpu=None):
 
 def worth_warning(method, q, k, info, threshold=MIN_GAIN):
     """The warning text when the predicted gain of ``method`` on this call (dense time over the
-    method's, minus 1) is below ``threshold``; None otherwise or when there is no prediction."""
-    got = call_gain(q, k, info)
+    method's, minus 1) is below ``threshold``; None otherwise or when there is no prediction (no
+    covered GPU: a CPU device gets no warning). ``fastdit.patch`` asks once, on the first sparse
+    call of a patch; a prediction that fails says nothing rather than break the call."""
+    try:
+        got = call_gain(q, k, info)
+    except Exception:  # noqa: BLE001 - a prediction must never break an attention call
+        return None
     if got is None:
         return None
     gpu, dense, call = got

@@ -201,6 +201,8 @@ class Patch:
         return original()
 
     def _warn_once(self, key, message):
+        if not message:
+            return
         with self._warn_lock:
             if key in self._warned:
                 return
@@ -258,8 +260,9 @@ class Patch:
             dense_fn=original if order is None else _in_model_order(original, order),
         )
         out = self._method(ctx, q, k, v)
-        if not self._worth_checked:
-            self._check_worth(ctx, q, k)
+        if not self._worth_checked and not ctx.info.get("dense"):  # once, on the first sparse call
+            self._worth_checked = True
+            self._warn_once(("worth",), costmodel.worth_warning(self.method, q, k, ctx.info))
         if order is not None:
             out = out.index_select(2, torch.argsort(order))
         self._count(ctx, size)
@@ -268,23 +271,6 @@ class Patch:
             dense = bool(ctx.info.get("dense")) or plan is None
             self._records[layer] = LayerRecord(layout, dense, None if dense else plan, key_mask, heads, query_mask)
         return out
-
-    def _check_worth(self, ctx, q, k):
-        """Once, on the first sparse call: warn when the cost model predicts the method gains less
-        than 5% over dense attention on it (``fastdit.costmodel.worth_warning``). No prediction, so
-        no warning, on a CPU device or a GPU the model does not cover."""
-        if ctx.info.get("dense"):
-            return  # a dense step or layer: wait for the first sparse call
-        with self._warn_lock:
-            if self._worth_checked:
-                return
-            self._worth_checked = True
-        try:
-            message = costmodel.worth_warning(self.method, q, k, ctx.info)
-        except Exception:  # noqa: BLE001 - a prediction must never break a call
-            message = None
-        if message:
-            self._warn_once(("worth",), message)
 
     def _count(self, ctx, size):
         info = ctx.info

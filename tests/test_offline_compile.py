@@ -49,7 +49,7 @@ def test_every_triton_kernel_is_checked():
     covered = {fn.__name__ for k in offline.KERNELS for fn in offline.dependencies(k)}
     found = set()
     for path in (REPO / "kernels").glob("*.py"):
-        if path.name == "offline.py":  # its target probe is not a fastdit kernel
+        if path.name == "offline_compile.py":  # its target probe is not a fastdit kernel
             continue
         found |= set(re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)", path.read_text()))
     assert found, "no @triton.jit function found: the scan is broken"
