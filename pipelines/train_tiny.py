@@ -3,12 +3,13 @@
 A ``WanPipeline`` made of diffusers / transformers components only, trained from scratch on the
 procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
 
-1. **VAE** (``AutoencoderKLWan``, spatial factor 2, temporal factor 2): trained on random 5-frame
-   clips with an L1 + MSE reconstruction loss and a small KL term.
+1. **VAE** (``AutoencoderKLWan``, spatial factor 4, temporal factor 2): trained on random
+   9-frame, 32 x 32 crops with an L1 + MSE reconstruction loss of the decoded posterior mean and
+   a small KL term.
 2. **Latents**: ``num_videos`` videos (17 frames of 64 x 64) encoded once (posterior mean) and
    normalised per channel; the channel means / stds go into the VAE config (``latents_mean`` /
    ``latents_std``), which is where ``WanPipeline`` reads them when decoding.
-3. **Transformer** (``WanTransformer3DModel``, patch (1, 2, 2)) and the tiny UMT5 text encoder
+3. **Transformer** (``WanTransformer3DModel``, patch (1, 1, 1)) and the tiny UMT5 text encoder
    (``fastdit.pipelines.tiny``'s, trained jointly): rectified flow matching as in Wan
    (Esser et al. 2024, "Scaling Rectified Flow Transformers"): ``x_s = (1 - s) x_0 + s eps``,
    target velocity ``eps - x_0``, ``s`` drawn uniformly and shifted like the sampler's flow shift
@@ -18,8 +19,8 @@ procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    frames: cheaper), the rest on the whole clip.  The exported weights are an EMA of the training
    weights.
 
-The native size is 17 frames of 64 x 64 -> latent 9 x 32 x 32 -> 9 x 16 x 16 = 2304 video tokens
-per transformer call.
+The native size is 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and one 2x
+stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call.
 
 Every phase checkpoints into ``--work`` and the run resumes from there (same seed -> same run);
 ``--out`` receives the pipeline (``save_pretrained``, safetensors) every ``export_every`` steps
@@ -42,6 +43,9 @@ import torch
 
 from . import shapes_data
 
+#: Config fields a resumed run may change (more or fewer steps, bookkeeping).
+RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every"}
+
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "tiny-shapes")
 
 __all__ = ["TrainConfig", "PRESETS", "build_pipeline", "train", "main", "DEFAULT_OUT"]
@@ -54,12 +58,13 @@ class TrainConfig:
     height: int = 64
     width: int = 64
     # VAE (AutoencoderKLWan)
-    vae_base_dim: int = 8
+    vae_base_dim: int = 16
     vae_z_dim: int = 8
-    vae_steps: int = 600
-    vae_batch: int = 2
-    vae_clip_frames: int = 5
-    vae_lr: float = 1e-3
+    vae_steps: int = 1200
+    vae_batch: int = 3
+    vae_clip_frames: int = 9
+    vae_crop: int = 32  # square crops (the VAE is convolutional): 4x cheaper steps than full 64x64 frames
+    vae_lr: float = 2e-3
     vae_kl_weight: float = 1e-6
     # latents
     num_videos: int = 1000
@@ -90,9 +95,9 @@ class TrainConfig:
 
 PRESETS: dict[str, dict] = {
     "full": {},
-    "short": dict(vae_steps=200, num_videos=300, steps=2000, lr=5e-4, warmup=100, ema_decay=0.995,
+    "short": dict(vae_steps=250, num_videos=250, steps=2000, lr=5e-4, warmup=100, ema_decay=0.995,
                   full_clip_prob=0.15, prefix_max=5, checkpoint_every=50, export_every=200),
-    "test": dict(frames=5, height=32, width=32, vae_base_dim=4, vae_z_dim=4, vae_steps=2, vae_clip_frames=5,
+    "test": dict(frames=5, height=32, width=32, vae_base_dim=4, vae_z_dim=4, vae_steps=2, vae_clip_frames=5, vae_crop=16,
                  num_videos=3, heads=1, head_dim=16, layers=1, ffn_dim=32, max_sequence_length=40, steps=3,
                  batch=1, warmup=1, checkpoint_every=2, export_every=2),
 }
@@ -113,17 +118,21 @@ def build_pipeline(cfg: TrainConfig, latents_mean=None, latents_std=None):
     z = cfg.vae_z_dim
     tokenizer = tiny_tokenizer("t5")
     with _seeded(cfg.seed + 1):
-        vae = AutoencoderKLWan(base_dim=cfg.vae_base_dim, z_dim=z, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
-                               temperal_downsample=[True], latents_mean=list(latents_mean or [0.0] * z),
+        # Wan 2.2-style VAE: 2x2 patchify (12 input channels) and residual average-pool /
+        # duplicate shortcuts (is_residual): colour passes through from the first step. The
+        # Wan 2.1 style (no shortcuts) at this width learnt luminance only in our runs.
+        vae = AutoencoderKLWan(base_dim=cfg.vae_base_dim, z_dim=z, dim_mult=[1, 1], num_res_blocks=1, attn_scales=[],
+                               temperal_downsample=[True], is_residual=True, patch_size=2, in_channels=12,
+                               out_channels=12, latents_mean=list(latents_mean or [0.0] * z),
                                latents_std=list(latents_std or [1.0] * z), scale_factor_temporal=2,
-                               scale_factor_spatial=2)
+                               scale_factor_spatial=4)
     with _seeded(cfg.seed + 2):
         te_cfg = UMT5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                             eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id, **_UMT5)
         text_encoder = UMT5EncoderModel(te_cfg)
     with _seeded(cfg.seed + 3):
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=cfg.heads, attention_head_dim=cfg.head_dim, in_channels=z,
+            patch_size=(1, 1, 1), num_attention_heads=cfg.heads, attention_head_dim=cfg.head_dim, in_channels=z,
             out_channels=z, text_dim=te_cfg.d_model, freq_dim=64, ffn_dim=cfg.ffn_dim, num_layers=cfg.layers,
             cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
@@ -177,17 +186,21 @@ def train_vae(cfg, pipe, work, progress=True):
         for b in range(cfg.vae_batch):
             video, _, _ = shapes_data.sample_video(cfg.seed + 10_000, step * cfg.vae_batch + b, **_data_kwargs(cfg))
             start = int(rng.integers(0, cfg.frames - cfg.vae_clip_frames + 1))
-            clips.append(_video_tensor(video[start:start + cfg.vae_clip_frames]))
+            crop = min(cfg.vae_crop, cfg.height, cfg.width)
+            y, x = int(rng.integers(0, cfg.height - crop + 1)), int(rng.integers(0, cfg.width - crop + 1))
+            clips.append(_video_tensor(video[start:start + cfg.vae_clip_frames, y:y + crop, x:x + crop]))
         x = torch.stack(clips)
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         posterior = vae.encode(x).latent_dist
-        recon = vae.decode(posterior.sample(generator=gen)).sample
+        # Decode the posterior mean, not a sample: at initialisation the posterior std is ~1, and
+        # sampled noise of that size drowns the colour information (the first runs learnt grey
+        # shapes only). The diffusion model is trained on the means as well (``encode_latents``).
+        recon = vae.decode(posterior.mode()).sample
         rec = (recon - x).abs().mean() + (recon - x).pow(2).mean()
         kl = posterior.kl().mean() / x[0].numel()
         loss = rec + cfg.vae_kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 10.0)
         opt.step()
         state["losses"].append(rec.item())
         bar.set_postfix(rec=f"{float(rec):.4f}")
@@ -370,7 +383,7 @@ def _card(cfg, preset, vae_losses, vae_seconds, latent_seconds, state, param_cou
         return f"{np.mean(values[-k:]):.4f}" if len(values) else "n/a"
 
     dit = state["losses"]
-    tokens = cfg.latent_frames * (cfg.height // 4) * (cfg.width // 4)
+    tokens = cfg.latent_frames * (cfg.height // 4) * (cfg.width // 4)  # VAE factor 4, patch 1
     return f"""# tiny-shapes
 
 A tiny text-to-video `WanPipeline` trained from scratch on CPU by `python -m fastdit.pipelines.train_tiny`
@@ -382,19 +395,19 @@ grammar: "a red circle moving left and a blue square moving down".
 Load it offline: `fastdit.pipelines.loading.load_pipeline("tiny-shapes")` (or `--model tiny-shapes`).
 
 ## Sizes
-- Native call: {cfg.frames} frames of {cfg.height} x {cfg.width}; VAE factors 2 (space) x 2 (time) ->
-  latent {cfg.latent_frames} x {cfg.height // 2} x {cfg.width // 2} x {cfg.vae_z_dim} channels; patch (1, 2, 2) ->
+- Native call: {cfg.frames} frames of {cfg.height} x {cfg.width}; VAE factors 4 (space: 2x2 patchify, one 2x stage)
+  x 2 (time) -> latent {cfg.latent_frames} x {cfg.height // 4} x {cfg.width // 4} x {cfg.vae_z_dim} channels; patch (1, 1, 1) ->
   **{tokens} video tokens** per transformer call.
 - Transformer (`WanTransformer3DModel`): {cfg.layers} layers, {cfg.heads} heads x {cfg.head_dim}, FFN {cfg.ffn_dim};
   {param_counts['transformer'] / 1e6:.2f} M parameters.
-- VAE (`AutoencoderKLWan`): base dim {cfg.vae_base_dim}, z {cfg.vae_z_dim}; {param_counts['vae'] / 1e6:.2f} M parameters.
+- VAE (`AutoencoderKLWan`, Wan 2.2 style: patch 2, residual shortcuts): base dim {cfg.vae_base_dim}, z {cfg.vae_z_dim}; {param_counts['vae'] / 1e6:.2f} M parameters.
 - Text encoder: the tiny 2-layer UMT5 (d=32) of `fastdit.pipelines.tiny` with its WordPiece tokenizer,
   trained jointly with the transformer; {param_counts['text_encoder'] / 1e6:.2f} M parameters;
   `max_sequence_length={cfg.max_sequence_length}`.
 - Scheduler: `UniPCMultistepScheduler`, flow prediction, flow shift {cfg.flow_shift}.
 
 ## Training (preset `{preset}`, seed {cfg.seed}, {cfg.threads} torch thread(s))
-- VAE: {len(vae_losses)} steps x batch {cfg.vae_batch} of {cfg.vae_clip_frames}-frame clips, AdamW lr {cfg.vae_lr};
+- VAE: {len(vae_losses)} steps x batch {cfg.vae_batch} of {cfg.vae_clip_frames}-frame {cfg.vae_crop} x {cfg.vae_crop} crops, AdamW lr {cfg.vae_lr};
   {vae_seconds / 60:.1f} min; reconstruction loss (L1 + MSE on [-1, 1] pixels) first {vae_losses[0] if vae_losses else float('nan'):.4f},
   last-100 mean {tail(vae_losses)}.
 - Latents: {cfg.num_videos} videos encoded (posterior mean) in {latent_seconds / 60:.1f} min, normalised per channel.
@@ -426,9 +439,10 @@ def train(cfg: TrainConfig, work: str, out: str = DEFAULT_OUT, preset: str = "cu
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             saved = json.load(f)
-        if saved["config"] != dataclasses.asdict(cfg):
-            raise ValueError(f"{work} holds a run with a different config ({meta_path}); pass another --work "
-                             "or delete that folder to start over")
+        changed = {k for k, v in dataclasses.asdict(cfg).items() if saved["config"].get(k) != v}
+        if changed - RESUME_CHANGEABLE:
+            raise ValueError(f"{work} holds a run with a different config ({', '.join(sorted(changed))} differ; "
+                             f"{meta_path}); pass another --work or delete that folder to start over")
         times = saved.get("times", {})
     else:
         times = {}
