@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdit.eval.adherence import CHANCE_LEVEL, adherence, chance_level
+from fastdit.eval.metrics.adherence import CHANCE_LEVEL, adherence, chance_level
 from fastdit.pipelines import shapes_data
 from fastdit.pipelines.loading import (
     TRAINED_DEFAULTS,

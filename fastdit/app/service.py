@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastdit.cpu_load import load_warning
+
 from .errors import AppError, RunCancelled
 from .masks import draw_patch_mask
 from .method_options import method_choices, options_text, parse_options
@@ -78,7 +80,7 @@ def patched(pipe, method, options, record_masks=False, plan=None):
     options or a plan file that does not fit (checked against the model at patch time) raise
     ``AppError`` with nothing installed."""
     import fastdit
-    from fastdit.plan_file import PlanError
+    from fastdit.calibration.plan_file import PlanError
 
     try:
         patch = fastdit.patch(pipe, method, record_masks=record_masks, plan=plan, **options)
@@ -150,7 +152,7 @@ def _plain(value):
 def _lpips(frames, reference):
     """LPIPS against dense, or None when its weights are not present (or frames are too small)."""
     try:
-        from fastdit.eval.fidelity import lpips_distance
+        from fastdit.eval.metrics.fidelity import lpips_distance
 
         return float(lpips_distance(frames, reference))
     except (FileNotFoundError, ValueError, ImportError):
@@ -210,7 +212,7 @@ class Runner:
             raise AppError("Write a prompt.")
         seed = check_seed(request.seed)
         if _plan_path(request.plan) is not None:  # the plan's options replace the option boxes
-            from fastdit.plan_file import PlanError, plan_options
+            from fastdit.calibration.plan_file import PlanError, plan_options
 
             try:
                 return seed, plan_options(_plan_path(request.plan), request.method)  # file and method only
@@ -278,7 +280,7 @@ class Runner:
         call, notes, tokens = self._call_for(entry, request)
         plan = _plan_path(request.plan)
         if plan is not None:  # checked against this model before the dense run; patch(plan=...) applies it
-            from fastdit.plan_file import PlanError, plan_options_for
+            from fastdit.calibration.plan_file import PlanError, plan_options_for
 
             try:
                 plan_options_for(plan, pipe, method)
@@ -357,7 +359,7 @@ class Runner:
 
     def _finish(self, run, started_at):
         from fastdit.compare import fidelity
-        from fastdit.video import write_video
+        from fastdit.media.video import write_video
 
         dense, result, stats, notes = run["dense"], run["result"], run["stats"], run["notes"]
         method = run["request"].method
@@ -367,6 +369,10 @@ class Runner:
         if stats["fallback_calls"]:
             notes.append(f"{stats['fallback_calls']} attention calls ran the model's own attention (fallbacks): "
                          + fallback_text(stats["fallbacks"]))
+        for label, generation in (("dense", dense), (method, result)):
+            warning = load_warning(generation.load, f"the {label} run")
+            if warning:
+                notes.append(warning)
         metrics = {
             "model": run["request"].model, "method": method, "options": run["config"],
             "plan": None if _plan_path(run["request"].plan) is None else os.path.basename(_plan_path(run["request"].plan)),
@@ -381,7 +387,7 @@ class Runner:
             "padding_fraction": stats["padding_fraction"], "layers": run["layers"], "device": run["device"],
             "dense_reused": run["reused"], "dense_digest": frames_digest(dense.frames),
             "method_digest": frames_digest(result.frames), "started_at": started_at, "finished_at": time.time(),
-            "notes": list(notes),
+            "dense_load": dense.load, "method_load": result.load, "notes": list(notes),
         }
         return RunResult(dense_path, method_path, run["mask"], run["mask_caption"], metrics, notes,
                          dense.frames, result.frames)
