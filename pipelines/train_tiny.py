@@ -4,8 +4,8 @@ A ``WanPipeline`` made of diffusers / transformers components only, trained from
 procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
 
 1. **VAE** (``AutoencoderKLWan``, spatial factor 4, temporal factor 2): trained on random
-   9-frame, 32 x 32 crops with an L1 + MSE reconstruction loss of the decoded posterior mean and
-   a small KL term.
+   9-frame, 32 x 32 crops with an L1 + MSE reconstruction loss of the decoded posterior mean
+   (pixels weighted by ``1 + vae_colour_weight * saturation``) and a small KL term.
 2. **Latents**: ``num_videos`` videos (17 frames of 64 x 64) encoded once (posterior mean) and
    normalised per channel; the channel means / stds go into the VAE config (``latents_mean`` /
    ``latents_std``), which is where ``WanPipeline`` reads them when decoding.
@@ -44,7 +44,7 @@ import torch
 from . import shapes_data
 
 #: Config fields a resumed run may change (more or fewer steps, bookkeeping).
-RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every"}
+RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every", "vae_colour_weight"}
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "tiny-shapes")
 
@@ -66,6 +66,7 @@ class TrainConfig:
     vae_crop: int = 32  # square crops (the VAE is convolutional): 4x cheaper steps than full 64x64 frames
     vae_lr: float = 2e-3
     vae_kl_weight: float = 1e-6
+    vae_colour_weight: float = 10.0
     # latents
     num_videos: int = 1000
     # transformer (WanTransformer3DModel)
@@ -95,7 +96,7 @@ class TrainConfig:
 
 PRESETS: dict[str, dict] = {
     "full": {},
-    "short": dict(vae_steps=250, num_videos=250, steps=2000, lr=5e-4, warmup=100, ema_decay=0.995,
+    "short": dict(vae_steps=600, num_videos=250, steps=2000, lr=5e-4, warmup=100, ema_decay=0.995,
                   full_clip_prob=0.15, prefix_max=5, checkpoint_every=50, export_every=200),
     "test": dict(frames=5, height=32, width=32, vae_base_dim=4, vae_z_dim=4, vae_steps=2, vae_clip_frames=5, vae_crop=16,
                  num_videos=3, heads=1, head_dim=16, layers=1, ffn_dim=32, max_sequence_length=40, steps=3,
@@ -195,7 +196,10 @@ def train_vae(cfg, pipe, work, progress=True):
         # sampled noise of that size drowns the colour information (the first runs learnt grey
         # shapes only). The diffusion model is trained on the means as well (``encode_latents``).
         recon = vae.decode(posterior.mode()).sample
-        rec = (recon - x).abs().mean() + (recon - x).pow(2).mean()
+        # Pixels weighted by 1 + w * saturation (max - min over RGB): the coloured shapes are a
+        # small part of each frame, and without the weight the VAE learnt grey shapes only.
+        weight = 1 + cfg.vae_colour_weight * (x.amax(1, keepdim=True) - x.amin(1, keepdim=True))
+        rec = (weight * ((recon - x).abs() + (recon - x).pow(2))).mean() / weight.mean()
         kl = posterior.kl().mean() / x[0].numel()
         loss = rec + cfg.vae_kl_weight * kl
         opt.zero_grad(set_to_none=True)
@@ -203,7 +207,7 @@ def train_vae(cfg, pipe, work, progress=True):
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 10.0)
         opt.step()
         state["losses"].append(rec.item())
-        bar.set_postfix(rec=f"{float(rec):.4f}")
+        bar.set_postfix(rec=f"{rec.item():.4f}")
         state["step"] = step + 1
         if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.vae_steps:
             _save({"model": vae.state_dict(), "opt": opt.state_dict(), "step": state["step"],
@@ -364,7 +368,7 @@ def plot_losses(vae_losses, dit_losses, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, values, title in ((axes[0], vae_losses, "VAE reconstruction (L1 + MSE)"),
+    for ax, values, title in ((axes[0], vae_losses, "VAE reconstruction (weighted L1 + MSE)"),
                               (axes[1], dit_losses, "transformer flow-matching MSE")):
         if len(values):
             ax.plot(values, alpha=0.25, lw=0.6)
