@@ -20,7 +20,7 @@ TRAINED_MODELS = {"tiny-shapes": "tiny-shapes"}
 #: Their native call (``pipe(prompt=..., **TRAINED_DEFAULTS[name], output_type="np")``):
 #: tiny-shapes: 17 frames of 64 x 64 -> latent 9 x 16 x 16 -> patch (1, 1, 1) -> 2304 video tokens.
 TRAINED_DEFAULTS = {
-    "tiny-shapes": dict(num_frames=17, height=64, width=64, num_inference_steps=16, guidance_scale=4.0,
+    "tiny-shapes": dict(num_frames=17, height=64, width=64, num_inference_steps=12, guidance_scale=4.0,
                         max_sequence_length=48),
 }
 #: How to re-create each trained model's weights.

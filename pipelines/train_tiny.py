@@ -283,6 +283,11 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
     def export():
         export_pipeline(cfg, pipe, ema, out, card(state), os.path.join(work, "loss_curve.png"))
 
+    start_step = state["step"]
+
+    def exported_now(state):
+        return state["step"] > start_step  # the loop ran up to cfg.steps and exported there
+
     bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc="transformer",
                disable=not progress, mininterval=5)
     t_last = time.time()
@@ -323,6 +328,8 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
                         "seconds": state["seconds"], "time": now})
         if state["step"] % cfg.export_every == 0 or state["step"] == cfg.steps:
             export()
+    if state["step"] == cfg.steps and not exported_now(state):
+        export()  # e.g. a resumed run whose steps were lowered to the last checkpoint: export it as final
     return state
 
 
@@ -412,7 +419,7 @@ Load it offline: `fastdit.pipelines.loading.load_pipeline("tiny-shapes")` (or `-
 
 ## Training (preset `{preset}`, seed {cfg.seed}, {cfg.threads} torch thread(s))
 - VAE: {len(vae_losses)} steps x batch {cfg.vae_batch} of {cfg.vae_clip_frames}-frame {cfg.vae_crop} x {cfg.vae_crop} crops, AdamW lr {cfg.vae_lr};
-  {vae_seconds / 60:.1f} min; reconstruction loss (L1 + MSE on [-1, 1] pixels) first {vae_losses[0] if vae_losses else float('nan'):.4f},
+  {vae_seconds / 60:.1f} min; reconstruction loss (saturation-weighted L1 + MSE on [-1, 1] pixels) first {vae_losses[0] if vae_losses else float('nan'):.4f},
   last-100 mean {tail(vae_losses)}.
 - Latents: {cfg.num_videos} videos encoded (posterior mean) in {latent_seconds / 60:.1f} min, normalised per channel.
 - Transformer + text encoder: {state['step']} of {cfg.steps} planned steps x batch {cfg.batch}, AdamW lr {cfg.lr}
