@@ -4,7 +4,9 @@ Timing: ``latency_s`` is the sample's denoising+decoding time (CUDA events on a 
 clock); warm-up runs (1 step, not recorded) happen first in every process. Each setting's samples
 are split between processes (accelerate's contiguous split), so a sample and its dense reference
 (same prompt and seed) land on the same process and speedups compare like with like.
-``peak_memory_mb``: CUDA peak allocated memory during the sample (null on the CPU).
+``peak_memory_mb``: CUDA peak allocated memory during the sample (null on the CPU). ``load``: the
+machine's load around the timed call (``fastdit.cpu_load``); a warning is logged when other work
+shared the cores, and the report counts such samples.
 
 The record keeps what the patch did (``Generation.extra``): ``density`` is the effective density
 (computed / total attention blocks over all calls of the patched layers, dense steps, dense layers
@@ -18,6 +20,7 @@ import time
 import numpy as np
 
 from fastdit.compare import COMPARE_TINY_SIZE
+from fastdit.cpu_load import load_warning
 from fastdit.eval.runner.config import EvalError
 from fastdit.eval.runner.processes import Log, process_device, process_rank, several, shard
 from fastdit.eval.runner.settings import fingerprint
@@ -52,7 +55,7 @@ def call_kwargs(pipe, cfg, log=print, check_call=None):
     """Pipeline call kwargs: the tiny model's defaults (at ``TINY_CALL_SIZE``), then the requested
     sizes of ``cfg.call`` fitted to the pipeline (a note per change). ``check_call(pipe, kwargs)``,
     when given, may refuse the result (the command line checks its size limits there)."""
-    from fastdit.pipelines.loading import fitted_call, tiny_name
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, fitted_call, tiny_name, trained_name
 
     base = {}
     name = tiny_name(cfg.model)
@@ -60,6 +63,8 @@ def call_kwargs(pipe, cfg, log=print, check_call=None):
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
         base = {**TINY_DEFAULTS[name], **TINY_CALL_SIZE}
+    elif trained_name(cfg.model) is not None:  # trained built-ins run at their native size
+        base = dict(TRAINED_DEFAULTS[cfg.model])
     call = cfg.call
     kwargs, notes = fitted_call(pipe, base, call.get("height"), call.get("width"), call.get("frames"),
                                 call.get("steps"), call.get("guidance"))
@@ -119,6 +124,7 @@ def sample_record(cfg, sample, result, wall, shape, call, device):
         "latency_s": result.latency_s, "wall_s": wall, "peak_memory_mb": result.peak_memory_mb,
         "density": result.density, "padding_fraction": result.padding_fraction, "extra": result.extra,
         "shape": list(shape), "call": call, "device": device, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "load": result.load,
     }
 
 
@@ -167,6 +173,9 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
             result.density = cp.reduce(result.density, "mean", parallel)
             if not parallel.is_group_leader:
                 continue
+        warning = load_warning(result.load, f"{sample.setting.name} p{sample.prompt_index} s{sample.seed}")
+        if warning:
+            log(warning, all_ranks=several(state))
         frames8 = to_uint8(np.asarray(result.frames))
         record = sample_record(cfg, sample, result, wall, frames8.shape, shown_call, str(getattr(pipe, "device", "")))
         store_sample(cfg, sample, frames8, record)

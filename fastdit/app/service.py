@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastdit.cpu_load import load_warning
+
 from .errors import AppError, RunCancelled
 from .masks import draw_patch_mask
 from .method_options import method_choices, options_text, parse_options
@@ -272,7 +274,7 @@ class Runner:
     def _run_locked(self, entry, request, seed, options, progress, cancel):
         from fastdit.compare import generate
         from fastdit.methods import tiny_presets
-        from fastdit.pipelines.loading import call_parameters, tiny_name
+        from fastdit.pipelines.loading import builtin_model, call_parameters
 
         pipe, method = entry.pipe, request.method
         call, notes, tokens = self._call_for(entry, request)
@@ -286,7 +288,7 @@ class Runner:
                 raise AppError(str(error)) from None
             options = {}
             notes.append(f"plan {os.path.basename(plan)} applied: its settings replace the {method} option boxes")
-        elif tiny_name(request.model) is not None:
+        elif builtin_model(request.model):
             options = {**tiny_presets().get(method, {}), **{k: v for k, v in options.items() if v is not None}}
         n_steps = int(call.get("num_inference_steps", request.steps))
         size = f"{call.get('num_frames', 1)}x{call.get('height', '?')}x{call.get('width', '?')}"
@@ -367,6 +369,10 @@ class Runner:
         if stats["fallback_calls"]:
             notes.append(f"{stats['fallback_calls']} attention calls ran the model's own attention (fallbacks): "
                          + fallback_text(stats["fallbacks"]))
+        for label, generation in (("dense", dense), (method, result)):
+            warning = load_warning(generation.load, f"the {label} run")
+            if warning:
+                notes.append(warning)
         metrics = {
             "model": run["request"].model, "method": method, "options": run["config"],
             "plan": None if _plan_path(run["request"].plan) is None else os.path.basename(_plan_path(run["request"].plan)),
@@ -381,7 +387,7 @@ class Runner:
             "padding_fraction": stats["padding_fraction"], "layers": run["layers"], "device": run["device"],
             "dense_reused": run["reused"], "dense_digest": frames_digest(dense.frames),
             "method_digest": frames_digest(result.frames), "started_at": started_at, "finished_at": time.time(),
-            "notes": list(notes),
+            "dense_load": dense.load, "method_load": result.load, "notes": list(notes),
         }
         return RunResult(dense_path, method_path, run["mask"], run["mask_caption"], metrics, notes,
                          dense.frames, result.frames)
