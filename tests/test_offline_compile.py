@@ -188,7 +188,7 @@ def test_ci_targets_compile_within_budgets(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "fastdit.kernels.offline", "--targets", "ci", "--dtypes", "bf16,fp16",
          "--configs", "default", "--fresh", "used", "--jobs", "2", "--json", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
     )
     print(proc.stdout[-4000:], proc.stderr[-2000:])
     assert out.exists(), proc.stderr[-2000:]
