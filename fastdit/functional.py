@@ -39,7 +39,10 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         layout: the ``TokenLayout`` of the call (``layout.seq_len == S``).
         key_mask: optional bool ``(B, S)``: False keys are never attended.
         step, num_steps: the denoising step of this call and the steps of the run; ``dense_steps``
-            applies as in a patched pipeline (a fraction needs ``num_steps``).
+            applies as in a patched pipeline when passed (a fraction needs ``num_steps``).
+            Outside a pipeline the defaults that need a step or layer position do not apply:
+            ``dense_steps`` and ``dense_layers`` left unset are 0 here (the call runs sparse), not
+            the method's or a family's pipeline defaults.
         state: a dict kept by the caller across the calls of one layer (methods with per-layer
             state, e.g. caches across steps); None: a fresh dict.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -73,7 +76,15 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         raise ValueError(f"key_mask must be a bool tensor of shape ({batch}, {k.shape[2]}), got "
                          f"{key_mask.dtype} {tuple(key_mask.shape)}")
     method_cls = get_method(method)
-    config = method_cls.resolve(method_cls.make_config(config, **options), None)
+    config = method_cls.make_config(config, **options)
+    # No pipeline here: a default dense_steps (a fraction of a run) or dense_layers (a layer position)
+    # would silently make the call dense or fail; only what the caller asks for applies.
+    config = method_cls.make_config(config, **{name: 0 for name in ("dense_steps", "dense_layers")
+                                               if getattr(config, name, 0) is None})
+    if isinstance(config.dense_steps, float) and config.dense_steps > 0 and num_steps is None:
+        raise OptionError(f"dense_steps={config.dense_steps} is a fraction of the denoising steps: pass num_steps= "
+                          "(and step=) to fastdit.attention, or dense_steps as an int count")
+    config = method_cls.resolve(config, None)
     instance = _instance(method_cls, config)
     instance.check_heads(heads)
     call = CallState(num_steps)
