@@ -10,7 +10,7 @@ import torch
 
 from fastdit.context import AttentionContext, CallState
 from fastdit.intercept import plain_sdpa
-from fastdit.methods.base import OptionError, get_method
+from fastdit.methods.base import OptionError, get_method, method_names
 
 #: Method instances by (method, config): their plan caches survive across calls.
 _INSTANCES = {}
@@ -32,8 +32,9 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     """Run ``method`` on one attention call.
 
     Args:
-        q, k, v: ``(B, H, S, D)`` in model token order (``k``/``v`` may have another length for
-            token methods that allow it).
+        q, k, v: ``(B, H, S, D)`` in model token order. ``k``/``v`` may have another length than
+            ``q`` only for methods that take it (``dense``, ``prune``: ``Method.any_key_length``);
+            the others lay keys out on the queries' grid and refuse it with a ValueError.
         method: a method name (``fastdit.method_names()``); ``config`` / ``options`` as for
             ``fastdit.patch`` (no model family: the method's generic defaults apply).
         layout: the ``TokenLayout`` of the call (``layout.seq_len == S``).
@@ -72,10 +73,18 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     batch, heads, seq, _ = q.shape
     if seq != layout.seq_len:
         raise ValueError(f"q has {seq} tokens but the layout {layout.describe()} has {layout.seq_len}")
+    method_cls = get_method(method)
+    if k.shape[:3] != v.shape[:3] or k.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share batch and heads, "
+                         "and k and v their length")
+    if k.shape[2] != seq and not method_cls.any_key_length:
+        takes = sorted(name for name in method_names() if get_method(name).any_key_length)
+        raise ValueError(f"method {method_cls.name!r} needs as many keys as queries (it lays keys out on the queries' "
+                         f"token grid): got {seq} queries and {k.shape[2]} keys; methods that take another key "
+                         f"length: {takes}")
     if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, k.shape[2])):
         raise ValueError(f"key_mask must be a bool tensor of shape ({batch}, {k.shape[2]}), got "
                          f"{key_mask.dtype} {tuple(key_mask.shape)}")
-    method_cls = get_method(method)
     config = method_cls.make_config(config, **options)
     # No pipeline here: a default dense_steps (a fraction of a run) or dense_layers (a layer position)
     # would silently make the call dense or fail; only what the caller asks for applies.

@@ -32,3 +32,34 @@ def test_functional_attention_fraction_needs_num_steps():
     assert not info["dense"]
     _, info = fastdit.attention(q, q, q, "svg", layout=layout, dense_layers=1, layer=0, return_info=True)
     assert info["dense"]
+
+
+# -- item 4: keys of another length than the queries ---------------------------------------------------
+def _reference(q, k, v, key_mask=None):
+    """Float64 softmax(q k^T / sqrt(D)) v over the valid keys."""
+    scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ v.double()).float()
+
+
+@pytest.mark.parametrize("extra", [37, -29])
+@pytest.mark.parametrize("method", fastdit.method_names())
+def test_functional_attention_other_key_length(method, extra):
+    layout = fastdit.TokenLayout((3, 6, 10), text_len=7, text_position="prefix")
+    torch.manual_seed(1)
+    seq = layout.seq_len
+    q = torch.randn(2, 2, seq, 16)
+    k, v = torch.randn(2, 2, seq + extra, 16), torch.randn(2, 2, seq + extra, 16)
+    key_mask = torch.rand(2, seq + extra) > 0.2
+    if method not in ("dense", "prune"):  # the methods that take another key length (Method.any_key_length)
+        with pytest.raises(ValueError) as error:
+            fastdit.attention(q, k, v, method, layout=layout, key_mask=key_mask)
+        assert f"{seq} queries and {seq + extra} keys" in str(error.value)
+        return
+    state = {}
+    options = {"ratio": 0.5, "refresh_every": 8, "block_size": 16} if method == "prune" else {}
+    for step in range(3):  # prune: a full step, then steps that recompute only some query blocks
+        out = fastdit.attention(q, k, v, method, layout=layout, key_mask=key_mask, state=state, step=step,
+                                num_steps=3, **options)
+        torch.testing.assert_close(out, _reference(q, k, v, key_mask), atol=2e-5, rtol=1e-4)

@@ -188,6 +188,10 @@ class Method:
     #: Options used on fastdit's tiny built-in models (compare, eval and the app apply them there):
     #: block and tile sizes that fit their small token grids.
     tiny_options = {}
+    #: Whether ``k`` / ``v`` may have another length than ``q`` (``fastdit.attention``). Methods that
+    #: lay the keys out on the queries' token grid (tiles, clusters, pools, windows) cannot: the
+    #: functional API refuses such a call, naming both lengths, rather than dropping keys.
+    any_key_length = False
 
     def __init__(self, config=None, **options):
         self.config = self.make_config(config, **options) if (config is None or options
