@@ -476,10 +476,8 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
                 variant.check_heads(heads)
         modules_per_transformer.append(modules)
     n_layers = sum(len(modules) for modules in modules_per_transformer)
-    outside = [key for key in getattr(config, "layer_settings", None) or {} if int(key.split("_")[1]) >= n_layers]
-    if outside:
-        raise ValueError(f"layer_settings entry {outside[0]!r} names layer {outside[0].split('_')[1]} but the model has "
-                         f"{n_layers} patched attention layers (0 to {n_layers - 1})")
+    for variant in method_obj.variants():
+        variant.check_layers(n_layers)
     result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
     try:
         result._install(modules_per_transformer)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fastdit
+import fastdit.plan_file
 from fastdit.methods.base import OptionError
 
 SPARSE_METHODS = [m for m in fastdit.method_names() if m != "dense"]
@@ -63,3 +64,17 @@ def test_functional_attention_other_key_length(method, extra):
         out = fastdit.attention(q, k, v, method, layout=layout, key_mask=key_mask, state=state, step=step,
                                 num_steps=3, **options)
         torch.testing.assert_close(out, _reference(q, k, v, key_mask), atol=2e-5, rtol=1e-4)
+
+
+# -- item 6: sta strategy entries for layers that do not exist ----------------------------------------
+def test_sta_strategy_for_a_missing_layer_is_refused():
+    from tiny_transformers import tiny_wan
+
+    model = tiny_wan()
+    layers = fastdit.plan_file.model_facts(model)[2]
+    for key in (f"0_{layers}_0", "0_50_0"):
+        with pytest.raises(ValueError, match=rf"strategy entry '{key}' names layer {key.split('_')[1]} but the model "
+                                             rf"has {layers} patched attention layers"):
+            fastdit.patch(model, "sta", tile=(1, 2, 2), window=(1, 3, 3), strategy={key: (1, 1, 1)})
+        assert getattr(model, "_fastdit_patch", None) is None  # nothing installed
+    fastdit.patch(model, "sta", tile=(1, 2, 2), window=(1, 3, 3), strategy={f"0_{layers - 1}_0": (1, 1, 1)}).remove()
