@@ -17,6 +17,7 @@ model's own attention and are counted as fallbacks with their reason.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -426,8 +427,12 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
         backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
         plan: a plan file written by ``fastdit.calibrate`` or ``fastdit.methods.sta.load_strategy``
             (a path, or the loaded dict): its settings per (step bucket, layer, head) become the
-            method's options (keyword ``options`` still override them). A plan for another method,
-            model family, transformer class, layer or head count is refused, naming the mismatch.
+            method's options. Options the plan sets (its ``options``, sta's ``strategy`` and so
+            ``window``, the ``layer_settings`` and every option they name) cannot be passed beside
+            it (PlanError naming them); other keyword ``options`` apply on top. A plan for another
+            method, model family, transformer class, layer or head count is refused, naming the
+            mismatch, and so is a grid where its settings would change meaning (at the first call
+            on each new grid).
 
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
@@ -444,9 +449,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     from fastdit.pipelines import find_adapter
 
     if plan is not None:  # checked against the model before anything is installed
-        from fastdit.plan_file import plan_options_for
+        from fastdit.plan_file import plan_options_for, with_plan
 
-        options = {**plan_options_for(plan, target, method), **options}
+        options = with_plan(plan_options_for(plan, target, method), options,
+                            plan if isinstance(plan, (str, os.PathLike)) else "")
     method_cls = get_method(method)
     config = method_cls.make_config(config, **options)
     transformers, scheduler = _targets(target)

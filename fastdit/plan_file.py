@@ -29,7 +29,8 @@ import os
 from fastdit.methods.base import get_method
 from fastdit.methods.sta import PLAN_FORMAT, PLAN_VERSION, choose_tile, normalize_strategy
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "load_plan", "plan_options", "plan_options_for",
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "load_plan", "options_set_by", "plan_options",
+           "plan_options_for", "with_plan",
            "write_plan"]
 
 
@@ -204,6 +205,30 @@ def plan_options(plan, method, *, family=None, transformer=None, layers=None, he
     options = _decoded(plan.get("options", {}), plan)
     get_method(method_name).make_config(**options)  # a plan whose options no longer validate fails here
     return options
+
+
+def options_set_by(options):
+    """The option names a plan fixes, given its ``plan_options``: its shared ``options``, its
+    per-head ``strategy`` (sta; it gives the windows, so ``window`` too) or its ``layer_settings``
+    and every option those settings name. Passing one of these beside ``plan=`` is refused."""
+    names = set(options)
+    for value in (options.get("layer_settings") or {}).values():
+        names |= set(value or {})
+    if "strategy" in options:
+        names.add("window")
+    return names
+
+
+def with_plan(planned, given, source=""):
+    """``given`` options applied on top of a plan's (``planned``, from ``plan_options``): the one rule
+    for options beside ``plan=``. Options the plan sets cannot be passed with it (PlanError naming
+    them: changing them would change what the calibrated settings mean, or silently lose them);
+    the others apply on top."""
+    clash = sorted(set(given) & options_set_by(planned))
+    if clash:
+        raise PlanError(f"{_where(source)} sets option(s) {clash}: they cannot be passed beside plan= (edit the plan, "
+                        f"or pass no plan); options the plan does not set apply on top of it")
+    return {**planned, **given}
 
 
 def model_facts(target):

@@ -78,3 +78,49 @@ def test_sta_strategy_for_a_missing_layer_is_refused():
             fastdit.patch(model, "sta", tile=(1, 2, 2), window=(1, 3, 3), strategy={key: (1, 1, 1)})
         assert getattr(model, "_fastdit_patch", None) is None  # nothing installed
     fastdit.patch(model, "sta", tile=(1, 2, 2), window=(1, 3, 3), strategy={f"0_{layers - 1}_0": (1, 1, 1)}).remove()
+
+
+# -- item 5: options beside plan= ----------------------------------------------------------------------
+def tiny_wan_plan(method="sta", grids=None, **changes):
+    """A hand-made plan for ``tiny_wan`` (2 patched layers of 2 heads)."""
+    plan = {"format": "fastdit-plan", "version": 1, "method": method,
+            "model": {"family": "wan", "transformer": "WanTransformer3DModel", "layers": 2, "heads": 2,
+                      "grids": grids if grids is not None else [[2, 4, 4]]},
+            "step_buckets": [0]}
+    if method == "sta":
+        plan["options"] = {"tile": [1, 2, 2], "fit_tile": False, "dense_steps": 0, "dense_layers": 0}
+        plan["strategy"] = {f"0_{layer}_{head}": [1, 1, 3] for layer in range(2) for head in range(2)}
+    else:
+        plan["options"] = {"tile": [1, 2, 2], "dense_steps": 0, "dense_layers": 0}
+        plan["settings"] = {"0_0": {"topk": 0.5}, "0_1": None}
+    plan.update(changes)
+    return plan
+
+
+@pytest.mark.parametrize("method, given, named", [
+    ("sta", {"strategy": {"0_0_0": (1, 1, 1)}}, "strategy"),
+    ("sta", {"tile": (1, 4, 4)}, "tile"),
+    ("sta", {"window": (3, 3, 3)}, "window"),
+    ("sta", {"dense_steps": 2}, "dense_steps"),
+    ("sparge", {"topk": 0.9}, "topk"),
+    ("sparge", {"layer_settings": {"0_1": {"topk": 0.2}}}, "layer_settings"),
+])
+def test_options_the_plan_sets_cannot_be_passed_beside_it(method, given, named):
+    from fastdit.plan_file import PlanError
+    from tiny_transformers import tiny_wan
+
+    model = tiny_wan()
+    with pytest.raises(PlanError, match=rf"sets option\(s\) \[.*'{named}'.*\]: they cannot be passed beside plan="):
+        fastdit.patch(model, method, plan=tiny_wan_plan(method), **given)
+    assert getattr(model, "_fastdit_patch", None) is None
+
+
+def test_options_the_plan_does_not_set_apply_on_top():
+    from tiny_transformers import tiny_wan
+
+    model = tiny_wan()
+    with fastdit.patch(model, "sta", plan=tiny_wan_plan("sta"), skip_threshold=4.0) as p:
+        assert p.config.skip_threshold == 4.0 and p.config.tile == (1, 2, 2)
+        assert p.config.strategy["0_1_1"] == (1, 1, 3)
+    with fastdit.patch(model, "sparge", plan=tiny_wan_plan("sparge"), cdf=0.5) as p:
+        assert p.config.cdf == 0.5 and p.config.layer_settings == {"0_0": {"topk": 0.5}, "0_1": None}

@@ -351,7 +351,8 @@ class Runner:
         key = (size, n_steps, method, repr(sorted(options.items())), plan)
         if str(entry.pipe.device).startswith("cuda") and key not in entry.warm:
             progress(0.0, desc=f"{method} warm-up (1 step, not timed)")
-            with patched(entry.pipe, method, {**options, "dense_steps": 0}, plan=plan):
+            # a plan sets its own dense_steps (options the plan sets cannot be passed beside it)
+            with patched(entry.pipe, method, options if plan is not None else {**options, "dense_steps": 0}, plan=plan):
                 generate(entry.pipe, prompt, seed, warm)
             entry.warm.add(key)
 
