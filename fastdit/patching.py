@@ -99,6 +99,8 @@ class Patch:
         self._warned = set()
         self._warn_lock = threading.Lock()
         self._bare_num_steps = None
+        self._plan = None  # (loaded plan, its file) applied with plan=: grids checked per new grid
+        self._plan_grids = set()  # grids the plan was found to fit
         self._removed = False
         self.id = register_patch(self)
 
@@ -185,6 +187,8 @@ class Patch:
         except (ValueError, TypeError, KeyError, IndexError) as error:
             self._warn_once(("grid-error",), f"could not read the latent grid ({error}); those calls run dense")
             grid = None
+        if grid is not None and self._plan is not None and tuple(grid) not in self._plan_grids:
+            self._check_plan_grid(tuple(grid))
         cfg = None
         if self._pipeline is not None:
             try:
@@ -192,6 +196,18 @@ class Patch:
             except Exception:  # noqa: BLE001 - a property that needs state the pipeline has not set
                 cfg = None
         set_transformer_call(transformer, TransformerCall(grid, branch, state, cfg))
+
+    def _check_plan_grid(self, grid):
+        """The first call on a grid the plan was not calibrated for: PlanError naming both grids
+        unless its settings mean the same there (``plan_file._grid_reason``). Raised before any
+        attention runs, from the transformer's pre-hook: the call stops, the patch stays removable."""
+        from fastdit.plan_file import PlanError, _grid_reason
+
+        plan, source = self._plan
+        reason = _grid_reason(plan, [grid])
+        if reason is not None:
+            raise PlanError(f"plan{' ' + os.fspath(source) if source else ''} cannot be applied to grid {grid}: {reason}")
+        self._plan_grids.add(grid)
 
     # -- per attention call (inside the custom op) ------------------------------------------
     def _fallback(self, layer, reason, size, original):
@@ -451,8 +467,11 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     if plan is not None:  # checked against the model before anything is installed
         from fastdit.plan_file import plan_options_for, with_plan
 
-        options = with_plan(plan_options_for(plan, target, method), options,
-                            plan if isinstance(plan, (str, os.PathLike)) else "")
+        from fastdit.plan_file import load_plan
+
+        plan_source = plan if isinstance(plan, (str, os.PathLike)) else ""
+        options = with_plan(plan_options_for(plan, target, method), options, plan_source)
+        plan = (load_plan(plan), plan_source)  # its grids are checked at the first call on each grid
     method_cls = get_method(method)
     config = method_cls.make_config(config, **options)
     transformers, scheduler = _targets(target)
@@ -485,6 +504,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     for variant in method_obj.variants():
         variant.check_layers(n_layers)
     result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
+    result._plan = plan
     try:
         result._install(modules_per_transformer)
     except BaseException:

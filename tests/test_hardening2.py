@@ -124,3 +124,76 @@ def test_options_the_plan_does_not_set_apply_on_top():
         assert p.config.strategy["0_1_1"] == (1, 1, 3)
     with fastdit.patch(model, "sparge", plan=tiny_wan_plan("sparge"), cdf=0.5) as p:
         assert p.config.cdf == 0.5 and p.config.layer_settings == {"0_0": {"topk": 0.5}, "0_1": None}
+
+
+# -- item 1: a plan on a grid it was not calibrated for --------------------------------------------------
+def _grid_of(model, inputs):
+    from fastdit.pipelines import find_adapter
+
+    return tuple(find_adapter(model).grid(model, (), inputs))
+
+
+@pytest.mark.parametrize("method, options", [("sparge", {}), ("sta", {"tile": [4, 4, 8], "fit_tile": True,
+                                                                     "dense_steps": 0, "dense_layers": 0})])
+def test_plan_on_another_grid_is_refused_at_the_first_call(method, options):
+    from fastdit.plan_file import PlanError
+    from tiny_transformers import tiny_wan, wan_inputs
+
+    model = tiny_wan()
+    # 5 x 4 x 8 and 3 x 4 x 8 tokens: sta's fitted tile is 5x4x8 on one, 3x4x8 on the other
+    planned, other = wan_inputs(frames=5, height=8, width=16), wan_inputs(frames=3, height=8, width=16)
+    grid, other_grid = _grid_of(model, planned), _grid_of(model, other)
+    plan = tiny_wan_plan(method, grids=[list(grid)])
+    if options:
+        plan["options"] = options
+    with torch.no_grad():
+        reference = model(**other).sample
+        p = fastdit.patch(model, method, plan=plan)
+        model(**planned)  # its own grid runs
+        for _ in range(2):  # refused at every call on that grid, not only the first
+            with pytest.raises(PlanError) as error:
+                model(**other)
+            assert str(grid) in str(error.value) and str(other_grid) in str(error.value)
+        model(**planned)  # and the patch still works on its own grid
+        p.remove()
+        _nothing_installed(model)
+        assert torch.equal(model(**other).sample, reference)
+
+
+def test_fixed_tile_sta_plan_runs_on_another_grid():
+    from tiny_transformers import tiny_wan, wan_inputs
+
+    model = tiny_wan()
+    plan = tiny_wan_plan("sta", grids=[[3, 4, 8]])  # tile (1, 2, 2), fit_tile False: windows in fixed tiles
+    with torch.no_grad(), fastdit.patch(model, "sta", plan=plan) as p:
+        model(**wan_inputs(frames=3, height=16, width=16))
+        assert p.stats.sparse_calls > 0
+
+
+def _nothing_installed(model):
+    for name, module in model.named_modules():
+        assert "forward" not in module.__dict__, f"instance forward left on {name}"
+        assert not module._forward_pre_hooks and not module._forward_hooks, f"hook left on {name}"
+        assert "_fastdit_patch" not in module.__dict__
+
+
+def test_compare_with_a_plan_on_another_grid_is_one_line_error(tmp_path, capsys):
+    import json
+
+    from fastdit.cli import main
+    from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS
+
+    size = TINY_TEST_DEFAULTS["wan"]  # 9 frames at 80x112: a 3 x 5 x 7 grid; 4 layers of 2 heads
+    plan = tiny_wan_plan("sparge", grids=[[3, 5, 7]])
+    plan["model"]["layers"] = 4
+    plan["settings"] = {"0_0": {"topk": 0.5}, "0_1": None}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    argv = ["compare", "--frames", str(size["num_frames"]), "--height", "96", "--width", str(size["width"]),
+            "--steps", "1", "--methods", "dense,sparge", "--plan", str(path),
+            "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # the dense run's progress bars come first
+    assert err.startswith("fastdit: error: PlanError") and "(3, 5, 7)" in err and "(3, 6, 7)" in err, err
