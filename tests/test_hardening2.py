@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastdit
-import fastdit.plan_file
+import fastdit.calibration.plan_file
 from fastdit.methods.base import OptionError
 
 SPARSE_METHODS = [m for m in fastdit.method_names() if m != "dense"]
@@ -71,7 +71,7 @@ def test_sta_strategy_for_a_missing_layer_is_refused():
     from tiny_transformers import tiny_wan
 
     model = tiny_wan()
-    layers = fastdit.plan_file.model_facts(model)[2]
+    layers = fastdit.calibration.plan_file.model_facts(model)[2]
     for key in (f"0_{layers}_0", "0_50_0"):
         with pytest.raises(ValueError, match=rf"strategy entry '{key}' names layer {key.split('_')[1]} but the model "
                                              rf"has {layers} patched attention layers"):
@@ -106,7 +106,7 @@ def tiny_wan_plan(method="sta", grids=None, **changes):
     ("sparge", {"layer_settings": {"0_1": {"topk": 0.2}}}, "layer_settings"),
 ])
 def test_options_the_plan_sets_cannot_be_passed_beside_it(method, given, named):
-    from fastdit.plan_file import PlanError
+    from fastdit.calibration.plan_file import PlanError
     from tiny_transformers import tiny_wan
 
     model = tiny_wan()
@@ -136,7 +136,7 @@ def _grid_of(model, inputs):
 @pytest.mark.parametrize("method, options", [("sparge", {}), ("sta", {"tile": [4, 4, 8], "fit_tile": True,
                                                                      "dense_steps": 0, "dense_layers": 0})])
 def test_plan_on_another_grid_is_refused_at_the_first_call(method, options):
-    from fastdit.plan_file import PlanError
+    from fastdit.calibration.plan_file import PlanError
     from tiny_transformers import tiny_wan, wan_inputs
 
     model = tiny_wan()
