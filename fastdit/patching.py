@@ -30,6 +30,7 @@ from fastdit.context import (
     TransformerCall,
     active_call,
     bare_call_state,
+    release_bare_call_state,
     reset_bare_call_state,
     set_transformer_call,
     transformer_call,
@@ -99,6 +100,10 @@ class Patch:
         self._warned = set()
         self._warn_lock = threading.Lock()
         self._bare_num_steps = None
+        #: transformer calls one denoising step can make (2: the two classifier-free guidance
+        #: branches). On a bare transformer a repeated timestep past this starts a new call (fresh
+        #: method state); set it higher for a loop that makes more calls per step.
+        self.branches_per_step = 2
         self._plan = None  # (loaded plan, its file) applied with plan=: grids checked per new grid
         self._plan_grids = set()  # grids the plan was found to fit
         self._removed = False
@@ -179,7 +184,7 @@ class Patch:
         state = active_call() if self._scheduler is not None else None
         if state is None:
             state = bare_call_state(self.id, self._bare_num_steps)
-            branch = state.on_bare_timestep(self.adapter.timestep(args, kwargs))
+            branch = state.on_bare_timestep(self.adapter.timestep(args, kwargs), self.branches_per_step)
         else:
             branch = state.on_transformer_call()
         try:
@@ -369,6 +374,7 @@ class Patch:
             return
         self._removed = True
         unregister_patch(self.id)
+        release_bare_call_state(self.id)  # this context's method state (caches) goes with the patch
         while self._undo:
             self._undo.pop()()
         self._records.clear()

@@ -1,6 +1,9 @@
 """Hardening, second round (issue 31): plans only where they mean what they were calibrated for,
 bounded state on bare transformers, a functional API that never silently drops keys or goes dense,
 one rule for options beside a plan, and CLI details."""
+import gc
+import os
+
 import pytest
 import torch
 
@@ -197,3 +200,71 @@ def test_compare_with_a_plan_on_another_grid_is_one_line_error(tmp_path, capsys)
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip().splitlines()[-1]  # the dense run's progress bars come first
     assert err.startswith("fastdit: error: PlanError") and "(3, 5, 7)" in err and "(3, 6, 7)" in err, err
+
+
+# -- item 2: a bare transformer called repeatedly at one timestep ----------------------------------------
+def _state_size(store):
+    """(tensors, bytes) held by a CallState's method store (nested dicts / lists / tuples)."""
+    seen, count, size = set(), 0, 0
+    stack = [store]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            key = (item.untyped_storage().data_ptr(), item.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                count, size = count + 1, size + key[1]
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            stack.extend(vars(item).values())
+    return count, size
+
+
+def _rss_mb():
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.parametrize("method, options", [
+    ("prune", {"ratio": 0.5, "refresh_every": 4, "block_size": 32}),
+    ("window", {"tile": (1, 2, 2), "window": (1, 3, 3), "refresh_every": 4}),
+    ("sparge", {"tile": (1, 2, 4), "topk": 0.25, "correction": "cached", "dense_steps": 0}),
+])
+def test_bare_transformer_at_one_timestep_keeps_state_and_memory_bounded(method, options):
+    from tiny_transformers import tiny_wan, wan_inputs
+
+    model = tiny_wan()
+    inputs = wan_inputs(frames=3, height=8, width=16, timestep=999.0)  # 3 x 4 x 8 tokens, batch 2
+    sizes, rss = [], []
+    with torch.no_grad(), fastdit.patch(model, method, **options) as p:
+        for i in range(200):
+            model(**inputs)
+            sizes.append(_state_size(p.call_state.store))
+            if i in (9, 199):
+                gc.collect()
+                rss.append(_rss_mb())
+        entries = len(p.call_state.store)
+        assert entries <= 2 * len(p.layers), f"{entries} (layer, branch) states"  # at most two branches
+        assert p.stats.sparse_calls + p.stats.dense_calls == 200 * len(p.layers)
+    assert max(sizes[10:]) <= max(sizes[:10]), f"method state grows: {sizes[9]} after 10 calls, {sizes[-1]} after 200"
+    assert rss[1] - rss[0] < 8, f"RSS grew {rss[1] - rss[0]:.1f} MB from call 10 to call 200"
+
+
+def test_repeated_timestep_starts_a_new_call_after_two_branches():
+    from tiny_transformers import tiny_wan, wan_inputs
+
+    model = tiny_wan()
+    branches = []
+    with torch.no_grad(), fastdit.patch(model, "dense") as p:
+        for timestep in (999, 999, 999, 999, 999, 500, 500, 999):
+            model(**wan_inputs(frames=1, height=4, width=4, timestep=timestep))
+            branches.append((p.call_state.step, p.call_state.calls_in_round))
+        p.branches_per_step = 3
+        for _ in range(3):
+            model(**wan_inputs(frames=1, height=4, width=4, timestep=999))
+            branches.append((p.call_state.step, p.call_state.calls_in_round))
+    # (step, calls in the step so far): 999 twice = one CFG step; again = a new call; 500 = step 1
+    assert branches == [(0, 1), (0, 2), (0, 1), (0, 2), (0, 1), (1, 1), (1, 2), (0, 1), (0, 2), (0, 3), (0, 1)]
