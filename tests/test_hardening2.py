@@ -268,3 +268,57 @@ def test_repeated_timestep_starts_a_new_call_after_two_branches():
             branches.append((p.call_state.step, p.call_state.calls_in_round))
     # (step, calls in the step so far): 999 twice = one CFG step; again = a new call; 500 = step 1
     assert branches == [(0, 1), (0, 2), (0, 1), (0, 2), (0, 1), (1, 1), (1, 2), (0, 1), (0, 2), (0, 3), (0, 1)]
+
+
+# -- item 7: smaller CLI items ---------------------------------------------------------------------------
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a pipeline is loaded or built."""
+    import fastdit.pipelines.loading as loading
+    import fastdit.pipelines.tiny as tiny
+
+    def fail(*args, **kwargs):
+        pytest.fail("a model was loaded despite the bad arguments")
+
+    monkeypatch.setattr(loading, "load_pipeline", fail)
+    monkeypatch.setattr(tiny, "tiny", fail)
+
+
+def _one_line(capsys, info, code=2):
+    assert info.value.code == code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def test_calibrate_radial_without_candidates_is_refused_before_loading(tmp_path, capsys, no_model):
+    from fastdit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--method", "radial", "--budget", "0.1", "--out", str(tmp_path / "plan.json")])
+    line = _one_line(capsys, info)
+    assert "--candidates" in line and "candidates=[" not in line, line
+
+
+def test_compare_with_no_methods_is_a_one_line_error(tmp_path, capsys, no_model):
+    from fastdit.cli import main
+
+    for methods in ("", " , "):
+        with pytest.raises(SystemExit) as info:
+            main(["compare", "--methods", methods, "--out", str(tmp_path / "out")])
+        assert "--methods" in _one_line(capsys, info)
+
+
+def test_hand_edited_sta_plan_without_options_or_a_head_is_refused():
+    from fastdit.calibration.plan_file import PlanError, check_plan
+
+    check_plan(tiny_wan_plan("sta"))
+    no_options = tiny_wan_plan("sta")
+    del no_options["options"]
+    with pytest.raises(PlanError, match="'options' must give the 'tile'"):
+        check_plan(no_options)
+    no_head = tiny_wan_plan("sta")
+    del no_head["strategy"]["0_1_1"]
+    with pytest.raises(PlanError, match=r"no entry for head\(s\) \[1\] of step bucket 0, layer 1"):
+        check_plan(no_head)

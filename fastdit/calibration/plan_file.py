@@ -121,6 +121,20 @@ def check_plan(plan, source=""):
             if step not in buckets or layer >= model["layers"] or head >= model["heads"]:
                 raise PlanError(f"{where}: strategy entry {key!r} is outside the plan's step buckets {buckets}, "
                                 f"{model['layers']} layers or {model['heads']} heads")
+        # a plan says every head's window: a missing one would silently run the default window
+        named = {}
+        for key in normalized:
+            step, layer, head = map(int, key.split("_"))
+            named.setdefault((step, layer), set()).add(head)
+        for (step, layer), heads in sorted(named.items()):
+            missing = sorted(set(range(model["heads"])) - heads)
+            if missing:
+                raise PlanError(f"{where}: strategy has no entry for head(s) {missing} of step bucket {step}, layer "
+                                f"{layer} (e.g. '{step}_{layer}_{missing[0]}'); a plan gives every head of a layer "
+                                f"it names a window ([0, 0, 0]: dense)")
+        if "tile" not in (plan.get("options") or {}):
+            raise PlanError(f"{where}: an sta plan's entry 'options' must give the 'tile' its windows count in "
+                            f"(without it the windows would mean other token extents)")
     else:
         settings = plan.get("settings")
         if not isinstance(settings, dict) or not settings:
