@@ -11,6 +11,9 @@ import fastdit
 import fastdit.calibration.plan_file
 from fastdit.methods.base import OptionError
 
+from test_cli import no_model, one_line_error  # noqa: F401 - no_model: the fixture that fails if a model loads
+from test_hardening import _nothing_installed
+
 SPARSE_METHODS = [m for m in fastdit.method_names() if m != "dense"]
 
 
@@ -173,13 +176,6 @@ def test_fixed_tile_sta_plan_runs_on_another_grid():
         assert p.stats.sparse_calls > 0
 
 
-def _nothing_installed(model):
-    for name, module in model.named_modules():
-        assert "forward" not in module.__dict__, f"instance forward left on {name}"
-        assert not module._forward_pre_hooks and not module._forward_hooks, f"hook left on {name}"
-        assert "_fastdit_patch" not in module.__dict__
-
-
 def test_compare_with_a_plan_on_another_grid_is_one_line_error(tmp_path, capsys):
     import json
 
@@ -271,33 +267,13 @@ def test_repeated_timestep_starts_a_new_call_after_two_branches():
 
 
 # -- item 7: smaller CLI items ---------------------------------------------------------------------------
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail the test if a pipeline is loaded or built."""
-    import fastdit.pipelines.loading as loading
-    import fastdit.pipelines.tiny as tiny
-
-    def fail(*args, **kwargs):
-        pytest.fail("a model was loaded despite the bad arguments")
-
-    monkeypatch.setattr(loading, "load_pipeline", fail)
-    monkeypatch.setattr(tiny, "tiny", fail)
-
-
-def _one_line(capsys, info, code=2):
-    assert info.value.code == code
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
-
 
 def test_calibrate_radial_without_candidates_is_refused_before_loading(tmp_path, capsys, no_model):
     from fastdit.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["calibrate", "--method", "radial", "--budget", "0.1", "--out", str(tmp_path / "plan.json")])
-    line = _one_line(capsys, info)
+    line = one_line_error(capsys, info)
     assert "--candidates" in line and "candidates=[" not in line, line
 
 
@@ -307,7 +283,7 @@ def test_compare_with_no_methods_is_a_one_line_error(tmp_path, capsys, no_model)
     for methods in ("", " , "):
         with pytest.raises(SystemExit) as info:
             main(["compare", "--methods", methods, "--out", str(tmp_path / "out")])
-        assert "--methods" in _one_line(capsys, info)
+        assert "--methods" in one_line_error(capsys, info)
 
 
 def test_hand_edited_sta_plan_without_options_or_a_head_is_refused():
