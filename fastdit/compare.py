@@ -127,12 +127,16 @@ def fidelity(frames, reference):
 
 
 def format_table(rows):
-    """Plain-text table of compare rows (dicts with method, latency_s, speedup, psnr_db, ssim).
+    """Plain-text table of compare rows (dicts with method, latency_s, speedup, psnr_db, ssim;
+    an ``adherence`` column when the rows have one).
 
     ``density`` is the effective density (all attention calls of the patched layers, dense steps
     and fallbacks included); ``fallbacks`` counts calls the patch ran with the model's own
     attention because it could not express them."""
     header = ["method", "latency (s)", "speedup", "PSNR (dB)", "SSIM", "density", "sparse-only", "fallbacks", "padding"]
+    with_adherence = any(row.get("adherence") is not None for row in rows)
+    if with_adherence:
+        header.insert(5, "adherence")
     lines = []
     for row in rows:
         psnr_db = row.get("psnr_db")
@@ -147,6 +151,8 @@ def format_table(rows):
             "-" if row.get("fallback_calls") is None else str(row["fallback_calls"]),
             "-" if row.get("padding_fraction") is None else f"{100 * row['padding_fraction']:.1f}%",
         ])
+        if with_adherence:
+            lines[-1].insert(5, "-" if row.get("adherence") is None else f"{row['adherence']:.3f}")
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
@@ -154,7 +160,7 @@ def format_table(rows):
 
 
 def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_compare", model_name="",
-            method_options=None, backend="auto", fps=16, warmup=True, log=print, parallel=None):
+            method_options=None, backend="auto", fps=16, warmup=True, log=print, parallel=None, adherence=False):
     """Dense first, then each method with the same seed; writes mp4s and ``report.json``.
 
     Args:
@@ -164,6 +170,8 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
             parallelism (every rank calls ``compare``): latency is the slowest rank's, densities
             the mean over ranks (each holds an equal share of the heads), and rank 0 alone logs
             and writes the videos and the report.
+        adherence: also score each video against the prompt with ``fastdit.eval.metrics.adherence``
+            (moving-shapes captions, the tiny-shapes model): ``row["adherence"]`` in [0, 1].
     Returns the report dict ``{"model", "device", "prompt", "seed", "call", "runs": [...]}``.
     """
     from fastdit.parallel import reduce
@@ -206,6 +214,10 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
         else:
             row["speedup"] = reference.latency_s / result.latency_s
             row["psnr_db"], row["ssim"] = fidelity(result.frames, reference.frames)
+        if adherence:
+            from fastdit.eval.metrics.adherence import adherence as score
+
+            row["adherence"] = score(result.frames, prompt).score
         runs.append(row)
     report = {"model": model_name, "device": str(device), "prompt": prompt, "seed": seed,
               "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, (int, float, str, bool))},

@@ -14,6 +14,18 @@ import torch
 TINY_PREFIX = "tiny-"
 TINY_ALIASES = {"tiny-hunyuan": "hunyuan_video", "tiny-hunyuanvideo": "hunyuan_video"}
 
+#: Models trained in this repository and shipped with the package: name -> folder under ``WEIGHTS_DIR``.
+WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
+TRAINED_MODELS = {"tiny-shapes": "tiny-shapes"}
+#: Their native call (``pipe(prompt=..., **TRAINED_DEFAULTS[name], output_type="np")``):
+#: tiny-shapes: 17 frames of 64 x 64 -> latent 9 x 16 x 16 -> patch (1, 1, 1) -> 2304 video tokens.
+TRAINED_DEFAULTS = {
+    "tiny-shapes": dict(num_frames=17, height=64, width=64, num_inference_steps=12, guidance_scale=4.0,
+                        max_sequence_length=48),
+}
+#: How to re-create each trained model's weights.
+RETRAIN_COMMANDS = {"tiny-shapes": "python -m fastdit.pipelines.train_tiny --preset short"}
+
 
 class ModelNotFoundError(ValueError):
     """The model's weights are neither in the given folder nor in the local hub cache."""
@@ -30,16 +42,97 @@ def default_dtype(device):
 
 
 def tiny_name(model):
-    """The tiny built-in name for ``tiny-wan`` style model strings, else None."""
-    if not isinstance(model, str) or not model.startswith(TINY_PREFIX):
+    """The tiny built-in (random-weight) name for ``tiny-wan`` style model strings, else None
+    (also None for the trained built-ins of ``TRAINED_MODELS``: see :func:`trained_name`)."""
+    if not isinstance(model, str) or not model.startswith(TINY_PREFIX) or model in TRAINED_MODELS:
         return None
     from .tiny import TINY_MODELS
 
     name = TINY_ALIASES.get(model, model[len(TINY_PREFIX):].replace("-", "_"))
     if name not in TINY_MODELS:
-        choices = ", ".join(TINY_PREFIX + n.replace("_", "-") for n in TINY_MODELS)
+        choices = ", ".join([TINY_PREFIX + n.replace("_", "-") for n in TINY_MODELS] + list(TRAINED_MODELS))
         raise ModelNotFoundError(f"unknown tiny model {model!r}; built-in tiny models: {choices}")
     return name
+
+
+def trained_name(model):
+    """``model`` when it names a model trained in this repository (``tiny-shapes``), else None."""
+    return model if isinstance(model, str) and model in TRAINED_MODELS else None
+
+
+def builtin_model(model):
+    """Whether ``model`` is one of fastdit's own small models (random-weight tiny or trained)."""
+    return trained_name(model) is not None or tiny_name(model) is not None
+
+
+def _safetensors_problem(path):
+    """Why the safetensors file ``path`` is unreadable (missing, bad header, truncated), or None."""
+    import json
+    import struct
+
+    if not os.path.isfile(path):
+        return "is missing"
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                return f"is corrupt (header of {header_len} bytes in a {size}-byte file)"
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        return f"is corrupt (unreadable safetensors header: {type(error).__name__})"
+    if 8 + header_len + end != size:
+        return f"is corrupt ({size} bytes, the header describes {8 + header_len + end}: truncated or padded)"
+    return None
+
+
+#: The files a trained WanPipeline folder needs (relative paths).
+_TRAINED_FILES = ("model_index.json", "scheduler/scheduler_config.json", "tokenizer/tokenizer.json",
+                  "tokenizer/tokenizer_config.json", "text_encoder/config.json", "text_encoder/model.safetensors",
+                  "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors", "vae/config.json",
+                  "vae/diffusion_pytorch_model.safetensors")
+
+
+def check_trained_weights(name, folder=None):
+    """Raise ``ModelNotFoundError`` naming the first missing or corrupt file of the trained model
+    ``name`` (in ``folder``, default its folder under ``WEIGHTS_DIR``) and how to re-create it."""
+    import json
+
+    folder = folder or os.path.join(WEIGHTS_DIR, TRAINED_MODELS[name])
+    how = (f"re-create the weights with `{RETRAIN_COMMANDS[name]}` (it writes {folder}), "
+           f"or restore them from the fastdit repository (git checkout -- {folder})")
+    for rel in _TRAINED_FILES:
+        path = os.path.join(folder, rel)
+        if rel.endswith(".safetensors"):
+            problem = _safetensors_problem(path)
+        elif not os.path.isfile(path):
+            problem = "is missing"
+        else:
+            try:
+                with open(path) as f:
+                    json.load(f)
+                problem = None
+            except (ValueError, UnicodeDecodeError) as error:
+                problem = f"is corrupt (not valid JSON: {type(error).__name__})"
+        if problem:
+            raise ModelNotFoundError(f"{name}: weight file {path} {problem}; {how}")
+    return folder
+
+
+def load_trained(name, device=None, dtype=None):
+    """Load the trained built-in ``name`` from the package's weights folder (offline)."""
+    from diffusers import DiffusionPipeline
+
+    folder = check_trained_weights(name)
+    try:
+        pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype or torch.float32, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - any failure here is a broken weights folder
+        raise ModelNotFoundError(
+            f"{name}: could not load the pipeline in {folder} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200] if str(error) else ''}); re-create the weights with "
+            f"`{RETRAIN_COMMANDS[name]}`") from None
+    return pipe.to(device or default_device())
 
 
 def load_pipeline(model="tiny-wan", device=None, dtype=None):
@@ -47,10 +140,12 @@ def load_pipeline(model="tiny-wan", device=None, dtype=None):
 
     Args:
         model: ``"tiny-wan"``, ``"tiny-wan-i2v"``, ``"tiny-hunyuan-video"`` (random weights, no
-            downloads), a hub id such as ``"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"``, or a local folder.
+            downloads), ``"tiny-shapes"`` (trained here, shipped with the package), a hub id such as ``"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"``, or a local folder.
         device: default CUDA when available, else CPU. dtype: default bf16 on CUDA, fp32 on CPU.
     """
     device = device or default_device()
+    if trained_name(model) is not None:
+        return load_trained(model, device, dtype)  # fp32 unless asked: these models are tiny
     name = tiny_name(model)
     if name is not None:
         from .tiny import tiny

@@ -123,6 +123,16 @@ def _temporal_flickering(x):
     return float(temporal_flickering(x.frames)) if len(x.frames) > 1 else None
 
 
+def _adherence(x):
+    """Prompt adherence (``fastdit.eval.metrics.adherence``) for moving-shapes captions; None for other prompts."""
+    from fastdit.eval.metrics.adherence import adherence
+
+    try:
+        return float(adherence(x.frames, x.sample.prompt.text).score)
+    except ValueError:  # not a shapes caption: the metric does not apply
+        return None
+
+
 def _fid_frames(frames, count):
     index = np.unique(np.linspace(0, len(frames) - 1, min(count, len(frames))).round().astype(int))
     return frames[index]
@@ -263,6 +273,8 @@ METRICS = {m.name: m for m in [
     Metric("fid", False, "", "dense set", ("fid",),
            (SampleValue("fid_features", lambda cfg: f"fid_features:{cfg.fid_frames}", _fid_features,
                         stored_in=fid_features_path),), check=_check_fid, per_setting=_fid_per_setting),
+    Metric("adherence", True, "", "prompt", ("adherence",),
+           (SampleValue("adherence", lambda cfg: "adherence:v1", _adherence),)),
     Metric("vbench", True, "", "none", ("temporal_flickering",),
            (SampleValue("temporal_flickering", lambda cfg: "temporal_flickering:raw", _temporal_flickering),),
            check=_check_vbench, per_setting=_vbench_per_setting),

@@ -55,7 +55,7 @@ def call_kwargs(pipe, cfg, log=print, check_call=None):
     """Pipeline call kwargs: the tiny model's defaults (at ``TINY_CALL_SIZE``), then the requested
     sizes of ``cfg.call`` fitted to the pipeline (a note per change). ``check_call(pipe, kwargs)``,
     when given, may refuse the result (the command line checks its size limits there)."""
-    from fastdit.pipelines.loading import fitted_call, tiny_name
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, fitted_call, tiny_name, trained_name
 
     base = {}
     name = tiny_name(cfg.model)
@@ -63,6 +63,8 @@ def call_kwargs(pipe, cfg, log=print, check_call=None):
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
         base = {**TINY_DEFAULTS[name], **TINY_CALL_SIZE}
+    elif trained_name(cfg.model) is not None:  # trained built-ins run at their native size
+        base = dict(TRAINED_DEFAULTS[cfg.model])
     call = cfg.call
     kwargs, notes = fitted_call(pipe, base, call.get("height"), call.get("width"), call.get("frames"),
                                 call.get("steps"), call.get("guidance"))

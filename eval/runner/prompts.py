@@ -10,7 +10,7 @@ from fastdit.eval.runner.config import EvalError
 
 __all__ = ["SHIPPED_PROMPTS", "Prompt", "load_prompts", "shipped_prompt_file"]
 
-SHIPPED_PROMPTS = {"coco": "coco_captions.txt", "vbench": "vbench_subset.json"}
+SHIPPED_PROMPTS = {"coco": "coco_captions.txt", "vbench": "vbench_subset.json", "shapes": "shapes_heldout.txt"}
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Prompt:
 
 
 def shipped_prompt_file(name):
-    """Path of a prompt file shipped with fastdit: ``coco`` or ``vbench``."""
+    """Path of a prompt file shipped with fastdit: ``coco``, ``vbench`` or ``shapes`` (tiny-shapes captions)."""
     return str(resources.files("fastdit.eval.runner").joinpath("prompts", SHIPPED_PROMPTS[name]))
 
 
@@ -29,7 +29,7 @@ def load_prompts(path):
     file (a list of strings, or of objects with ``prompt_en`` or ``prompt`` and an optional
     ``dimension`` string or list, as in VBench's ``VBench_full_info.json``).
 
-    ``path`` may also be ``coco`` or ``vbench`` (the shipped files). Raises ``EvalError`` for a
+    ``path`` may also be ``coco``, ``vbench`` or ``shapes`` (the shipped files). Raises ``EvalError`` for a
     missing, empty or malformed file.
     """
     if path in SHIPPED_PROMPTS:

@@ -54,12 +54,12 @@ def format_option_value(value):
 
 def tiny_method_presets(model, methods, options):
     """``options`` (method -> options) with the tiny models' method presets underneath
-    (each method's ``tiny_options``) when ``model`` is a tiny built-in; else unchanged."""
+    (each method's ``tiny_options``) when ``model`` is a tiny built-in (random or trained); else unchanged."""
     from fastdit.methods import tiny_presets
-    from fastdit.pipelines.loading import tiny_name
+    from fastdit.pipelines.loading import builtin_model
 
     options = {method: dict(values) for method, values in options.items()}
-    if tiny_name(model) is not None:
+    if builtin_model(model):
         for method, preset in tiny_presets().items():
             if method in methods:
                 options[method] = {**preset, **options.get(method, {})}

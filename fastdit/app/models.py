@@ -12,7 +12,7 @@ from .errors import AppError
 __all__ = ["KNOWN_MODELS", "MAX_FRAMES", "MAX_SIDE", "MAX_TOKENS", "TINY_MODELS", "PipelineCache", "PipelineEntry",
            "free_cuda", "is_oom", "max_tokens_for", "plan_call", "size_defaults"]
 
-TINY_MODELS = ["tiny-wan", "tiny-hunyuan-video", "tiny-wan-i2v"]
+TINY_MODELS = ["tiny-wan", "tiny-hunyuan-video", "tiny-wan-i2v", "tiny-shapes"]
 #: Hub ids offered in the model box (any other id or a local folder can be typed in).
 KNOWN_MODELS = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": dict(num_frames=81, height=480, width=832, num_inference_steps=50,
@@ -123,7 +123,7 @@ def max_tokens_for(device):
 def size_defaults(model):
     """Default call sizes (``num_frames``, ``height``, ``width``, ``num_inference_steps``,
     ``guidance_scale``) of a tiny or known model, else None."""
-    from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, ModelNotFoundError, tiny_name, trained_name
 
     try:
         name = tiny_name(model)
@@ -133,6 +133,8 @@ def size_defaults(model):
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
         return TINY_DEFAULTS[name]
+    if trained_name(model) is not None:
+        return TRAINED_DEFAULTS[model]
     return KNOWN_MODELS.get(model)
 
 
@@ -144,7 +146,7 @@ def plan_call(pipe, model, steps, guidance, frames, height, width, max_tokens=No
     """``(call kwargs, notes, tokens)``: the requested size fitted to the model, notes for the
     user, and the latent token count. ``AppError`` for sizes absurd for the device."""
     from fastdit.compare import pipeline_device
-    from fastdit.pipelines.loading import call_parameters, fitted_call, latent_grid, tiny_name
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, call_parameters, fitted_call, latent_grid, tiny_name
 
     for name, value, limit in (("height", height, MAX_SIDE), ("width", width, MAX_SIDE), ("frames", frames, MAX_FRAMES)):
         if value is None:
@@ -163,6 +165,8 @@ def plan_call(pipe, model, steps, guidance, frames, height, width, max_tokens=No
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
         base = TINY_DEFAULTS[name]
+    elif model in TRAINED_DEFAULTS:
+        base = TRAINED_DEFAULTS[model]
     guidance = None if guidance is None else float(guidance)
     kwargs, notes = fitted_call(pipe, base, _int(height), _int(width), _int(frames), int(steps), guidance)
     if frames is not None and "num_frames" not in call_parameters(pipe):

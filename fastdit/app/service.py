@@ -276,7 +276,7 @@ class Runner:
     def _run_locked(self, entry, request, seed, options, progress, cancel):
         from fastdit.compare import generate
         from fastdit.methods import tiny_presets
-        from fastdit.pipelines.loading import call_parameters, tiny_name
+        from fastdit.pipelines.loading import builtin_model, call_parameters
 
         pipe, method = entry.pipe, request.method
         call, notes, tokens = self._call_for(entry, request)
@@ -290,7 +290,7 @@ class Runner:
                 raise AppError(str(error)) from None
             options = {}
             notes.append(f"plan {os.path.basename(plan)} applied: its settings replace the {method} option boxes")
-        elif tiny_name(request.model) is not None:
+        elif builtin_model(request.model):
             options = {**tiny_presets().get(method, {}), **{k: v for k, v in options.items() if v is not None}}
         n_steps = int(call.get("num_inference_steps", request.steps))
         size = f"{call.get('num_frames', 1)}x{call.get('height', '?')}x{call.get('width', '?')}"

@@ -22,6 +22,7 @@ MAX_VIDEO_PIXELS = 1 << 30
 #: and the coarsest of diffusers' video DiTs (LTX-Video: 32, 8): sizes are checked against these
 #: before a model loads (a lower bound of its tokens), then exactly once it is loaded.
 TINY_GRANULARITY = (16, 4)
+TRAINED_GRANULARITY = (4, 2)  # tiny-shapes: VAE factors 4 (space) and 2 (time), patch 1
 COARSEST_GRANULARITY = (32, 8)
 
 
@@ -146,7 +147,7 @@ def parse_options(settings, methods):
 
 
 def add_generation_arguments(parser, steps_default=None):
-    parser.add_argument("--model", default="tiny-wan", help="tiny-wan, tiny-wan-i2v, tiny-hunyuan-video, a hub id or a local folder")
+    parser.add_argument("--model", default="tiny-wan", help="tiny-wan, tiny-wan-i2v, tiny-hunyuan-video (random weights), tiny-shapes (trained), a hub id or a local folder")
     parser.add_argument("--steps", type=positive_int, default=steps_default, help="denoising steps")
     parser.add_argument("--frames", type=positive_int, default=None, help="video frames (rounded to what the model takes)")
     parser.add_argument("--height", type=positive_int, default=None)
@@ -159,7 +160,7 @@ def add_generation_arguments(parser, steps_default=None):
 
 def call_arguments(pipe, model, height=None, width=None, frames=None, steps=None, guidance=None):
     """Pipeline call kwargs: the tiny model's defaults, then the user's sizes (fitted to the model)."""
-    from fastdit.pipelines.loading import fitted_call, tiny_name
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, fitted_call, tiny_name, trained_name
 
     base = {}
     name = tiny_name(model)
@@ -167,6 +168,8 @@ def call_arguments(pipe, model, height=None, width=None, frames=None, steps=None
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
         base = {**TINY_DEFAULTS[name], **COMPARE_TINY_SIZE}
+    elif trained_name(model) is not None:  # trained built-ins run at their native size
+        base = dict(TRAINED_DEFAULTS[model])
     kwargs, notes = fitted_call(pipe, base, height, width, frames, steps, guidance)
     for note in notes:
         print(f"note: {note}")
@@ -229,15 +232,20 @@ def check_size(frames, height, width, requested, spatial, temporal):
 def check_requested_size(model, frames, height, width):
     """Before loading: refuse sizes that cannot fit (the tiny models' real granularity and sizes,
     else the coarsest granularity and unknown sizes as the smallest: a lower bound)."""
-    from fastdit.pipelines.loading import tiny_name
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, tiny_name, trained_name
 
     requested = {"frames": frames, "height": height, "width": width}
     name = tiny_name(model)
     spatial, temporal = TINY_GRANULARITY if name is not None else COARSEST_GRANULARITY
+    base = None
     if name is not None:
         from fastdit.pipelines.tiny import TINY_DEFAULTS
 
         base = {**TINY_DEFAULTS[name], **COMPARE_TINY_SIZE}
+    elif trained_name(model) is not None:
+        spatial, temporal = TRAINED_GRANULARITY
+        base = TRAINED_DEFAULTS[model]
+    if base is not None:
         frames = base.get("num_frames") if frames is None else frames
         height = base.get("height") if height is None else height
         width = base.get("width") if width is None else width

@@ -19,12 +19,16 @@ from fastdit.cli.common import (
 from fastdit.cpu_load import load_warning
 
 
+DEFAULT_PROMPT = "A red fox runs through fresh snow in a pine forest at sunrise"
+SHAPES_PROMPT = "a red circle moving right and a blue square moving down"
+
+
 def cmd_compare(args):
     import torch
 
     from fastdit.compare import compare, format_table
     from fastdit.eval.runner.settings import tiny_method_presets
-    from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline
+    from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline, trained_name
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
@@ -37,6 +41,16 @@ def cmd_compare(args):
                        f"{', '.join(fastdit.method_names())}")
     options = parse_options(args.set, methods)
     check_generation_arguments(args)
+    shapes = trained_name(args.model) == "tiny-shapes"
+    if args.prompt is None:
+        args.prompt = SHAPES_PROMPT if shapes else DEFAULT_PROMPT
+    if shapes:  # adherence needs a caption of the shapes grammar
+        from fastdit.pipelines.shapes_data import parse_caption
+
+        try:
+            parse_caption(args.prompt)
+        except ValueError as error:
+            raise CLIError(f"argument --prompt: tiny-shapes takes captions like {SHAPES_PROMPT!r}: {error}") from None
     parallel = None
     if args.cp is not None:
         from fastdit import parallel as cp
@@ -65,7 +79,7 @@ def cmd_compare(args):
     print(f"model {args.model} on {pipe.device}: {shown}")
     report = compare(pipe, methods, args.prompt, args.seed, call_kwargs, args.out, model_name=args.model,
                      method_options=options, backend=args.backend, fps=args.fps, warmup=not args.no_warmup,
-                     parallel=parallel)
+                     parallel=parallel, adherence=shapes)
     if parallel is not None and not parallel.is_main:
         return 0
     print()
@@ -77,6 +91,12 @@ def cmd_compare(args):
             print(f"{row['method']}: {count} fallback call(s) ran the model's own attention: {reason}")
     print("density: computed / total attention blocks over all calls of the patched layers (dense steps, dense "
           "layers and fallbacks count as 1); sparse-only: the same over the sparse calls alone")
+    if shapes:
+        from fastdit.eval.metrics.adherence import CHANCE_LEVEL
+
+        print(f"adherence: colour, shape and motion of each captioned object found with OpenCV "
+              f"(fastdit.eval.metrics.adherence); 1 = all as captioned, chance (a valid video of another caption) "
+              f"about {CHANCE_LEVEL:.2f}, noise about 0")
     for row in report["runs"]:
         warning = load_warning(row.get("load"), f"{row['method']}'s timed run")
         if warning:
@@ -92,7 +112,8 @@ def add_compare_parser(sub):
     compare.add_argument("--set", action="append", metavar="METHOD.OPTION=VALUE",
                          help="method option, e.g. --set sta.tile=6,8,8 --set sta.dense_steps=0.25 (repeatable)")
     compare.add_argument("--seed", type=seed_int, default=0)
-    compare.add_argument("--prompt", default="A red fox runs through fresh snow in a pine forest at sunrise")
+    compare.add_argument("--prompt", default=None,
+                         help=f"default: {DEFAULT_PROMPT!r} ({SHAPES_PROMPT!r} for --model tiny-shapes)")
     compare.add_argument("--negative-prompt", default=None)
     compare.add_argument("--out", default="fastdit_compare", help="output folder (mp4 per run, report.json)")
     compare.add_argument("--fps", type=positive_int, default=16)

@@ -1,0 +1,193 @@
+"""The trained tiny-shapes model (issue 24): its data, the adherence metric, the training script,
+loading the shipped weights (one-step generation) and the messages for missing or corrupt files."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from fastdit.eval.metrics.adherence import CHANCE_LEVEL, adherence, chance_level
+from fastdit.pipelines import shapes_data
+from fastdit.pipelines.loading import (
+    TRAINED_DEFAULTS,
+    WEIGHTS_DIR,
+    ModelNotFoundError,
+    check_trained_weights,
+    load_pipeline,
+)
+
+SHAPES_DIR = os.path.join(WEIGHTS_DIR, "tiny-shapes")
+
+
+# -- data --------------------------------------------------------------------------------------
+
+def test_videos_are_deterministic_and_captions_parse():
+    a, caption_a, spec_a = shapes_data.sample_video(3, 17)
+    b, caption_b, _ = shapes_data.sample_video(3, 17)
+    c, _, _ = shapes_data.sample_video(3, 18)
+    assert np.array_equal(a, b) and caption_a == caption_b and not np.array_equal(a, c)
+    assert a.shape == (17, 64, 64, 3) and a.dtype == np.uint8
+    parsed = shapes_data.parse_caption(caption_a)
+    assert parsed == [(s.color, s.shape, s.direction) for s in spec_a.shapes]
+    assert shapes_data.parse_caption("a red circle moving left and a blue square moving down") == [
+        ("red", "circle", "left"), ("blue", "square", "down")]
+
+
+@pytest.mark.parametrize("caption, word", [("a purple circle moving left", "purple"),
+                                           ("a red hexagon moving left", "hexagon"),
+                                           ("a red circle moving sideways", "sideways"),
+                                           ("red circle left", "red circle left")])
+def test_bad_captions_name_the_word(caption, word):
+    with pytest.raises(ValueError, match=word):
+        shapes_data.parse_caption(caption)
+
+
+def test_shapes_stay_inside_the_frame():
+    for i in range(50):
+        spec = shapes_data.sample_spec(np.random.default_rng([9, i]))
+        for s in spec.shapes:
+            dx, dy = shapes_data.DIRECTIONS[s.direction]
+            for t in (0, spec.frames - 1):
+                x, y = s.x + dx * s.speed * t, s.y + dy * s.speed * t
+                assert s.size <= x <= spec.width - s.size and s.size <= y <= spec.height - s.size
+
+
+# -- adherence metric --------------------------------------------------------------------------
+
+def test_ground_truth_scores_near_one_noise_near_zero_and_shuffled_captions_at_chance():
+    gt = [adherence(*shapes_data.sample_video(101, i)[:2]).score for i in range(40)]
+    assert np.mean(gt) > 0.95 and min(gt) > 0.75
+    rng = np.random.default_rng(5)
+    noise = [adherence(rng.integers(0, 256, (17, 64, 64, 3), dtype=np.uint8), shapes_data.sample_video(6, i)[1]).score
+             for i in range(10)]
+    assert np.mean(noise) < 0.05  # nothing large enough is found in noise: at or below chance
+    chance = chance_level(samples=60, seed=77)
+    assert abs(chance - CHANCE_LEVEL) < 0.07 and 0.1 < chance < 0.4
+
+
+def test_each_attribute_is_scored():
+    video, caption, spec = shapes_data.sample_video(0, 2, max_shapes=1)
+    s = spec.shapes[0]
+    good = adherence(video, caption)
+    assert good.colour == 1.0 and good.shape == 1.0 and good.motion == 1.0
+    other_colour = next(c for c in shapes_data.COLORS if c != s.color)
+    other_shape = next(c for c in shapes_data.SHAPES if c != s.shape)
+    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}[s.direction]
+    assert adherence(video, f"a {other_colour} {s.shape} moving {s.direction}").colour == 0.0
+    assert adherence(video, f"a {s.color} {other_shape} moving {s.direction}").shape < 0.2
+    assert adherence(video, f"a {s.color} {s.shape} moving {opposite}").motion == 0.0
+    still = np.repeat(video[:1], len(video), axis=0)  # the right shape, not moving
+    assert adherence(still, caption).motion == 0.0
+    assert adherence(video[::-1], caption).motion == 0.0  # played backwards: the opposite direction
+
+
+def test_adherence_rejects_bad_input():
+    video, caption, _ = shapes_data.sample_video(0, 0)
+    with pytest.raises(ValueError, match="grammar|does not follow"):
+        adherence(video, "a fox in the snow")
+    with pytest.raises(ValueError, match=r"\[F, H, W, 3\]"):
+        adherence(video[..., 0], caption)
+    assert abs(adherence(video.astype(np.float32) / 255, caption).score - adherence(video, caption).score) < 1e-9
+
+
+# -- training script ---------------------------------------------------------------------------
+
+def test_training_script_runs_resumes_and_writes_a_loadable_pipeline(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from fastdit.pipelines.train_tiny import main
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    argv = ["--preset", "test", "--work", str(work), "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    first = torch.load(work / "dit.pt", weights_only=False)
+    assert first["step"] == 3 and len(first["losses"]) == 3 and all(np.isfinite(first["losses"]))
+    assert main(argv + ["--set", "steps=4"]) == 0  # resumes at step 3, runs one more
+    resumed = torch.load(work / "dit.pt", weights_only=False)
+    assert resumed["step"] == 4 and resumed["losses"][:3] == first["losses"]
+    with pytest.raises(ValueError, match="layers"):  # a different model cannot resume this run
+        main(argv + ["--set", "layers=2"])
+    for name in ("README.md", "loss_curve.png", "model_index.json", "transformer/diffusion_pytorch_model.safetensors"):
+        assert (out / name).is_file(), name
+    card = (out / "README.md").read_text()
+    assert "4 of 4 planned steps" in card and "video tokens" in card
+    check_trained_weights("tiny-shapes", str(out))  # complete and readable
+    pipe = DiffusionPipeline.from_pretrained(str(out), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    frames = pipe(prompt="a red circle moving left", num_frames=5, height=32, width=32, num_inference_steps=1,
+                  max_sequence_length=40, output_type="np").frames[0]
+    assert frames.shape == (5, 32, 32, 3) and np.isfinite(frames).all()
+
+
+# -- the shipped weights -----------------------------------------------------------------------
+
+def test_shipped_weights_load_offline_and_generate_one_step(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pipe = load_pipeline("tiny-shapes", device="cpu")
+    assert type(pipe).__name__ == "WanPipeline" and pipe.transformer.dtype == torch.float32
+    pipe.set_progress_bar_config(disable=True)
+    call = {**TRAINED_DEFAULTS["tiny-shapes"], "num_inference_steps": 1}
+    frames = pipe(prompt="a red circle moving left", generator=torch.Generator().manual_seed(0), **call,
+                  output_type="np").frames[0]
+    assert frames.shape == (17, 64, 64, 3) and np.isfinite(frames).all()
+    from fastdit.pipelines.loading import latent_grid
+
+    t, h, w = latent_grid(pipe, call)
+    assert (t, h, w) == (9, 16, 16) and t * h * w >= 2048  # the issue's minimum token count at the native size
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(SHAPES_DIR) for f in fs)
+    assert total <= 20 * 2**20
+
+
+@pytest.fixture
+def weights_copy(tmp_path, monkeypatch):
+    """A copy of the shipped weights that ``load_pipeline("tiny-shapes")`` reads instead."""
+    import fastdit.pipelines.loading as loading
+
+    root = tmp_path / "weights"
+    shutil.copytree(SHAPES_DIR, root / "tiny-shapes")
+    monkeypatch.setattr(loading, "WEIGHTS_DIR", str(root))
+    return root / "tiny-shapes"
+
+
+@pytest.mark.parametrize("rel, damage", [
+    ("transformer/diffusion_pytorch_model.safetensors", "delete"),
+    ("transformer/diffusion_pytorch_model.safetensors", "truncate"),
+    ("vae/diffusion_pytorch_model.safetensors", "garbage"),
+    ("text_encoder/model.safetensors", "truncate"),
+    ("model_index.json", "delete"),
+    ("vae/config.json", "garbage"),
+])
+def test_missing_or_corrupt_weights_name_the_file_and_the_fix(weights_copy, rel, damage):
+    path = weights_copy / rel
+    if damage == "delete":
+        path.unlink()
+    elif damage == "truncate":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(b"\x07garbage" * 3)
+    with pytest.raises(ModelNotFoundError) as info:
+        load_pipeline("tiny-shapes", device="cpu")
+    message = str(info.value)
+    assert str(path) in message and ("missing" in message or "corrupt" in message)
+    assert "python -m fastdit.pipelines.train_tiny" in message
+
+
+def test_compare_reports_adherence_for_tiny_shapes(tmp_path, capsys):
+    from fastdit.cli import main
+
+    out = tmp_path / "cmp"
+    code = main(["compare", "--model", "tiny-shapes", "--steps", "1", "--methods", "dense,sta", "--out", str(out),
+                 "--no-warmup"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "adherence" in printed and "chance" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["call"]["num_frames"] == 17 and report["call"]["height"] == 64
+    for run in report["runs"]:
+        assert 0.0 <= run["adherence"] <= 1.0
+    with pytest.raises(SystemExit):
+        main(["compare", "--model", "tiny-shapes", "--prompt", "a fox", "--out", str(out)])
+    assert "tiny-shapes takes captions like" in capsys.readouterr().err
