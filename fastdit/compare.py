@@ -109,6 +109,12 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
     return result
 
 
+def warm_up_options(options):
+    """Options for a 1-step warm-up run: no dense steps (so the method's kernels run), except with a
+    plan, which sets its own ``dense_steps`` (options a plan sets cannot be passed beside it)."""
+    return dict(options) if options.get("plan") is not None else {**options, "dense_steps": 0}
+
+
 def _public_options(config):
     return {name: (list(value) if isinstance(value, tuple) else value) for name, value in vars(config).items()}
 
@@ -186,7 +192,7 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
         generate(pipe, prompt, seed, warm)
         if str(device).startswith("cuda"):
             for method in methods[1:]:
-                generate(pipe, prompt, seed, warm, method, {**method_options.get(method, {}), "dense_steps": 0}, backend)
+                generate(pipe, prompt, seed, warm, method, warm_up_options(method_options.get(method, {})), backend)
     runs, reference = [], None
     for index, method in enumerate(methods):
         log(f"[{index + 1}/{len(methods)}] {method}")

@@ -5,7 +5,7 @@ in ``contextvars``, so two threads (each with its own context) or two pipelines 
 other's steps, grids or method state, and a deep-copied scheduler drives only itself.
 
 * ``CallState`` - one pipeline call (started by ``scheduler.set_timesteps``; for a bare transformer,
-  by the timestep going up again): the denoising step, the number of steps this call actually runs,
+  by the timestep going up again, or repeating past the calls one step can make): the denoising step, the number of steps this call actually runs,
   and a store of method state per (layer, branch), fresh for every pipeline call.
 * ``TransformerCall`` - one forward of a patched transformer: its latent grid, the CFG branch (the
   index of this transformer call within the step) and the ``CallState`` it belongs to.
@@ -74,19 +74,26 @@ class CallState:
         self.calls_in_round += 1
         return branch
 
-    def on_bare_timestep(self, timestep):
+    def on_bare_timestep(self, timestep, branches=2):
         """Step tracking without a scheduler: a new step when the timestep changes, a new pipeline
-        call (fresh state) when it goes up again (denoising runs from high noise to low)."""
-        if timestep is None:
-            return self.on_transformer_call()
-        if self.last_timestep is not None:
-            if timestep > self.last_timestep:
-                self.rounds, self.calls_in_round, self.step_pending = 0, 0, False
-                self.store = {}
-            elif timestep != self.last_timestep:
+        call (fresh state) when it goes up again (denoising runs from high noise to low), and also
+        when it repeats past ``branches`` transformer calls in one step (what a pipeline can make
+        of one step: two for classifier-free guidance). So a loop at one timestep (a one-step
+        model, feature extraction) is a run of one-step calls, and the state per (layer, branch)
+        stays bounded over any number of calls. An unknown timestep counts like a repeated one."""
+        if self.last_timestep is not None or timestep is None:
+            if timestep is not None and timestep > self.last_timestep:
+                self._new_call()
+            elif timestep is not None and timestep != self.last_timestep:
                 self.step_pending = True
+            elif not self.step_pending and self.calls_in_round >= max(int(branches), 1):
+                self._new_call()
         self.last_timestep = timestep
         return self.on_transformer_call()
+
+    def _new_call(self):
+        self.rounds, self.calls_in_round, self.step_pending = 0, 0, False
+        self.store = {}
 
     # -- queries --------------------------------------------------------------------------
     def layer_state(self, layer, branch):
@@ -149,6 +156,13 @@ def bare_call_state(patch_id, num_steps=None):
     if state is None:
         state = calls[patch_id] = CallState(num_steps, source="transformer")
     return state
+
+
+def release_bare_call_state(patch_id):
+    """Drop a removed patch's timestep-driven state in this context (its method caches)."""
+    calls = _BARE_CALLS.get()
+    if calls is not None:
+        calls.pop(patch_id, None)
 
 
 def reset_bare_call_state(patch_id, num_steps):

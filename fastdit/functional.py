@@ -10,7 +10,7 @@ import torch
 
 from fastdit.context import AttentionContext, CallState
 from fastdit.intercept import plain_sdpa
-from fastdit.methods.base import OptionError, get_method
+from fastdit.methods.base import OptionError, get_method, method_names
 
 #: Method instances by (method, config): their plan caches survive across calls.
 _INSTANCES = {}
@@ -32,14 +32,18 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     """Run ``method`` on one attention call.
 
     Args:
-        q, k, v: ``(B, H, S, D)`` in model token order (``k``/``v`` may have another length for
-            token methods that allow it).
+        q, k, v: ``(B, H, S, D)`` in model token order. ``k``/``v`` may have another length than
+            ``q`` only for methods that take it (``dense``, ``prune``: ``Method.any_key_length``);
+            the others lay keys out on the queries' grid and refuse it with a ValueError.
         method: a method name (``fastdit.method_names()``); ``config`` / ``options`` as for
             ``fastdit.patch`` (no model family: the method's generic defaults apply).
         layout: the ``TokenLayout`` of the call (``layout.seq_len == S``).
         key_mask: optional bool ``(B, S)``: False keys are never attended.
         step, num_steps: the denoising step of this call and the steps of the run; ``dense_steps``
-            applies as in a patched pipeline (a fraction needs ``num_steps``).
+            applies as in a patched pipeline when passed (a fraction needs ``num_steps``).
+            Outside a pipeline the defaults that need a step or layer position do not apply:
+            ``dense_steps`` and ``dense_layers`` left unset are 0 here (the call runs sparse), not
+            the method's or a family's pipeline defaults.
         state: a dict kept by the caller across the calls of one layer (methods with per-layer
             state, e.g. caches across steps); None: a fresh dict.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -69,11 +73,27 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     batch, heads, seq, _ = q.shape
     if seq != layout.seq_len:
         raise ValueError(f"q has {seq} tokens but the layout {layout.describe()} has {layout.seq_len}")
+    method_cls = get_method(method)
+    if k.shape[:3] != v.shape[:3] or k.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share batch and heads, "
+                         "and k and v their length")
+    if k.shape[2] != seq and not method_cls.any_key_length:
+        takes = sorted(name for name in method_names() if get_method(name).any_key_length)
+        raise ValueError(f"method {method_cls.name!r} needs as many keys as queries (it lays keys out on the queries' "
+                         f"token grid): got {seq} queries and {k.shape[2]} keys; methods that take another key "
+                         f"length: {takes}")
     if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, k.shape[2])):
         raise ValueError(f"key_mask must be a bool tensor of shape ({batch}, {k.shape[2]}), got "
                          f"{key_mask.dtype} {tuple(key_mask.shape)}")
-    method_cls = get_method(method)
-    config = method_cls.resolve(method_cls.make_config(config, **options), None)
+    config = method_cls.make_config(config, **options)
+    # No pipeline here: a default dense_steps (a fraction of a run) or dense_layers (a layer position)
+    # would silently make the call dense or fail; only what the caller asks for applies.
+    config = method_cls.make_config(config, **{name: 0 for name in ("dense_steps", "dense_layers")
+                                               if getattr(config, name, 0) is None})
+    if isinstance(config.dense_steps, float) and config.dense_steps > 0 and num_steps is None:
+        raise OptionError(f"dense_steps={config.dense_steps} is a fraction of the denoising steps: pass num_steps= "
+                          "(and step=) to fastdit.attention, or dense_steps as an int count")
+    config = method_cls.resolve(config, None)
     instance = _instance(method_cls, config)
     instance.check_heads(heads)
     call = CallState(num_steps)

@@ -17,6 +17,7 @@ model's own attention and are counted as fallbacks with their reason.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from fastdit.context import (
     TransformerCall,
     active_call,
     bare_call_state,
+    release_bare_call_state,
     reset_bare_call_state,
     set_transformer_call,
     transformer_call,
@@ -100,6 +102,12 @@ class Patch:
         self._warn_lock = threading.Lock()
         self._worth_checked = False
         self._bare_num_steps = None
+        #: transformer calls one denoising step can make (2: the two classifier-free guidance
+        #: branches). On a bare transformer a repeated timestep past this starts a new call (fresh
+        #: method state); set it higher for a loop that makes more calls per step.
+        self.branches_per_step = 2
+        self._plan = None  # (loaded plan, its file) applied with plan=: grids checked per new grid
+        self._plan_grids = set()  # grids the plan was found to fit
         self._removed = False
         self.id = register_patch(self)
 
@@ -178,7 +186,7 @@ class Patch:
         state = active_call() if self._scheduler is not None else None
         if state is None:
             state = bare_call_state(self.id, self._bare_num_steps)
-            branch = state.on_bare_timestep(self.adapter.timestep(args, kwargs))
+            branch = state.on_bare_timestep(self.adapter.timestep(args, kwargs), self.branches_per_step)
         else:
             branch = state.on_transformer_call()
         try:
@@ -186,6 +194,8 @@ class Patch:
         except (ValueError, TypeError, KeyError, IndexError) as error:
             self._warn_once(("grid-error",), f"could not read the latent grid ({error}); those calls run dense")
             grid = None
+        if grid is not None and self._plan is not None and tuple(grid) not in self._plan_grids:
+            self._check_plan_grid(tuple(grid))
         cfg = None
         if self._pipeline is not None:
             try:
@@ -193,6 +203,18 @@ class Patch:
             except Exception:  # noqa: BLE001 - a property that needs state the pipeline has not set
                 cfg = None
         set_transformer_call(transformer, TransformerCall(grid, branch, state, cfg))
+
+    def _check_plan_grid(self, grid):
+        """The first call on a grid the plan was not calibrated for: PlanError naming both grids
+        unless its settings mean the same there (``plan_file._grid_reason``). Raised before any
+        attention runs, from the transformer's pre-hook: the call stops, the patch stays removable."""
+        from fastdit.calibration.plan_file import PlanError, _grid_reason
+
+        plan, source = self._plan
+        reason = _grid_reason(plan, [grid])
+        if reason is not None:
+            raise PlanError(f"plan{' ' + os.fspath(source) if source else ''} cannot be applied to grid {grid}: {reason}")
+        self._plan_grids.add(grid)
 
     # -- per attention call (inside the custom op) ------------------------------------------
     def _fallback(self, layer, reason, size, original):
@@ -359,6 +381,7 @@ class Patch:
             return
         self._removed = True
         unregister_patch(self.id)
+        release_bare_call_state(self.id)  # this context's method state (caches) goes with the patch
         while self._undo:
             self._undo.pop()()
         self._records.clear()
@@ -433,8 +456,12 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
         backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
         plan: a plan file written by ``fastdit.calibrate`` or ``fastdit.methods.sta.load_strategy``
             (a path, or the loaded dict): its settings per (step bucket, layer, head) become the
-            method's options (keyword ``options`` still override them). A plan for another method,
-            model family, transformer class, layer or head count is refused, naming the mismatch.
+            method's options. Options the plan sets (its ``options``, sta's ``strategy`` and so
+            ``window``, the ``layer_settings`` and every option they name) cannot be passed beside
+            it (PlanError naming them); other keyword ``options`` apply on top. A plan for another
+            method, model family, transformer class, layer or head count is refused, naming the
+            mismatch, and so is a grid where its settings would change meaning (at the first call
+            on each new grid).
 
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
@@ -451,9 +478,11 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     from fastdit.pipelines import find_adapter
 
     if plan is not None:  # checked against the model before anything is installed
-        from fastdit.calibration.plan_file import plan_options_for
+        from fastdit.calibration.plan_file import load_plan, plan_options_for, with_plan
 
-        options = {**plan_options_for(plan, target, method), **options}
+        plan_source = plan if isinstance(plan, (str, os.PathLike)) else ""
+        options = with_plan(plan_options_for(plan, target, method), options, plan_source)
+        plan = (load_plan(plan), plan_source)  # its grids are checked at the first call on each grid
     method_cls = get_method(method)
     config = method_cls.make_config(config, **options)
     transformers, scheduler = _targets(target)
@@ -483,11 +512,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
                 variant.check_heads(heads)
         modules_per_transformer.append(modules)
     n_layers = sum(len(modules) for modules in modules_per_transformer)
-    outside = [key for key in getattr(config, "layer_settings", None) or {} if int(key.split("_")[1]) >= n_layers]
-    if outside:
-        raise ValueError(f"layer_settings entry {outside[0]!r} names layer {outside[0].split('_')[1]} but the model has "
-                         f"{n_layers} patched attention layers (0 to {n_layers - 1})")
+    for variant in method_obj.variants():
+        variant.check_layers(n_layers)
     result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
+    result._plan = plan
     try:
         result._install(modules_per_transformer)
     except BaseException:

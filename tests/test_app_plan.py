@@ -70,6 +70,10 @@ def test_runner_applies_the_plan_and_refuses_a_mismatched_one(tmp_path):
         (write(tmp_path, "sta.json"), None),  # applied with method sta below: another method's plan
         (str(tmp_path / "missing.json"), "cannot read it"),
         (write(tmp_path, "bad.json", settings={"0_0": {"topk": 3.0}}), "settings entry '0_0'|layer_settings entry '0_0'"),
+        # calibrated on another grid: refused at the first call on this one, naming both grids
+        (write(tmp_path, "grid.json", model={"family": "wan", "transformer": "WanTransformer3DModel", "layers": 4,
+                                             "heads": 2, "grids": [[3, 6, 7]]}),
+         r"cannot be applied to grid \(3, 5, 7\).*measured on grid\(s\) \[\(3, 6, 7\)\]"),
     ]
     for path, message in cases:
         method = "sta" if path.endswith("sta.json") else "sparge"

@@ -151,7 +151,10 @@ def test_cli_calibrate(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--budget" in capsys.readouterr().err
     code = main(["calibrate", "--model", "tiny-wan", "--frames", "9", "--height", "80", "--width", "112", "--steps", "2",
                  "--prompts", str(prompts), "--budget", "1e9", "--candidates", "1,1,1;1,3,3", "--set", "tile=1,2,2",
-                 "--rows", "32", "--out", str(out), "--no-progress"])
-    assert code == 0 and "plan written" in capsys.readouterr().out
+                 "--set", "dense_steps=0.5", "--rows", "32", "--out", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0 and "plan written" in captured.out
+    assert "it/s" not in captured.err and "s/it" not in captured.err, captured.err  # no bar, the pipeline's neither
     plan = load_plan(out)
+    assert plan["options"]["dense_steps"] == 0.5  # --set dense_steps is the plan's, not silently 0
     assert set(map(tuple, plan["strategy"].values())) == {(1, 1, 1)}

@@ -130,22 +130,35 @@ def _overlapping(intervals):
     return a0 < b1 and b0 < a1
 
 
-def _run_threads(jobs):
-    """Run each job in its own thread, started together; returns (results, (start, end) per job)."""
+def _run_threads(jobs, meet_in):
+    """Run each job in its own thread; returns (results, (start, end) per job). The jobs really
+    overlap whatever the machine's load: each thread's first forward of a module in ``meet_in``
+    waits (a forward pre-hook) until every thread has reached its own, so all are mid-job at once."""
     barrier = threading.Barrier(len(jobs))
+    met = threading.local()
     results, times = [None] * len(jobs), [None] * len(jobs)
 
+    def meet(module, args):
+        if not getattr(met, "done", False):
+            met.done = True
+            barrier.wait(timeout=600)  # a deadlock guard only: every thread reaches it
+
     def worker(i, job):
-        barrier.wait()
         start = time.perf_counter()
         results[i] = job()
         times[i] = (start, time.perf_counter())
 
-    threads = [threading.Thread(target=worker, args=(i, job)) for i, job in enumerate(jobs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    hooks = [module.register_forward_pre_hook(meet) for module in meet_in]
+    try:
+        threads = [threading.Thread(target=worker, args=(i, job)) for i, job in enumerate(jobs)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert all(t is not None for t in times), "a thread failed"
     return results, times
 
 
@@ -169,7 +182,7 @@ def test_two_threads_on_one_patched_transformer_at_two_resolutions():
         sequential = [contextvars.Context().run(job(name)) for name in ("a", "b")]
         calls_alone = p.stats.total_calls
         p.reset_stats()
-        concurrent, intervals = _run_threads([job("a"), job("b")])
+        concurrent, intervals = _run_threads([job("a"), job("b")], [model])
         assert _overlapping(intervals), "the two threads did not overlap"
         assert p.stats.total_calls == calls_alone and p.stats.fallback_calls == 0
         # step 0 of each repeat is dense (one dense step): per repeat a: 2 calls, b: 1 call, x 2 layers
@@ -199,7 +212,8 @@ def test_two_threads_two_pipelines_sharing_one_patched_transformer():
                                                   output_type="latent")]
         alone = [_generate(pipe, **sizes[0]), _generate(other, **sizes[1])]
         p.reset_stats()
-        together, intervals = _run_threads([lambda: _generate(pipe, **sizes[0]), lambda: _generate(other, **sizes[1])])
+        together, intervals = _run_threads([lambda: _generate(pipe, **sizes[0]), lambda: _generate(other, **sizes[1])],
+                                           [pipe.transformer])
         assert _overlapping(intervals)
         # steps 2 + 3, one dense each, two CFG calls per step, every layer
         layers = len(p.layers)
@@ -213,7 +227,8 @@ def test_two_threads_two_patched_pipelines():
                fastdit.patch(pipes["hunyuan_video"], "radial", dense_steps=0, block_size=64)]
     try:
         alone = [_generate(pipe, name) for name, pipe in pipes.items()]
-        together, intervals = _run_threads([lambda n=name, q=pipe: _generate(q, n) for name, pipe in pipes.items()])
+        together, intervals = _run_threads([lambda n=name, q=pipe: _generate(q, n) for name, pipe in pipes.items()],
+                                           [pipe.transformer for pipe in pipes.values()])
         assert _overlapping(intervals)
     finally:
         for patch in patches:

@@ -52,8 +52,14 @@ def test_peak_memory_sees_an_allocation(tmp_path):
 
 
 def test_peak_memory_sums_concurrent_children(tmp_path):
-    # Two grandchildren of 300 MB alive at once: ru_maxrss sees one, the /proc samples see both.
-    both = (f"import subprocess, sys; cmd = {_allocate(300, 'time.sleep(1.5)')!r}; "
+    # Two grandchildren of 300 MB alive at once: ru_maxrss sees one, the /proc samples see both. Each
+    # holds its memory until both have allocated (a rendezvous in files), then for 1.5 s (30 samples),
+    # so they overlap whatever the machine's load.
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    wait = (f"import os; open(os.path.join({str(meet)!r}, str(os.getpid())), 'w').close(); "
+            f"[time.sleep(0.01) for _ in iter(lambda: len(os.listdir({str(meet)!r})) < 2, False)]; time.sleep(1.5)")
+    both = (f"import subprocess, sys; cmd = {_allocate(300, wait)!r}; "
             "ps = [subprocess.Popen(cmd) for _ in range(2)]; [p.wait() for p in ps]")
     proc, report = _run_script([], [sys.executable, "-c", both], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -67,8 +73,9 @@ def test_peak_memory_limit_and_failures(tmp_path):
     assert proc.returncode == 3 and report["over_limit"] and not report["killed_over_limit"]
     assert "EXCEEDED" in proc.stderr
     # --kill-over-limit stops the child long before its 60 s sleep ends
-    proc, report = _run_script(["--limit-gb", "0.2", "--kill-over-limit"], _allocate(300, "time.sleep(60)"), tmp_path)
-    assert proc.returncode == 128 + 9 and report["killed_over_limit"] and report["wall_s"] < 30
+    proc, report = _run_script(["--limit-gb", "0.2", "--kill-over-limit"], _allocate(300, "time.sleep(3600)"), tmp_path,
+                               timeout=600)
+    assert proc.returncode == 128 + 9 and report["killed_over_limit"]  # killed (SIGKILL), not finished
     # the command's own failure is passed on
     proc, report = _run_script(["--limit-gb", "5"], [sys.executable, "-c", "import sys; sys.exit(7)"], tmp_path)
     assert proc.returncode == 7 and report["returncode"] == 7 and not report["over_limit"]

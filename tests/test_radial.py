@@ -256,17 +256,14 @@ def test_text_blocks_and_padding(position):
     assert not bool(masked[:, tpos[-5:]].any()) and torch.equal(masked[:, tpos[:-5]], mask[:, tpos[:-5]])
 
 
-def test_density_falls_with_frames_and_plans_fast():
+def test_density_falls_with_frames_and_plans_at_720p():
     config = R.RadialConfig(decay=0.2, block_size=128, adjacent="dense", sink=True)
     densities = [radial_plan(TokenLayout((t, 30, 52)), config).density for t in (11, 21, 41, 81)]
     assert all(a > b for a, b in zip(densities, densities[1:])), densities
-    # HunyuanVideo 720p: 115200 video tokens + text, 900 video blocks of 128, no token-level mask.
-    import time
-
-    start = time.perf_counter()
+    # HunyuanVideo 720p: 115200 video tokens + text, 900 video blocks of 128, no token-level mask
+    # (built at block level: the plan's time is a benchmark's business, not a test's).
     plan = radial_plan(TokenLayout((30, 48, 80), 256, "suffix"),
                        R.RadialConfig(decay=0.95, adjacent="dense", sink=False), heads=24)
-    assert time.perf_counter() - start < 20  # about 0.2 s on an idle core; generous for loaded CI
     assert plan.perm is None and plan.kv_counts.shape[-1] == 902
     assert plan.info["video_density"] == pytest.approx(222452 / 900 ** 2)  # the reference's 27.46%
 

@@ -101,7 +101,7 @@ def timed_generate(pipe, sample, call_kwargs, backend):
 
 def warmup(pipe, cfg, todo, call_kwargs):
     """Untimed 1-step runs so first-call costs (allocation, compilation) stay out of the timings."""
-    from fastdit.compare import generate, pipeline_device
+    from fastdit.compare import generate, pipeline_device, warm_up_options
 
     warm = {**call_kwargs, "num_inference_steps": 1, "output_type": "latent"}
     prompt = todo[0].prompt.text
@@ -111,7 +111,7 @@ def warmup(pipe, cfg, todo, call_kwargs):
         for sample in todo:
             if sample.setting.method != "dense" and sample.setting.name not in seen:
                 seen.add(sample.setting.name)
-                options = {**sample.setting.options, "dense_steps": 0}
+                options = warm_up_options(sample.setting.options)
                 generate(pipe, prompt, 0, warm, sample.setting.method, options, cfg.backend)
 
 

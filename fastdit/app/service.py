@@ -90,6 +90,8 @@ def patched(pipe, method, options, record_masks=False, plan=None):
         raise AppError(f"{method} options: {error}") from None
     try:
         yield patch
+    except PlanError as error:  # the first call on a grid the plan was not calibrated for
+        raise AppError(str(error)) from None
     finally:
         patch.remove()
 
@@ -343,7 +345,7 @@ class Runner:
 
     def _warm_up(self, entry, prompt, seed, call, method, options, size, n_steps, progress, plan=None):
         """First-call costs (allocation; Triton compilation on CUDA) stay out of the timings."""
-        from fastdit.compare import generate
+        from fastdit.compare import generate, warm_up_options
 
         warm = {**call, "num_inference_steps": 1}
         if (size, n_steps) not in entry.warm:
@@ -353,7 +355,7 @@ class Runner:
         key = (size, n_steps, method, repr(sorted(options.items())), plan)
         if str(entry.pipe.device).startswith("cuda") and key not in entry.warm:
             progress(0.0, desc=f"{method} warm-up (1 step, not timed)")
-            with patched(entry.pipe, method, {**options, "dense_steps": 0}, plan=plan):
+            with patched(entry.pipe, method, options if plan is not None else warm_up_options(options), plan=plan):
                 generate(entry.pipe, prompt, seed, warm)
             entry.warm.add(key)
 

@@ -29,7 +29,8 @@ import os
 from fastdit.methods.base import get_method
 from fastdit.methods.sta import PLAN_FORMAT, PLAN_VERSION, choose_tile, normalize_strategy
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "load_plan", "plan_options", "plan_options_for",
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "load_plan", "options_set_by", "plan_options",
+           "plan_options_for", "with_plan",
            "write_plan"]
 
 
@@ -120,6 +121,20 @@ def check_plan(plan, source=""):
             if step not in buckets or layer >= model["layers"] or head >= model["heads"]:
                 raise PlanError(f"{where}: strategy entry {key!r} is outside the plan's step buckets {buckets}, "
                                 f"{model['layers']} layers or {model['heads']} heads")
+        # a plan says every head's window: a missing one would silently run the default window
+        named = {}
+        for key in normalized:
+            step, layer, head = map(int, key.split("_"))
+            named.setdefault((step, layer), set()).add(head)
+        for (step, layer), heads in sorted(named.items()):
+            missing = sorted(set(range(model["heads"])) - heads)
+            if missing:
+                raise PlanError(f"{where}: strategy has no entry for head(s) {missing} of step bucket {step}, layer "
+                                f"{layer} (e.g. '{step}_{layer}_{missing[0]}'); a plan gives every head of a layer "
+                                f"it names a window ([0, 0, 0]: dense)")
+        if "tile" not in (plan.get("options") or {}):
+            raise PlanError(f"{where}: an sta plan's entry 'options' must give the 'tile' its windows count in "
+                            f"(without it the windows would mean other token extents)")
     else:
         settings = plan.get("settings")
         if not isinstance(settings, dict) or not settings:
@@ -204,6 +219,30 @@ def plan_options(plan, method, *, family=None, transformer=None, layers=None, he
     options = _decoded(plan.get("options", {}), plan)
     get_method(method_name).make_config(**options)  # a plan whose options no longer validate fails here
     return options
+
+
+def options_set_by(options):
+    """The option names a plan fixes, given its ``plan_options``: its shared ``options``, its
+    per-head ``strategy`` (sta; it gives the windows, so ``window`` too) or its ``layer_settings``
+    and every option those settings name. Passing one of these beside ``plan=`` is refused."""
+    names = set(options)
+    for value in (options.get("layer_settings") or {}).values():
+        names |= set(value or {})
+    if "strategy" in options:
+        names.add("window")
+    return names
+
+
+def with_plan(planned, given, source=""):
+    """``given`` options applied on top of a plan's (``planned``, from ``plan_options``): the one rule
+    for options beside ``plan=``. Options the plan sets cannot be passed with it (PlanError naming
+    them: changing them would change what the calibrated settings mean, or silently lose them);
+    the others apply on top."""
+    clash = sorted(set(given) & options_set_by(planned))
+    if clash:
+        raise PlanError(f"{_where(source)} sets option(s) {clash}: they cannot be passed beside plan= (edit the plan, "
+                        f"or pass no plan); options the plan does not set apply on top of it")
+    return {**planned, **given}
 
 
 def model_facts(target):

@@ -392,15 +392,18 @@ def _build_plan(name, base_options, state, results, budget, prompts, facts, step
         "budget": budget, "prompts": list(prompts),
         "candidates": [{k: list(v) if isinstance(v, tuple) else v for k, v in c.items()} for c in candidates],
     }
+    # dense_steps / dense_layers the user set (e.g. --set dense_steps=0.5) apply when the plan runs;
+    # unset, the plan runs its calibrated settings from the first step and layer
+    dense = {key: base_options.get(key) or 0 for key in ("dense_steps", "dense_layers")}
     if name == "sta":
         options = {k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()
                    if k not in ("window", "strategy", "tile", "fit_tile")}
-        plan["options"] = {**options, "tile": state["tile"], "fit_tile": False, "dense_steps": 0, "dense_layers": 0}
+        plan["options"] = {**options, "tile": state["tile"], "fit_tile": False, **dense}
         plan["strategy"] = {key: (list(candidates[c]["window"]) if c is not None else [0, 0, 0])
                             for key, c in sorted(choice.items(), key=lambda kv: tuple(map(int, kv[0].split("_"))))}
     else:  # per (bucket, layer): the sparsest candidate within budget, null (dense) where none is
         plan["options"] = {**{k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()},
-                           "dense_steps": 0, "dense_layers": 0}
+                           **dense}
         plan["settings"] = {key: None if choice[key] is None else
                             {k: list(v) if isinstance(v, tuple) else v for k, v in candidates[choice[key]].items()}
                             for key in keys}

@@ -93,6 +93,11 @@ def cmd_calibrate(args):
             raise CLIError(f"argument --set: expects OPTION=VALUE, got {setting!r}")
         options[key.strip()] = parse_value(value)
     candidates = parse_candidates(args.candidates, args.method)
+    from fastdit.calibration.candidates import has_candidates
+
+    if candidates is None and not has_candidates(args.method):
+        raise CLIError(f"argument --candidates: method {args.method!r} has no default candidate set; give its "
+                       f"candidates, e.g. --candidates OPTION=V1,V2")
     try:
         prompts = [p.text for p in load_prompts(args.prompts)][: args.max_prompts]
     except EvalError as error:
@@ -106,6 +111,8 @@ def cmd_calibrate(args):
         pipe = load_pipeline(args.model, args.device, getattr(torch, args.dtype) if args.dtype else None)
     except ModelNotFoundError as error:
         raise CLIError(f"argument --model: {error}") from None
+    if args.no_progress:  # also the pipeline's own per-step bars
+        pipe.set_progress_bar_config(disable=True)
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
     options = tiny_method_presets(args.model, [args.method], {args.method: options})[args.method]
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}

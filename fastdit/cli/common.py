@@ -109,8 +109,9 @@ def check_method_options(method, options, what):
 
 def apply_plan_argument(path, methods, options, user_options):
     """``--plan FILE``: the plan's method runs with ``plan=FILE`` and the options the user set
-    (``--set``) on top; the tiny models' presets do not apply to it (the plan fixes its own tile)."""
-    from fastdit.calibration.plan_file import PlanError, load_plan
+    (``--set``) on top; the tiny models' presets do not apply to it (the plan fixes its own tile).
+    A ``--set`` of an option the plan sets is refused here, before any model loads."""
+    from fastdit.calibration.plan_file import PlanError, load_plan, plan_options, with_plan
 
     if path is None:
         return options
@@ -120,6 +121,10 @@ def apply_plan_argument(path, methods, options, user_options):
         raise CLIError(f"argument --plan: {error}") from None
     if method not in methods:
         raise CLIError(f"argument --plan: {path} is a plan for method {method!r}; add it to --methods")
+    try:
+        with_plan(plan_options(path, method), user_options.get(method, {}), path)
+    except PlanError as error:
+        raise CLIError(f"argument --set: {error}") from None
     return {**options, method: {"plan": path, **user_options.get(method, {})}}
 
 

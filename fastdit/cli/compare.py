@@ -31,6 +31,8 @@ def cmd_compare(args):
     from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline, trained_name
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise CLIError(f"argument --methods: no method given in {args.methods!r}; e.g. --methods dense,sta")
     import fastdit
 
     unknown = [m for m in methods if m not in fastdit.method_names()]

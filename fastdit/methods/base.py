@@ -189,6 +189,10 @@ class Method:
     #: Options used on fastdit's tiny built-in models (compare, eval and the app apply them there):
     #: block and tile sizes that fit their small token grids.
     tiny_options = {}
+    #: Whether ``k`` / ``v`` may have another length than ``q`` (``fastdit.attention``). Methods that
+    #: lay the keys out on the queries' token grid (tiles, clusters, pools, windows) cannot: the
+    #: functional API refuses such a call, naming both lengths, rather than dropping keys.
+    any_key_length = False
 
     def __init__(self, config=None, **options):
         self.config = self.make_config(config, **options) if (config is None or options
@@ -237,6 +241,14 @@ class Method:
     def check_heads(self, num_heads):
         """Raise ValueError when an option cannot be honoured on a layer of ``num_heads`` heads
         (called at patch time with the model's head count)."""
+
+    def check_layers(self, num_layers):
+        """Raise ValueError when an option names a layer the model does not have (called at patch
+        time with the number of patched attention layers, over all patched transformers)."""
+        outside = [key for key in getattr(self.config, "layer_settings", None) or {} if int(key.split("_")[1]) >= num_layers]
+        if outside:
+            raise ValueError(f"layer_settings entry {outside[0]!r} names layer {outside[0].split('_')[1]} but the model "
+                             f"has {num_layers} patched attention layers (0 to {num_layers - 1})")
 
     # -- the protocol --------------------------------------------------------------------------
     def prepare(self, layout, heads, device):

@@ -22,6 +22,7 @@ BLOCK_SPARSE_ONLY = ("skip_threshold", "correction", "refresh_every")
 @register_method
 class Dense(Method):
     name = "dense"
+    any_key_length = True  # plain attention
     config_cls = DenseConfig
 
     @classmethod

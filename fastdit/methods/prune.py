@@ -145,6 +145,7 @@ class Prune(Method):
     """Query-block pruning with cached outputs (AT-EDM / ToCa); see the module docstring."""
 
     name = "prune"
+    any_key_length = True  # full rows against every key; pruned rows come from its cache
     config_cls = PruneConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
     #: The tiny models (8 x 32 x 48 tokens, 8 steps): reuse 60% of the blocks between full steps

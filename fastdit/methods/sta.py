@@ -284,6 +284,15 @@ class SlidingTile(BlockSparseMethod):
             raise ValueError(f"strategy entry {entry!r} names head {self._strategy.max_head} but the model's attention "
                              f"layers have {num_heads} heads")
 
+    def check_layers(self, num_layers):
+        super().check_layers(num_layers)
+        outside = sorted((layer, s) for s, layer in self._strategy.table if layer >= num_layers)
+        if outside:
+            layer, step = outside[0]
+            head = min(self._strategy.table[step, layer])
+            raise ValueError(f"strategy entry '{step}_{layer}_{head}' names layer {layer} but the model has {num_layers} "
+                             f"patched attention layers (0 to {num_layers - 1})")
+
     def window_list(self, step, layer, heads):
         """The per-head windows (one triple per global head) of a call at ``step`` in ``layer``."""
         key = (self._strategy.bucket(step), layer, heads)
