@@ -188,6 +188,10 @@ class Method:
     #: Options used on fastdit's tiny built-in models (compare, eval and the app apply them there):
     #: block and tile sizes that fit their small token grids.
     tiny_options = {}
+    #: Whether a call records the log-sum-exp of the scores it computed (``ctx.info["lse"]``):
+    #: methods that attend through a block plan do; token methods (which attend reduced or cached
+    #: tokens) do not, so ``fastdit.attention`` reports ``lse=None`` and refuses ``"mass"`` for them.
+    reports_lse = False
 
     def __init__(self, config=None, **options):
         self.config = self.make_config(config, **options) if (config is None or options
@@ -280,6 +284,7 @@ class Method:
         ctx.record(plan=plan)
         out, lse = run_plan(q, k, v, plan, key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale,
                             backend=ctx.backend, return_lse=True)
+        ctx.info["lse"] = lse
         return self.finalize(ctx, out, lse)
 
     def finalize(self, ctx, out, lse):

@@ -23,6 +23,7 @@ BLOCK_SPARSE_ONLY = ("skip_threshold", "correction", "refresh_every")
 class Dense(Method):
     name = "dense"
     config_cls = DenseConfig
+    reports_lse = True
 
     @classmethod
     def make_config(cls, config=None, **options):
