@@ -46,9 +46,12 @@ from fastdit.plan import BlockPlan
 
 from .base import option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
+from .mass import row_block_masses, stratified_rows
 from .sta import choose_tile, padding_fraction, tile_permutation
 
 VIDEO_TILE = (2, 8, 8)
+#: How block masses are predicted (``SpargeConfig.estimator``).
+ESTIMATORS = ("rows", "pooled")
 IMAGE_TILE = (1, 8, 16)
 
 
@@ -85,6 +88,11 @@ class SpargeConfig(BlockSparseConfig):
                                 "use cdf", range=(0.0, 1.0), widget="number")
     min_blocks: int = option(1, "at least this many key blocks per query block", range=(1, None), widget="number")
     sink: bool = option(False, "always keep the first key block (attention sink)", widget="checkbox")
+    estimator: str = option("rows", "how block masses are predicted: 'rows' (exact masses of a few sampled query "
+                            "rows per block) or 'pooled' (softmax of mean-pooled scores, SpargeAttn's)",
+                            choices=("rows", "pooled"), widget="dropdown")
+    mass_rows: int = option(4, "estimator='rows': query rows sampled per query block", range=(1, None),
+                            widget="number")
 
     def validate(self):
         super().validate()
@@ -104,6 +112,10 @@ class SpargeConfig(BlockSparseConfig):
             raise ValueError(f"min_blocks must be an int >= 1, got {self.min_blocks!r}")
         if not isinstance(self.sink, bool):
             raise ValueError(f"sink must be True or False, got {self.sink!r}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if isinstance(self.mass_rows, bool) or not isinstance(self.mass_rows, int) or self.mass_rows < 1:
+            raise ValueError(f"mass_rows must be an int >= 1 (query rows sampled per block), got {self.mass_rows!r}")
 
 
 def pooled_blocks(x, weight, block):
@@ -127,11 +139,17 @@ def pooled_blocks(x, weight, block):
     return mean, similarity, count
 
 
-def select_blocks(probs, forced_keys, full_rows, config, n_blocks):
+def select_blocks(probs, forced_keys, full_rows, config, n_blocks, forced_first=False):
     """``(kv_indices, kv_counts)`` int32 from predicted block scores ``probs`` ``(B, H, n, n)``,
     key blocks always kept ``forced_keys`` ``(B|1, H|1, n)`` and query blocks kept whole
-    ``full_rows`` ``(B|1, H|1, n)``: the rule of the module docstring, kept blocks in score order."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ``full_rows`` ``(B|1, H|1, n)``: the rule of the module docstring, kept blocks in score order.
+    ``forced_first``: the forced key blocks rank first, so their mass counts toward ``cdf``."""
+    if forced_first:
+        forced = forced_keys[..., None, :].expand_as(probs)
+        order = torch.where(forced, probs + 2.0, probs).sort(dim=-1, descending=True).indices
+        sorted_probs = probs.gather(-1, order)
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(n_blocks, device=probs.device)
     if config.topk is not None:
         count = torch.full(probs.shape[:-1], min(n_blocks, math.ceil(config.topk * n_blocks)), device=probs.device)
@@ -178,11 +196,17 @@ class Sparge(BlockSparseMethod):
         text_blocks[n_video:] = True
         sink = torch.zeros(n_blocks, dtype=torch.bool)
         sink[0] = self.config.sink
+        # estimator="rows": mass_rows valid slots per block, stratified over the block's valid slots
+        valid = (perm >= 0).view(n_blocks, block)
+        slots = (~valid).to(torch.uint8).sort(dim=1, stable=True).indices  # valid slots first, in order
+        local, weight = stratified_rows(torch.zeros(n_blocks, dtype=torch.long), valid.sum(1), self.config.mass_rows)
+        sample_rows = torch.arange(n_blocks)[:, None] * block + slots.gather(1, local)
         return BlockPlan(
             kv_indices=indices.to(device), kv_counts=counts.to(device), block_m=block, block_n=block,
             seq_len=layout.seq_len, perm=perm.to(device), kv_valid=(perm >= 0)[None].to(device),
             padding_fraction=padding_fraction(layout.grid, tile), name=f"sparge_t{'x'.join(map(str, tile))}",
-            info={"tile": tile, "text_blocks": text_blocks.to(device), "always_keys": (text_blocks | sink).to(device)},
+            info={"tile": tile, "text_blocks": text_blocks.to(device), "always_keys": (text_blocks | sink).to(device),
+                  "sample_rows": sample_rows.to(device), "sample_weight": weight.to(device)},
         )
 
     def select(self, ctx, q, k):
@@ -199,16 +223,22 @@ class Sparge(BlockSparseMethod):
         query_ok = static.kv_valid
         if query_mask is not None:
             query_ok = query_mask.to(torch.bool)[:, index] & static.kv_valid
-        q_mean, q_sim, _ = pooled_blocks(q_kernel, query_ok, block)
-        k_mean, k_sim, k_count = pooled_blocks(k_kernel, key_ok, block)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        scores = (q_mean @ k_mean.transpose(-1, -2)) * scale
-        scores = scores.masked_fill((k_count == 0)[..., None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no valid key: all 0
+        q_mean, q_sim, _ = pooled_blocks(q_kernel, query_ok, block)
         text_blocks, always = static.info["text_blocks"], static.info["always_keys"]
-        forced_keys = always | (k_sim < self.config.simthresh)
         full_rows = text_blocks | (q_sim < self.config.simthresh)
-        kv_indices, kv_counts = select_blocks(probs, forced_keys, full_rows, self.config, n_blocks)
+        rows = self.config.estimator == "rows"
+        if rows:  # exact masses of sampled rows; key blocks are scored whole, so they need no guard
+            k_sim = None
+            probs = self.row_estimate(static, q_kernel, k_kernel, query_ok, key_ok, scale)
+            forced_keys = always
+        else:
+            k_mean, k_sim, k_count = pooled_blocks(k_kernel, key_ok, block)
+            scores = (q_mean @ k_mean.transpose(-1, -2)) * scale
+            scores = scores.masked_fill((k_count == 0)[..., None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no valid key: all 0
+            forced_keys = always | (k_sim < self.config.simthresh)
+        kv_indices, kv_counts = select_blocks(probs, forced_keys, full_rows, self.config, n_blocks, forced_first=rows)
         # A shallow copy keeps the static permutation and its inverse (rebuilding the plan would
         # recompute them, with a host synchronisation).
         plan = copy.copy(static)
@@ -217,3 +247,15 @@ class Sparge(BlockSparseMethod):
         plan.info = {"tile": static.info["tile"]}
         return plan, {"probs": probs, "q_similarity": q_sim, "k_similarity": k_sim, "forced_keys": forced_keys,
                       "full_rows": full_rows}
+
+    def row_estimate(self, static, q_kernel, k_kernel, query_ok, key_ok, scale):
+        """``estimator="rows"``: ``P[m, j]`` float32 ``(B, H, n, n)``, the mean over query block
+        ``m``'s sampled rows of their exact mass on key block ``j`` (``fastdit.methods.mass``)."""
+        block, n_blocks = static.block_m, static.num_kv_blocks
+        rows, weight = static.info["sample_rows"], static.info["sample_weight"]
+        flat = rows.reshape(-1)
+        weight = weight[None] * query_ok[:, flat].view(-1, *rows.shape).float()  # (B|1, n, s)
+        masses = row_block_masses(q_kernel.index_select(2, flat), k_kernel, key_ok, block, n_blocks, scale)
+        masses = masses.view(*masses.shape[:2], n_blocks, rows.shape[1], n_blocks)
+        total = weight.sum(-1).clamp_min(1.0)
+        return (masses * weight[:, None, :, :, None]).sum(3) / total[:, None, :, None]

@@ -1,0 +1,72 @@
+"""Attention mass per key block, measured exactly on a few sampled query rows.
+
+Shared by the methods that select key blocks by a mass threshold (sparge's ``cdf``, svg2's
+``top_p``). Their published rules predict the mass query block ``m`` puts on key block ``j`` from
+pooled vectors, ``softmax_j(scale qbar_m . kbar_j)``: that estimates ``exp(mean score)`` over the
+block pair, which is far below ``mean exp(score)`` when a head is sharper than a block (Jensen), so
+on sharp, local heads the prediction is much more peaked than the truth and a threshold keeps far
+less mass than it says (issue 23 measures it in ``eval/bench/selection.py``).
+
+The estimator here: for each query block, ``s`` of its rows ``i`` (a stratified random sample,
+drawn once per layout with a fixed seed) are scored exactly against every valid key; their softmax
+``p_i(k) = exp(scale q_i . k - lse_i)`` is summed per key block, and the block's predicted mass is
+the mean over its sampled rows::
+
+    P[m, j] = (1 / s) sum_{i in sample(m)} sum_{k in block j} p_i(k)
+
+Each ``P[m, :]`` is a distribution over key blocks whatever the head's temperature: no assumption
+on how scores spread inside a block. What it assumes: a block's rows put their mass on similar key
+blocks, so ``s`` of them represent all (the mean over rows is unbiased for the block's true mean
+mass; its variance comes from rows that attend elsewhere, e.g. at a tile's edge on a local head).
+Cost: ``s`` exact score rows per query block, ``s / block`` of dense attention's scores (4 rows of
+128: 3%), reported by the benchmarks as selection time.
+"""
+from __future__ import annotations
+
+import torch
+
+#: float32 score entries held at once (rows x keys x heads per chunk).
+SCORE_BUDGET = 1 << 25
+
+
+def row_block_masses(q_rows, k, key_valid, blocks, n_blocks, scale):
+    """Exact softmax mass of each row of ``q_rows`` ``(B, H, R, D)`` on each key block: float32
+    ``(B, H, R, n_blocks)``, rows summing to 1 (0 for a row without a valid key).
+
+    ``k`` ``(B, H, L, D)``; ``key_valid`` bool ``(B|1, L)`` or None; ``blocks``: an int (keys are in
+    contiguous blocks of that many, ``L = n_blocks * blocks``) or a long ``(B, H, L)`` block index
+    per key (values in ``[0, n_blocks)``)."""
+    batch, heads, rows, _ = q_rows.shape
+    length = k.shape[2]
+    out = torch.zeros(batch, heads, rows, n_blocks, dtype=torch.float32, device=q_rows.device)
+    bias = None
+    if key_valid is not None:
+        bias = torch.zeros(key_valid.shape[0], 1, 1, length, device=q_rows.device).masked_fill(
+            ~key_valid.to(torch.bool)[:, None, None, :], float("-inf"))
+    chunk = max(1, SCORE_BUDGET // max(1, batch * rows * length))
+    for h0 in range(0, heads, chunk):
+        h1 = min(heads, h0 + chunk)
+        scores = (q_rows[:, h0:h1] @ k[:, h0:h1].transpose(-1, -2)).float().mul_(scale)
+        if bias is not None:
+            scores = scores + bias
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+        if isinstance(blocks, int):
+            out[:, h0:h1] = probs.view(batch, h1 - h0, rows, n_blocks, blocks).sum(-1)
+        else:
+            index = blocks[:, h0:h1, None, :].expand(batch, h1 - h0, rows, length)
+            out[:, h0:h1].scatter_add_(-1, index, probs)
+    return out
+
+
+def stratified_rows(starts, sizes, samples, seed=0):
+    """``(rows, weight)``: ``samples`` positions per block of a sequence cut into blocks at
+    ``starts`` with ``sizes`` members (long tensors ``(..., n)``), one drawn uniformly from each of
+    ``samples`` equal parts of the block (a fixed seed: the same rows every call); ``weight`` is 1,
+    or 0 for an empty block (its position is then ``starts``)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(samples, generator=gen, dtype=torch.float64).to(sizes.device)
+    parts = (torch.arange(samples, device=sizes.device, dtype=torch.float64) + u) / samples
+    offset = (parts * sizes[..., None].double()).floor().long()
+    offset = torch.minimum(offset, (sizes[..., None] - 1).clamp(min=0))
+    weight = (sizes > 0)[..., None].expand(*sizes.shape, samples).float()
+    return starts[..., None] + offset, weight
