@@ -205,7 +205,7 @@ def cluster_split(method, ctx, q, k, dense_ms, args, cuda):
         ctx.state[key] = stored
     warm_ms = common.time_fn(lambda: method.cluster(ctx, q, k), args.runs, args.warmup, cuda)
     clusters = method.cluster(ctx, q, k)
-    score_ms = common.time_fn(lambda: method.plan_from_clusters(ctx, clusters, q), args.runs, args.warmup, cuda)
+    score_ms = common.time_fn(lambda: method.plan_from_clusters(ctx, clusters, q, k), args.runs, args.warmup, cuda)
     return {"cluster_ms": warm_ms, "cluster_cold_ms": cold_ms, "score_ms": score_ms,
             "cluster_over_dense": (warm_ms + score_ms) / dense_ms, "cold_over_dense": (cold_ms + score_ms) / dense_ms}
 

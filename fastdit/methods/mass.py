@@ -70,3 +70,67 @@ def stratified_rows(starts, sizes, samples, seed=0):
     offset = torch.minimum(offset, (sizes[..., None] - 1).clamp(min=0))
     weight = (sizes > 0)[..., None].expand(*sizes.shape, samples).float()
     return starts[..., None] + offset, weight
+
+
+def _segment_sum(x, blocks, n_blocks):
+    """Sum of ``x`` ``(B, H, L, ...)`` per key block: ``(B, H, n_blocks, ...)``; ``blocks`` an int
+    (contiguous blocks) or a long ``(B, H, L)`` index."""
+    if isinstance(blocks, int):
+        return x.view(*x.shape[:2], n_blocks, blocks, *x.shape[3:]).sum(3)
+    out = x.new_zeros(*x.shape[:2], n_blocks, *x.shape[3:])
+    index = blocks.view(*blocks.shape, *([1] * (x.dim() - 3))).expand_as(x)
+    return out.scatter_add_(2, index, x)
+
+
+def block_moments(k, key_valid, blocks, n_blocks):
+    """Per key block of ``k`` ``(B, H, L, D)`` over its valid keys: ``(mean, var, count)`` float32,
+    ``(B, H, n, D)``, ``(B, H, n, D)`` (per-dim variance) and ``(B|1, 1|H, n)``."""
+    weight = torch.ones(1, 1, k.shape[2], device=k.device) if key_valid is None else \
+        key_valid.to(torch.float32)[:, None, :]
+    if not isinstance(blocks, int):
+        weight = weight.expand(blocks.shape).contiguous()
+    count = _segment_sum(weight, blocks, n_blocks)
+    x = k.float() * weight[..., None]
+    safe = count.clamp_min(1.0)[..., None]
+    mean = _segment_sum(x, blocks, n_blocks) / safe
+    var = (_segment_sum(x * k.float(), blocks, n_blocks) / safe - mean.square()).clamp_min_(0.0)
+    return mean, var, count
+
+
+def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, query_valid=None, spread=True):
+    """Predicted mass of every query row on every key block, averaged per query block: float32
+    ``(B, H, n_q, n_k)`` (rows summing to 1; 0 for a query block without a valid row).
+
+    Row ``i``'s predicted mass on key block ``j`` (``n_j`` valid keys, mean ``kbar_j``, per-dim
+    variance ``var_j``) is ``softmax_j(scale q_i . kbar_j + log n_j + c_ij)`` with the key-spread
+    term ``c_ij = (scale^2 / 2) sum_d q_id^2 var_jd`` (``spread=True``): the second-order (log-normal)
+    estimate of ``log mean_{k in j} exp(scale q_i . (k - kbar_j))``, exact when the scores of a
+    block are Gaussian with independent dims; without it the softmax estimates ``n_j exp(mean
+    score)``, which Jensen's inequality puts below the true block sum. Every query row is scored
+    (``n_k`` scores per row: ``n_k / L`` of dense attention's, twice with ``spread``), so a query
+    block whose rows attend to different key blocks gets all of them (its mean is exact in the
+    rows; only the within-key-block spread is modelled). ``q_blocks`` / ``k_blocks``: an int
+    (contiguous blocks of that size) or a long ``(B, H, L)`` block index; ``query_valid``
+    ``(B|1, S)``: rows left out of the mean."""
+    batch, heads, seq, dim = q.shape
+    mean, var, count = block_moments(k, key_valid, k_blocks, n_k)
+    log_count = torch.where(count > 0, count.clamp_min(1.0).log(), torch.full_like(count, float("-inf")))
+    weight = torch.ones(1, 1, seq, device=q.device) if query_valid is None else \
+        query_valid.to(torch.float32)[:, None, :]
+    if not isinstance(q_blocks, int):
+        weight = weight.expand(q_blocks.shape).contiguous()
+    out = torch.zeros(batch, heads, n_q, n_k, dtype=torch.float32, device=q.device)
+    chunk = max(1, SCORE_BUDGET // max(1, batch * seq * n_k))
+    for h0 in range(0, heads, chunk):
+        h1 = min(heads, h0 + chunk)
+        qh = q[:, h0:h1].float()
+        logits = (qh @ mean[:, h0:h1].transpose(-1, -2)).mul_(scale) + log_count[:, h0:h1, None, :] \
+            if log_count.shape[1] > 1 else (qh @ mean[:, h0:h1].transpose(-1, -2)).mul_(scale) + log_count[:, :, None, :]
+        if spread:
+            logits += (qh.square() @ var[:, h0:h1].transpose(-1, -2)).mul_(0.5 * scale * scale)
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        w = weight if weight.shape[1] == 1 else weight[:, h0:h1]
+        qb = q_blocks if isinstance(q_blocks, int) else q_blocks[:, h0:h1]
+        out[:, h0:h1] = _segment_sum(probs * w[..., None], qb, n_q)
+    rows = _segment_sum(weight[..., None], q_blocks, n_q)  # (B|1, 1|H, n_q, 1)
+    return out / rows.clamp_min(1.0)

@@ -46,12 +46,12 @@ from fastdit.plan import BlockPlan
 
 from .base import option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .mass import row_block_masses, stratified_rows
+from .mass import row_block_masses, rowwise_block_masses, stratified_rows
 from .sta import choose_tile, padding_fraction, tile_permutation
 
 VIDEO_TILE = (2, 8, 8)
 #: How block masses are predicted (``SpargeConfig.estimator``).
-ESTIMATORS = ("rows", "pooled")
+ESTIMATORS = ("rowwise", "sampled", "pooled")
 IMAGE_TILE = (1, 8, 16)
 
 
@@ -88,10 +88,11 @@ class SpargeConfig(BlockSparseConfig):
                                 "use cdf", range=(0.0, 1.0), widget="number")
     min_blocks: int = option(1, "at least this many key blocks per query block", range=(1, None), widget="number")
     sink: bool = option(False, "always keep the first key block (attention sink)", widget="checkbox")
-    estimator: str = option("rows", "how block masses are predicted: 'rows' (exact masses of a few sampled query "
-                            "rows per block) or 'pooled' (softmax of mean-pooled scores, SpargeAttn's)",
-                            choices=("rows", "pooled"), widget="dropdown")
-    mass_rows: int = option(4, "estimator='rows': query rows sampled per query block", range=(1, None),
+    estimator: str = option("rowwise", "how block masses are predicted: 'rowwise' (every query row against each key "
+                            "block's mean and spread), 'sampled' (exact masses of a few sampled rows per block) or "
+                            "'pooled' (softmax of mean-pooled scores, SpargeAttn's)",
+                            choices=ESTIMATORS, widget="dropdown")
+    mass_rows: int = option(4, "estimator='sampled': query rows sampled per query block", range=(1, None),
                             widget="number")
 
     def validate(self):
@@ -143,7 +144,8 @@ def select_blocks(probs, forced_keys, full_rows, config, n_blocks, forced_first=
     """``(kv_indices, kv_counts)`` int32 from predicted block scores ``probs`` ``(B, H, n, n)``,
     key blocks always kept ``forced_keys`` ``(B|1, H|1, n)`` and query blocks kept whole
     ``full_rows`` ``(B|1, H|1, n)``: the rule of the module docstring, kept blocks in score order.
-    ``forced_first``: the forced key blocks rank first, so their mass counts toward ``cdf``."""
+    ``forced_first``: the forced key blocks rank first, so their mass counts toward ``cdf``.
+    Also returns the predicted kept mass per query block ``(B, H, n)`` float32."""
     if forced_first:
         forced = forced_keys[..., None, :].expand_as(probs)
         order = torch.where(forced, probs + 2.0, probs).sort(dim=-1, descending=True).indices
@@ -162,10 +164,13 @@ def select_blocks(probs, forced_keys, full_rows, config, n_blocks, forced_first=
     keep = rank < count[..., None]  # in score order
     keep = keep | forced_keys[..., None, :].expand_as(probs).gather(-1, order) | full_rows[..., None]
     kv_counts = keep.sum(-1, dtype=torch.int32)
+    # predicted kept mass per query block (1 for a row kept whole)
+    predicted = torch.where(full_rows.expand(probs.shape[:-1]), torch.ones_like(sorted_probs[..., 0]),
+                            (sorted_probs * keep).sum(-1))
     # Kept blocks first, each group still in descending score (a stable sort of the keep flags).
     position = (~keep).to(torch.uint8).sort(dim=-1, stable=True).indices
     kv_indices = order.gather(-1, position).to(torch.int32)
-    return kv_indices, kv_counts
+    return kv_indices, kv_counts, predicted
 
 
 @register_method
@@ -227,10 +232,14 @@ class Sparge(BlockSparseMethod):
         q_mean, q_sim, _ = pooled_blocks(q_kernel, query_ok, block)
         text_blocks, always = static.info["text_blocks"], static.info["always_keys"]
         full_rows = text_blocks | (q_sim < self.config.simthresh)
-        rows = self.config.estimator == "rows"
-        if rows:  # exact masses of sampled rows; key blocks are scored whole, so they need no guard
+        rows = self.config.estimator != "pooled"
+        if rows:  # every key is in its block's estimate (mean and spread), so key blocks need no guard
             k_sim = None
-            probs = self.row_estimate(static, q_kernel, k_kernel, query_ok, key_ok, scale)
+            if self.config.estimator == "sampled":
+                probs = self.row_estimate(static, q_kernel, k_kernel, query_ok, key_ok, scale)
+            else:
+                probs = rowwise_block_masses(q_kernel, k_kernel, key_ok, block, n_blocks, block, n_blocks, scale,
+                                             query_ok)
             forced_keys = always
         else:
             k_mean, k_sim, k_count = pooled_blocks(k_kernel, key_ok, block)
@@ -238,18 +247,21 @@ class Sparge(BlockSparseMethod):
             scores = scores.masked_fill((k_count == 0)[..., None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no valid key: all 0
             forced_keys = always | (k_sim < self.config.simthresh)
-        kv_indices, kv_counts = select_blocks(probs, forced_keys, full_rows, self.config, n_blocks, forced_first=rows)
+        kv_indices, kv_counts, kept = select_blocks(probs, forced_keys, full_rows, self.config, n_blocks,
+                                                    forced_first=rows)
+        rows_per_block = query_ok.view(query_ok.shape[0], 1, n_blocks, block).float().sum(-1)  # (B|1, 1, n)
+        predicted = (kept * rows_per_block).sum(-1) / rows_per_block.sum(-1).clamp_min(1.0)
         # A shallow copy keeps the static permutation and its inverse (rebuilding the plan would
         # recompute them, with a host synchronisation).
         plan = copy.copy(static)
         plan.__dict__.pop("density", None)
         plan.kv_indices, plan.kv_counts, plan.dynamic = kv_indices, kv_counts, True
-        plan.info = {"tile": static.info["tile"]}
+        plan.info = {"tile": static.info["tile"], "predicted_mass": predicted}
         return plan, {"probs": probs, "q_similarity": q_sim, "k_similarity": k_sim, "forced_keys": forced_keys,
                       "full_rows": full_rows}
 
     def row_estimate(self, static, q_kernel, k_kernel, query_ok, key_ok, scale):
-        """``estimator="rows"``: ``P[m, j]`` float32 ``(B, H, n, n)``, the mean over query block
+        """``estimator="sampled"``: ``P[m, j]`` float32 ``(B, H, n, n)``, the mean over query block
         ``m``'s sampled rows of their exact mass on key block ``j`` (``fastdit.methods.mass``)."""
         block, n_blocks = static.block_m, static.num_kv_blocks
         rows, weight = static.info["sample_rows"], static.info["sample_weight"]

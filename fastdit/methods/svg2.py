@@ -71,7 +71,10 @@ from fastdit.plan import BlockPlan
 from .base import option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .kmeans import kmeans, spread_init
+from .mass import row_block_masses, rowwise_block_masses, stratified_rows
 
+#: How cluster masses are predicted (``SVG2Config.estimator``).
+ESTIMATORS = ("rowwise", "sampled", "centroids")
 #: ``ctx.state`` key of the warm-start centroids.
 STATE_KEY = "svg2_centroids"
 
@@ -116,10 +119,16 @@ class SVG2Config(BlockSparseConfig):
                               widget="checkbox")
     min_kc_ratio: float = option(0.0, "keep at least this fraction of the key clusters per query cluster (SVG2: 0.1)",
                                  range=(0.0, 1.0), widget="slider")
+    estimator: str = option("rowwise", "how cluster masses are predicted: 'rowwise' (every query row against each "
+                            "key cluster's mean and spread), 'sampled' (exact masses of a few sampled rows per query "
+                            "cluster) or 'centroids' (softmax of centroid scores, SVG2's)",
+                            choices=ESTIMATORS, widget="dropdown")
+    mass_rows: int = option(4, "estimator='sampled': query rows sampled per query cluster", range=(1, None),
+                            widget="number")
 
     def validate(self):
         super().validate()
-        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters"):
+        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters", "mass_rows"):
             _int_at_least_one(self, name)
         value = self.top_p
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
@@ -133,6 +142,8 @@ class SVG2Config(BlockSparseConfig):
             raise ValueError(f"min_kc_ratio must be a number in [0, 1] (fraction of the key clusters always kept), "
                              f"got {value!r}")
         self.min_kc_ratio = float(value)
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"warm_start must be True or False, got {self.warm_start!r}")
         if self.skip_threshold is not None:
@@ -151,16 +162,27 @@ def cluster_scores(q_centroids, k_centroids, k_sizes, scale):
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def select_clusters(probs, top_p, min_kc_ratio=0.0):
+def select_clusters(probs, top_p, min_kc_ratio=0.0, kept_before=None):
     """``(order, counts)``: key clusters of each query cluster in descending ``p`` (long
     ``(G, Cq, Ck)``) and how many of them are kept (long ``(G, Cq)``, >= 1 and >=
-    ``ceil(min_kc_ratio * Ck)``)."""
+    ``ceil(min_kc_ratio * Ck)``). ``kept_before`` ``(G, Cq)``: predicted mass already kept
+    whatever the selection (the text keys, with ``estimator="rows"``), counted toward ``top_p``."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     clusters = probs.shape[-1]
     if top_p >= 1.0:  # every cluster, whatever the float rounding of the cumulative sum
         return order, torch.full(probs.shape[:-1], clusters, dtype=torch.long, device=probs.device)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the higher-ranked clusters
+    if kept_before is not None:
+        before = before + kept_before[..., None]
     return order, (before < top_p).sum(-1).clamp(min=max(1, math.ceil(min_kc_ratio * clusters - 1e-9)))
+
+
+def predicted_kept(probs, order, counts, kept_before=None):
+    """Predicted kept mass per query cluster ``(G, Cq)``: the ``counts`` top clusters' ``p`` (plus
+    ``kept_before``)."""
+    used = torch.arange(probs.shape[-1], device=probs.device) < counts[..., None]
+    kept = (probs.gather(-1, order) * used).sum(-1)
+    return kept if kept_before is None else kept + kept_before
 
 
 def block_lists(order, counts, has_text):
@@ -379,32 +401,68 @@ class SparseVideoGen2(BlockSparseMethod):
             ctx.state[STATE_KEY] = {"key": key, "q": q_centroids, "k": k_centroids}
         return Clusters(q_labels, k_labels, q_centroids, k_centroids, k_sizes, warm, iters)
 
-    def plan_from_clusters(self, ctx, clusters, q):
-        """Scoring, selection and the ``ClusterPlan`` of this call from its clustering."""
+    def plan_from_clusters(self, ctx, clusters, q, k=None):
+        """Scoring, selection and the ``ClusterPlan`` of this call from its clustering (``k`` is
+        needed by ``estimator="rows"``)."""
         layout = ctx.layout
         batch, heads, seq, dim = q.shape
         scale = 1.0 / math.sqrt(dim) if ctx.scale is None else ctx.scale
-        probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
-        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio)
-        has_text = layout.text_len > 0
-        kv_indices, kv_counts = block_lists(order, counts, has_text)
         video, text = layout.video_positions(q.device), layout.text_positions(q.device)
-        cq, ck = probs.shape[1:]
+        cq, ck = clusters.q_centroids.shape[1], clusters.k_centroids.shape[1]
         q_order, q_offsets, q_blocks = cluster_permutation(clusters.q_labels, cq, video, text)
         k_order, k_offsets, k_blocks = cluster_permutation(clusters.k_labels, ck, video, text)
 
         def per_head(t):
             return t.view(batch, heads, *t.shape[1:])
 
+        text_mass = None
+        if self.config.estimator != "centroids":
+            if k is None:
+                raise ValueError(f"svg2 with estimator={self.config.estimator!r} scores query rows against the keys: "
+                                 f"pass k")
+            if self.config.estimator == "sampled":
+                probs, text_mass = self.row_estimate(ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale)
+            else:
+                probs = rowwise_block_masses(q, k, ctx.key_mask, per_head(q_blocks), cq + 1, per_head(k_blocks),
+                                             ck + 1, scale, ctx.query_mask).view(batch * heads, cq + 1, ck + 1)
+                probs, text_mass = probs[:, :cq, :ck], probs[:, :cq, ck]
+        else:
+            probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
+        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio, text_mass)
+        q_sizes = q_offsets.diff(dim=-1)[:, :cq].double()
+        predicted = (predicted_kept(probs, order, counts, text_mass).double() * q_sizes).sum(-1)
+        predicted = predicted / q_sizes.sum(-1).clamp_min(1.0)  # per (batch, head), over video query rows
+        has_text = layout.text_len > 0
+        kv_indices, kv_counts = block_lists(order, counts, has_text)
+
         return ClusterPlan(
             kv_indices=per_head(kv_indices), kv_counts=per_head(kv_counts), block_m=1, block_n=1, seq_len=seq,
             name=f"svg2_q{cq}_k{ck}_p{self.config.top_p:g}", dynamic=True,
             info={"q_clusters": cq, "k_clusters": ck, "warm": clusters.warm, "iters": clusters.iters,
-                  "scores": per_head(probs)},
+                  "scores": per_head(probs), "predicted_mass": predicted.view(batch, heads)},
             q_order=per_head(q_order), q_inverse=per_head(inverse_order(q_order)), k_order=per_head(k_order),
             q_offsets=per_head(q_offsets), k_offsets=per_head(k_offsets), q_blocks=per_head(q_blocks),
             k_blocks=per_head(k_blocks))
 
     def select(self, ctx, q, k):
         """The ``ClusterPlan`` of this call: clustering, then scoring and selection."""
-        return self.plan_from_clusters(ctx, self.cluster(ctx, q, k), q)
+        return self.plan_from_clusters(ctx, self.cluster(ctx, q, k), q, k)
+
+    def row_estimate(self, ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale):
+        """``estimator="sampled"``: ``(p (G, Cq, Ck), text mass (G, Cq))`` float32: per query cluster,
+        the mean over ``mass_rows`` sampled member rows (stratified over the cluster, see
+        ``fastdit.methods.mass``) of their exact softmax mass on each key cluster and on the text."""
+        batch, heads, seq, dim = q.shape
+        groups = batch * heads
+        starts = q_offsets[:, :cq].long()
+        positions, weight = stratified_rows(starts, q_offsets.diff(dim=-1)[:, :cq].long(), self.config.mass_rows)
+        rows = q_order.gather(1, positions.reshape(groups, -1))  # model tokens (G, Cq * s)
+        if ctx.query_mask is not None:
+            ok = ctx.query_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, seq)
+            weight = weight * ok.reshape(groups, seq).gather(1, rows).view_as(weight).float()
+        q_rows = q.reshape(groups, seq, dim).gather(1, rows[..., None].expand(-1, -1, dim))
+        key_valid = None if ctx.key_mask is None else ctx.key_mask.to(device=q.device, dtype=torch.bool)
+        masses = row_block_masses(q_rows.view(batch, heads, -1, dim), k, key_valid, k_blocks.view(batch, heads, seq),
+                                  ck + 1, scale).view(groups, cq, -1, ck + 1)
+        probs = (masses * weight[..., None]).sum(2) / weight.sum(-1).clamp_min(1.0)[..., None]
+        return probs[..., :ck], probs[..., ck]
