@@ -431,7 +431,7 @@ class SparseVideoGen2(BlockSparseMethod):
         order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio, text_mass)
         q_sizes = q_offsets.diff(dim=-1)[:, :cq].double()
         predicted = (predicted_kept(probs, order, counts, text_mass).double() * q_sizes).sum(-1)
-        predicted = predicted / q_sizes.sum(-1).clamp_min(1.0)  # per (batch, head), over video query rows
+        predicted = (predicted + layout.text_len) / seq  # per (batch, head), over all rows (text rows keep all)
         has_text = layout.text_len > 0
         kv_indices, kv_counts = block_lists(order, counts, has_text)
 
