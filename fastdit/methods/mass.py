@@ -134,3 +134,29 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
         out[:, h0:h1] = _segment_sum(probs * w[..., None], qb, n_q)
     rows = _segment_sum(weight[..., None], q_blocks, n_q)  # (B|1, 1|H, n_q, 1)
     return out / rows.clamp_min(1.0)
+
+
+def representative_rows(x, valid, samples):
+    """``(rows, weight)`` float32: per block of ``x`` ``(B, H, n, b, D)`` (contiguous blocks of ``b``
+    rows), ``samples`` representative rows chosen by farthest-point sampling (the first: the valid
+    row nearest the block's mean; each next: the valid row farthest from those chosen) and each
+    one's weight, the number of valid rows nearest to it. ``valid`` ``(B|1, n, b)`` bool. Rows
+    ``(B, H, n, samples)`` index ``b``; a block without a valid row gets weight 0."""
+    xf = x.float()
+    batch, heads, n, b, _ = x.shape
+    ok = valid[:, None].expand(batch, heads, n, b)
+    mean = (xf * ok[..., None]).sum(3, keepdim=True) / ok.sum(3, keepdim=True).clamp_min(1)[..., None]
+    far = torch.full(ok.shape, -1.0, device=x.device)
+    nearest = ((xf - mean).square().sum(-1)).masked_fill(~ok, float("inf")).argmin(-1)
+    rows = [nearest]
+    best = torch.full(ok.shape, float("inf"), device=x.device)
+    for _ in range(samples - 1):
+        chosen = xf.gather(3, rows[-1][..., None, None].expand(batch, heads, n, 1, xf.shape[-1]))
+        best = torch.minimum(best, (xf - chosen).square().sum(-1))
+        rows.append(torch.where(ok, best, far).argmax(-1))
+    rows = torch.stack(rows, -1)  # (B, H, n, s)
+    chosen = xf.gather(3, rows[..., None].expand(*rows.shape, xf.shape[-1]))  # (B, H, n, s, D)
+    distance = torch.cdist(xf, chosen)  # (B, H, n, b, s)
+    owner = distance.argmin(-1)
+    weight = torch.zeros(*rows.shape, device=x.device).scatter_add_(-1, owner, ok.float())
+    return rows, weight

@@ -46,12 +46,15 @@ from fastdit.plan import BlockPlan
 
 from .base import option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .mass import row_block_masses, rowwise_block_masses, stratified_rows
+from .mass import representative_rows, row_block_masses, rowwise_block_masses
 from .sta import choose_tile, padding_fraction, tile_permutation
 
 VIDEO_TILE = (2, 8, 8)
 #: How block masses are predicted (``SpargeConfig.estimator``).
-ESTIMATORS = ("rowwise", "sampled", "pooled")
+ESTIMATORS = ("sampled", "rowwise", "pooled")
+#: ``simthresh`` when left None: SpargeAttn's 0.6 guards its pooled estimate; the other estimators
+#: score every key (and represent every kind of query row), so they need no guard (-1: off).
+SIMTHRESH = {"pooled": 0.6, "sampled": -1.0, "rowwise": -1.0}
 IMAGE_TILE = (1, 8, 16)
 
 
@@ -80,19 +83,20 @@ class SpargeConfig(BlockSparseConfig):
 
     tile: tuple | None = option(None, "target tokens per block (tt, th, tw), fitted to each grid; empty: 2x8x8 "
                                 "(1x8x16 for images)", widget="triple")
-    simthresh: float = option(0.6, "blocks less self-similar than this (mean cosine to the block mean) are never "
-                              "skipped", range=(-1.0, 1.0), widget="slider")
+    simthresh: float | None = option(None, "blocks less self-similar than this (mean cosine to the block mean) are "
+                                     "never skipped; empty: 0.6 with estimator='pooled', off (-1) otherwise",
+                                     range=(-1.0, 1.0), widget="slider")
     cdf: float = option(0.95, "keep the fewest top-scoring key blocks whose predicted mass reaches this",
                         range=(0.0, 1.0), widget="slider")
     topk: float | None = option(None, "instead of cdf: keep this fraction of key blocks per query block; empty: "
                                 "use cdf", range=(0.0, 1.0), widget="number")
     min_blocks: int = option(1, "at least this many key blocks per query block", range=(1, None), widget="number")
     sink: bool = option(False, "always keep the first key block (attention sink)", widget="checkbox")
-    estimator: str = option("rowwise", "how block masses are predicted: 'rowwise' (every query row against each key "
-                            "block's mean and spread), 'sampled' (exact masses of a few sampled rows per block) or "
-                            "'pooled' (softmax of mean-pooled scores, SpargeAttn's)",
+    estimator: str = option("sampled", "how block masses are predicted: 'sampled' (exact masses of a few "
+                            "representative rows per block), 'rowwise' (every query row against each key block's mean "
+                            "and spread) or 'pooled' (softmax of mean-pooled scores, SpargeAttn's)",
                             choices=ESTIMATORS, widget="dropdown")
-    mass_rows: int = option(4, "estimator='sampled': query rows sampled per query block", range=(1, None),
+    mass_rows: int = option(4, "estimator='sampled': representative query rows per query block", range=(1, None),
                             widget="number")
 
     def validate(self):
@@ -103,8 +107,9 @@ class SpargeConfig(BlockSparseConfig):
             ):
                 raise ValueError(f"tile must be three positive ints (tt, th, tw), got {self.tile!r}")
             self.tile = tuple(self.tile)
-        if not _number(self.simthresh) or not -1.0 <= self.simthresh <= 1.0:
-            raise ValueError(f"simthresh must be a number in [-1, 1] (a cosine similarity), got {self.simthresh!r}")
+        if self.simthresh is not None and (not _number(self.simthresh) or not -1.0 <= self.simthresh <= 1.0):
+            raise ValueError(f"simthresh must be a number in [-1, 1] (a cosine similarity) or None (by estimator), "
+                             f"got {self.simthresh!r}")
         if not _number(self.cdf) or not 0.0 < self.cdf <= 1.0:
             raise ValueError(f"cdf must be a number in (0, 1] (predicted attention mass kept), got {self.cdf!r}")
         if self.topk is not None and (not _number(self.topk) or not 0.0 < self.topk <= 1.0):
@@ -201,18 +206,18 @@ class Sparge(BlockSparseMethod):
         text_blocks[n_video:] = True
         sink = torch.zeros(n_blocks, dtype=torch.bool)
         sink[0] = self.config.sink
-        # estimator="rows": mass_rows valid slots per block, stratified over the block's valid slots
-        valid = (perm >= 0).view(n_blocks, block)
-        slots = (~valid).to(torch.uint8).sort(dim=1, stable=True).indices  # valid slots first, in order
-        local, weight = stratified_rows(torch.zeros(n_blocks, dtype=torch.long), valid.sum(1), self.config.mass_rows)
-        sample_rows = torch.arange(n_blocks)[:, None] * block + slots.gather(1, local)
         return BlockPlan(
             kv_indices=indices.to(device), kv_counts=counts.to(device), block_m=block, block_n=block,
             seq_len=layout.seq_len, perm=perm.to(device), kv_valid=(perm >= 0)[None].to(device),
             padding_fraction=padding_fraction(layout.grid, tile), name=f"sparge_t{'x'.join(map(str, tile))}",
-            info={"tile": tile, "text_blocks": text_blocks.to(device), "always_keys": (text_blocks | sink).to(device),
-                  "sample_rows": sample_rows.to(device), "sample_weight": weight.to(device)},
+            info={"tile": tile, "text_blocks": text_blocks.to(device), "always_keys": (text_blocks | sink).to(device)},
         )
+
+    @property
+    def simthresh(self):
+        """The self-similarity threshold in force (``SIMTHRESH`` by estimator when left None)."""
+        value = self.config.simthresh
+        return SIMTHRESH[self.config.estimator] if value is None else value
 
     def select(self, ctx, q, k):
         static = self.prepared(ctx.layout, 1, q.device)
@@ -231,7 +236,8 @@ class Sparge(BlockSparseMethod):
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         q_mean, q_sim, _ = pooled_blocks(q_kernel, query_ok, block)
         text_blocks, always = static.info["text_blocks"], static.info["always_keys"]
-        full_rows = text_blocks | (q_sim < self.config.simthresh)
+        simthresh = self.simthresh
+        full_rows = text_blocks | (q_sim < simthresh)
         rows = self.config.estimator != "pooled"
         if rows:  # every key is in its block's estimate (mean and spread), so key blocks need no guard
             k_sim = None
@@ -246,9 +252,9 @@ class Sparge(BlockSparseMethod):
             scores = (q_mean @ k_mean.transpose(-1, -2)) * scale
             scores = scores.masked_fill((k_count == 0)[..., None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no valid key: all 0
-            forced_keys = always | (k_sim < self.config.simthresh)
+            forced_keys = always | (k_sim < simthresh)
         kv_indices, kv_counts, kept = select_blocks(probs, forced_keys, full_rows, self.config, n_blocks,
-                                                    forced_first=rows)
+                                                    forced_first=rows and self.config.topk is None)
         rows_per_block = query_ok.view(query_ok.shape[0], 1, n_blocks, block).float().sum(-1)  # (B|1, 1, n)
         predicted = (kept * rows_per_block).sum(-1) / rows_per_block.sum(-1).clamp_min(1.0)
         # A shallow copy keeps the static permutation and its inverse (rebuilding the plan would
@@ -261,13 +267,17 @@ class Sparge(BlockSparseMethod):
                       "full_rows": full_rows}
 
     def row_estimate(self, static, q_kernel, k_kernel, query_ok, key_ok, scale):
-        """``estimator="sampled"``: ``P[m, j]`` float32 ``(B, H, n, n)``, the mean over query block
-        ``m``'s sampled rows of their exact mass on key block ``j`` (``fastdit.methods.mass``)."""
+        """``estimator="sampled"``: ``P[m, j]`` float32 ``(B, H, n, n)``: ``mass_rows`` representative
+        rows of query block ``m`` (``mass.representative_rows``: farthest-point samples of its
+        queries, each weighted by the rows nearest to it) scored exactly against every key; the
+        weighted mean of their masses on key block ``j``."""
         block, n_blocks = static.block_m, static.num_kv_blocks
-        rows, weight = static.info["sample_rows"], static.info["sample_weight"]
-        flat = rows.reshape(-1)
-        weight = weight[None] * query_ok[:, flat].view(-1, *rows.shape).float()  # (B|1, n, s)
-        masses = row_block_masses(q_kernel.index_select(2, flat), k_kernel, key_ok, block, n_blocks, scale)
-        masses = masses.view(*masses.shape[:2], n_blocks, rows.shape[1], n_blocks)
+        batch, heads, length, dim = q_kernel.shape
+        blocks = q_kernel.view(batch, heads, n_blocks, block, dim)
+        rows, weight = representative_rows(blocks, query_ok.view(-1, n_blocks, block), self.config.mass_rows)
+        flat = (rows + torch.arange(n_blocks, device=rows.device)[:, None] * block).view(batch, heads, -1)
+        q_rows = q_kernel.gather(2, flat[..., None].expand(-1, -1, -1, dim))
+        masses = row_block_masses(q_rows, k_kernel, key_ok, block, n_blocks, scale)
+        masses = masses.view(batch, heads, n_blocks, rows.shape[-1], n_blocks)
         total = weight.sum(-1).clamp_min(1.0)
-        return (masses * weight[:, None, :, :, None]).sum(3) / total[:, None, :, None]
+        return (masses * weight[..., None]).sum(3) / total[..., None]
