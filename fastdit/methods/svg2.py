@@ -18,14 +18,32 @@ once, on the device, no host synchronisation):
 2. Permutation: queries are sorted by query cluster, keys (and values) by key cluster (a stable
    sort: model order inside a cluster), so every cluster is a contiguous variable-size block; the
    text / conditioning tokens follow in one query block and one key block of their own.
-3. Scoring: with centroids ``cq_m``, ``ck_j`` and ``n_j`` valid keys in key cluster ``j``,
+3. Scoring: ``p[m, j]``, the mass query cluster ``m`` puts on key cluster ``j``, by ``estimator``:
+
+   * ``"rowwise"`` (default): every video query row ``i`` of the cluster is scored against each
+     key cluster's mean ``kbar_j`` and per-dim variance ``var_j`` over its ``n_j`` valid keys
+     (and the text keys as one more block), ``p_i(j) = softmax_j(scale q_i . kbar_j + log n_j +
+     (scale^2 / 2) sum_d q_id^2 var_jd)``, and ``p[m, j]`` is the mean of ``p_i(j)`` over the
+     cluster's rows (``mass.rowwise_block_masses``). What it assumes: scores inside a key cluster
+     spread about as a Gaussian (second order); k-means keeps key clusters tight, which is where
+     this holds. A query cluster whose rows attend to different key clusters gets all of them
+     (every row counts). Cost: ``2 Ck`` scores per query row, ``2 Ck / S`` of dense's;
+   * ``"sampled"``: ``mass_rows`` rows per query cluster (stratified over the cluster) scored
+     exactly against every key, their masses averaged (``mass.row_block_masses``);
+   * ``"centroids"`` (SVG2's)::
 
        p[m, j] = n_j exp(scale cq_m . ck_j) / sum_j' n_j' exp(scale cq_m . ck_j')
 
-   (the softmax of centroid scores, each key cluster counted ``n_j`` times; empty key clusters get
-   0). This predicts the attention mass query cluster ``m`` puts on key cluster ``j``.
+     (the softmax of centroid scores, each key cluster counted ``n_j`` times; empty key clusters
+     get 0). It estimates ``exp(mean score)``, far below the mean of ``exp(score)`` when a head is
+     sharper than a cluster, and a whole query cluster's mass from its centroid, so on sharp
+     heads it keeps far less than ``top_p`` (issue 23: 0.53 true mass at ``top_p = 0.9`` on a
+     temporal head).
+
+   ``plan.info["predicted_mass"]`` ``(B, H)``: the predicted kept mass, mean over query rows.
 4. Selection: per query cluster, the key clusters in descending ``p``, keeping the fewest whose
-   cumulative ``p`` reaches ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
+   cumulative ``p`` (plus, with the measured estimators, the text keys' mass, always kept) reaches
+   ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
    least 1, and at least ``ceil(min_kc_ratio * Ck)``: SVG2's floor, 0.10 in its scripts, default 0
    here); ``top_p = 1`` keeps every key cluster (dense attention, exactly). Every video query
    cluster also keeps the text key block; the text query block keeps every key block: text rows
@@ -38,7 +56,7 @@ Cluster counts are clamped per call to the number of video tokens (the video len
 at call time, as svg's ``n_samples``); counts < 1 are refused when the method is configured.
 
 Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2 uses 100 / 100 on Wan 720p and
-400 / 1000 on HunyuanVideo 720p), ``top_p = 0.9``, ``kmeans_iters = 2`` (SVG2's
+400 / 1000 on HunyuanVideo 720p), ``top_p = 0.9``, ``estimator = "rowwise"``, ``kmeans_iters = 2`` (SVG2's
 ``kmeans_iter_step``), ``init_iters = 20`` (SVG2: 50), ``dense_steps = 0.25``, ``dense_layers = 1``.
 
 Corrections: ``correction="cached"`` works (its complement plan keeps the offsets and lists the
@@ -48,11 +66,11 @@ cluster (``corrections.pooled_correction`` through ``ClusterPlan.token_blocks``)
 (query, dropped key cluster), ``Ck / S`` of dense attention's scores. ``skip_threshold`` is a
 rule of the fixed-block engine and is refused when configured.
 
-Known weakness (structured benchmark inputs, ``eval/bench_methods.py``): the centroid scores
-predict a whole query cluster's mass; when a query cluster is much wider than its queries'
-attention (very local heads, few query clusters) the queries at its edge lose most of their mass,
-so pure ``top_p`` can keep too little; ``min_kc_ratio`` (SVG2's floor) and more query clusters
-help.
+Known weakness of ``estimator="centroids"`` (structured benchmark inputs,
+``eval/bench_methods.py``): the centroid scores predict a whole query cluster's mass; when a query
+cluster is much wider than its queries' attention (very local heads, few query clusters) the
+queries at its edge lose most of their mass, so pure ``top_p`` can keep too little;
+``min_kc_ratio`` (SVG2's floor) and more query clusters help. ``"rowwise"`` scores every row.
 
 Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
 token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
