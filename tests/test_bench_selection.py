@@ -1,11 +1,11 @@
-"""bench_selection: the oracle's block masks against direct checks, and a short run of the benchmark."""
+"""eval.bench.selection: the oracle's block masks against direct checks, and a short run of the benchmark."""
 from __future__ import annotations
 
 import json
 
 import torch
 
-from fastdit.eval import bench_selection as bench
+from fastdit.eval.bench import selection as bench
 
 
 def test_oracle_masks_fit_the_budget_and_keep_the_most_mass():

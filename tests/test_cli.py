@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdit.cli import main
-from fastdit.cli_common import parse_options, parse_value
+from fastdit.cli.common import parse_options, parse_value
 
 
 def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
@@ -28,6 +28,9 @@ def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
     assert sta["latency_s"] > 0 and sta["speedup"] > 0 and 0 < sta["ssim"] <= 1 and sta["psnr_db"] > 0
     assert 0 < sta["density"] < 1 and sta["padding_fraction"] >= 0
     for run in report["runs"]:
+        load = run["load"]  # the machine's load around the timed call (fastdit.cpu_load)
+        assert load["cpu_count"] >= 1 and load["own_cores"] >= 0 and load["wall_s"] > 0
+        assert load["before"] is None or (set(load["before"]) == {"1m", "5m", "15m"} and isinstance(load["shared"], bool))
         data = open(run["video"], "rb").read()
         assert b"avc1" in data[:4096] or b"avc1" in data  # H.264 in an mp4 container
 
@@ -51,7 +54,7 @@ def no_model(monkeypatch):
     """Fail the test if a pipeline is loaded or built."""
     import fastdit.pipelines.loading as loading
     import fastdit.pipelines.tiny as tiny
-    from fastdit.eval import generation
+    from fastdit.eval.runner import generation
 
     def fail(*args, **kwargs):
         pytest.fail("a model was loaded despite the bad arguments")
@@ -141,7 +144,7 @@ def test_bad_eval_arguments(argv, option, message, tmp_path, capsys, no_model):
 
 
 def test_eval_entry_point_reports_one_line(tmp_path, capsys, no_model):
-    from fastdit.cli_eval import main as eval_main
+    from fastdit.cli.eval import main as eval_main
 
     with pytest.raises(SystemExit) as info:
         eval_main(["--set", "sta.tile=0,0,0", "--out", str(tmp_path)])
@@ -167,7 +170,7 @@ def test_size_checked_again_once_loaded():
     """Sizes of a real model: a lower bound before loading, the exact latent grid once loaded."""
     from types import SimpleNamespace
 
-    from fastdit.cli_common import call_arguments, check_requested_size
+    from fastdit.cli.common import call_arguments, check_requested_size
 
     class Pipe:  # a Wan-like pipeline: VAE 8x spatial, 4x temporal, patch (1, 2, 2), 81 frames by default
         vae_scale_factor_spatial, vae_scale_factor_temporal = 8, 4

@@ -10,14 +10,16 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from fastdit.cli_eval import main as eval_main
-from fastdit.eval import generation, report
-from fastdit.eval.config import SCHEMA, TIMING_FIELDS, EvalConfig, EvalError
-from fastdit.eval.prompts import Prompt, load_prompts, shipped_prompt_file
-from fastdit.eval.settings import build_settings
+from fastdit.cli.eval import main as eval_main
+from fastdit.eval.runner import generation
+from fastdit.eval.runner import report
+from fastdit.eval.runner.config import SCHEMA, TIMING_FIELDS, EvalConfig, EvalError
+from fastdit.eval.runner.prompts import Prompt, load_prompts, shipped_prompt_file
+from fastdit.eval.runner.settings import build_settings
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS
 
 SIZE = TINY_TEST_DEFAULTS["wan"]
@@ -85,6 +87,9 @@ def test_run_writes_results_table_and_plots(first_run):
     for row in results["samples"]:
         assert os.path.isfile(os.path.join(out, row["video"])) and os.path.isfile(os.path.join(out, row["frames"]))
         assert row["shape"] == [SIZE["num_frames"], SIZE["height"], SIZE["width"], 3]
+    for record_path in (p for p in (Path(out) / "samples").glob("*/*.json") if not p.name.endswith(".metrics.json")):  # each sample's timing says how loaded the CPU was
+        load = json.loads(record_path.read_text())["load"]
+        assert load["cpu_count"] >= 1 and load["wall_s"] > 0
     table = open(os.path.join(out, "results.md")).read()
     assert "| `sta` |" in table and "psnr (dB)" in table
     for name in ["speedup_vs_psnr", "speedup_vs_ssim", "speedup_vs_temporal_flickering", "per_prompt_psnr",
@@ -263,7 +268,7 @@ def test_metrics_added_later_without_regenerating(first_run, prompts, tmp_path, 
     finished run: only metrics are computed, cached values are kept, nothing is generated."""
     import torch
 
-    from fastdit.eval.fidelity import LPIPS
+    from fastdit.eval.metrics.fidelity import LPIPS
 
     out, _ = first_run
     run = tmp_path / "more"
@@ -304,8 +309,8 @@ def test_tiny_call_size_is_compare_size():
 
 
 def test_library_does_not_import_the_command_line():
-    code = ("import sys, fastdit.eval.runner, fastdit.eval.report, fastdit.eval.aggregate; "
-            "print(sorted(m for m in sys.modules if m in ('fastdit.cli', 'fastdit.cli_eval')))")
+    code = ("import sys, fastdit.eval.runner.run, fastdit.eval.runner.report, fastdit.eval.runner.aggregate; "
+            "print(sorted(m for m in sys.modules if m in ('fastdit.cli', 'fastdit.cli.eval')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -343,7 +348,7 @@ def test_density_counts_dense_steps(prompts, tmp_path):
 def test_fallbacks_reach_results(prompts, tmp_path):
     """A float64 pipeline: fastdit runs every attention call with the model's own attention and
     counts it as a fallback with its reason; results.json and results.md report them."""
-    from fastdit.eval.runner import run_eval
+    from fastdit.eval.runner.run import run_eval
 
     cfg = EvalConfig(out=str(tmp_path / "f64"), model="tiny-wan", methods=["dense", "sta"],
                      options={"sta": {"tile": (1, 2, 2), "dense_steps": 0}}, prompts=[Prompt("A boat on a lake.")],

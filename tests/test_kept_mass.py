@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.eval.structured import structured_qkv
+from fastdit.eval.bench.structured import structured_qkv
 
 CASES = [("sparge", {"tile": (2, 4, 4), "cdf": 0.9, "simthresh": -1.0, "dense_steps": 0}),
          ("svg2", {"q_clusters": 6, "k_clusters": 10, "top_p": 0.8, "dense_steps": 0, "dense_layers": 0}),

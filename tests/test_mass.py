@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.eval.structured import KINDS, structured_qkv
+from fastdit.eval.bench.structured import KINDS, structured_qkv
 from fastdit.methods.mass import row_block_masses, rowwise_block_masses
 
 

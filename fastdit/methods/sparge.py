@@ -121,9 +121,9 @@ class SpargeConfig(BlockSparseConfig):
     estimator: str = option("sampled", "how block masses are predicted: 'sampled' (exact masses of a few "
                             "representative rows per block), 'rowwise' (every query row against each key block's mean "
                             "and spread) or 'pooled' (softmax of mean-pooled scores, SpargeAttn's)",
-                            choices=ESTIMATORS, widget="dropdown")
+                            choices=ESTIMATORS, widget="dropdown", advanced=True)
     mass_rows: int = option(4, "estimator='sampled': representative query rows per query block", range=(1, None),
-                            widget="number")
+                            widget="number", advanced=True)
 
     def validate(self):
         super().validate()

@@ -105,7 +105,7 @@ class STAConfig(BlockSparseConfig, TileWindowOptions):
 
     strategy: dict | None = option(None, "per (step bucket, layer, head) windows: {'s_l_h': (wt, wh, ww)}, "
                                    "0 = whole axis; step i uses the bucket with the largest start <= i; "
-                                   "unnamed heads and earlier steps use window", widget="text")
+                                   "unnamed heads and earlier steps use window", widget="text", advanced=True)
 
     def validate(self):
         super().validate()
@@ -397,7 +397,7 @@ def load_strategy(path, *, grid=None, tile=FASTVIDEO_TILE, out=None):
     entry means the whole axis. ``out``: also write the plan there (JSON).
 
     Apply it with ``fastdit.patch(pipe, "sta", plan=path_of_the_written_plan)``, or with the options
-    ``fastdit.plan_file.plan_options`` gives. ValueError names the file and the entry for a file
+    ``fastdit.calibration.plan_file.plan_options`` gives. ValueError names the file and the entry for a file
     that is not JSON, not an object, or has keys / windows that do not parse.
     """
     path = os.fspath(path)

@@ -67,14 +67,14 @@ cluster (``corrections.pooled_correction`` through ``ClusterPlan.token_blocks``)
 rule of the fixed-block engine and is refused when configured.
 
 Known weakness of ``estimator="centroids"`` (structured benchmark inputs,
-``eval/bench_methods.py``): the centroid scores predict a whole query cluster's mass; when a query
+``eval/bench/methods.py``): the centroid scores predict a whole query cluster's mass; when a query
 cluster is much wider than its queries' attention (very local heads, few query clusters) the
 queries at its edge lose most of their mass, so pure ``top_p`` can keep too little;
 ``min_kc_ratio`` (SVG2's floor) and more query clusters help. ``"rowwise"`` scores every row.
 
 Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
 token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
-and scoring are overhead in the timings (``eval/bench_methods.py`` reports them separately).
+and scoring are overhead in the timings (``eval/bench/methods.py`` reports them separately).
 """
 from __future__ import annotations
 
@@ -140,9 +140,9 @@ class SVG2Config(BlockSparseConfig):
     estimator: str = option("rowwise", "how cluster masses are predicted: 'rowwise' (every query row against each "
                             "key cluster's mean and spread), 'sampled' (exact masses of a few sampled rows per query "
                             "cluster) or 'centroids' (softmax of centroid scores, SVG2's)",
-                            choices=ESTIMATORS, widget="dropdown")
+                            choices=ESTIMATORS, widget="dropdown", advanced=True)
     mass_rows: int = option(4, "estimator='sampled': query rows sampled per query cluster", range=(1, None),
-                            widget="number")
+                            widget="number", advanced=True)
 
     def validate(self):
         super().validate()
