@@ -6,7 +6,9 @@ reads them; default: each method with its default estimator and with its publish
 ``sparge:estimator=pooled`` and ``svg2:estimator=centroids``) runs at every threshold of the
 sweep (``--thresholds``, default 0.8, 0.9, 0.95, 0.98) on one input set per head kind of
 ``fastdit.eval.bench.structured`` (every kind by default, old and new), every call sparse
-(``dense_steps = dense_layers = 0``), through ``fastdit.attention(..., return_info="mass")``.
+(``dense_steps = dense_layers = 0``), through ``fastdit.attention(..., return_info="mass")``;
+svg2's k-means is a cold start at an entry's first threshold and warm-started from the previous
+threshold's clustering after that (``state``), as consecutive denoising steps are.
 
 Columns per (kind, entry, threshold), every head of the kind in one call:
 
@@ -220,10 +222,11 @@ def run_benchmark(args):
             if name not in THRESHOLD:
                 raise SystemExit(f"--methods: {name!r} does not select by a mass threshold; use one of "
                                  f"{sorted(THRESHOLD)}")
+            state = {}  # svg2: later thresholds warm-start from the clustering before, as a pipeline's steps do
             for threshold in thresholds:
                 opts = {"dense_steps": 0, "dense_layers": 0, **options, THRESHOLD[name]: threshold}
                 with torch.no_grad():
-                    out, info = fastdit.attention(q, k, v, name, layout=layout, backend=args.backend,
+                    out, info = fastdit.attention(q, k, v, name, layout=layout, backend=args.backend, state=state,
                                                   return_info="mass", **opts)
                 plan = info["plan"]
                 head_density = info["head_density"]
@@ -238,7 +241,7 @@ def run_benchmark(args):
                 if hasattr(plan, "q_blocks"):
                     own = [own_blocks(plan, h) for h in range(args.heads)]
                     row["oracle_own"], _ = oracle_error(probs, v64, ref, rows, own, head_density)
-                if threshold == timed_threshold:  # the selection's cost barely depends on the threshold
+                if args.time and threshold == timed_threshold:  # the cost barely depends on the threshold
                     with torch.no_grad():
                         row.update(selection_ms(name, opts, inputs, args))
                     row["select_over_dense"] = row["select_ms"] / dense_ms
@@ -334,6 +337,7 @@ def build_parser():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-time", dest="time", action="store_false", help="do not time the selection")
     parser.add_argument("--json", default=None, help="write the results here (and the plot beside, .png)")
     return parser
 
