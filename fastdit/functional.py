@@ -47,11 +47,19 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         state: a dict kept by the caller across the calls of one layer (methods with per-layer
             state, e.g. caches across steps); None: a fresh dict.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
-        return_info: also return a dict: ``density`` (query-key score computations performed /
+        return_info: ``True`` or ``"mass"``: also return a dict: ``density`` (query-key score computations performed /
             dense attention's, over all heads), ``head_density`` (per head, a list), ``dense``
             (whether the call ran dense), ``plan`` (the block plan, or None) and, for block-sparse
             methods run with ``skip_threshold``, ``skipped_subtiles`` / ``walked_subtiles`` (int
-            tensors per (batch, head): key sub-tiles the in-kernel skip rule skipped / looked at).
+            tensors per (batch, head): key sub-tiles the in-kernel skip rule skipped / looked at),
+            ``lse``: float32 ``(B, H, S)``, per query row in model token order the log-sum-exp
+            ``log sum_j exp(scale q . k_j)`` over the keys the call computed (every valid key on a
+            dense call; ``-inf`` for a row with none), None for token methods (they attend reduced
+            or cached tokens, not a subset of the scores), and ``kept_mass``: None, or with
+            ``return_info="mass"`` a float list per head, the mean over batch and query rows (rows
+            with a valid key) of the fraction of the true softmax mass the call kept,
+            ``exp(lse - lse_dense)``, with ``lse_dense`` computed exactly (float32, or float64 for
+            float64 inputs) by ``dense_lse``: a dense pass of scores, so only when asked.
         scale: the softmax scale (default ``1/sqrt(D)``). layer: the layer index (``dense_layers``).
 
     Returns:
@@ -64,6 +72,9 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     """
     from fastdit.layout import TokenLayout
 
+    if return_info not in (False, True, "mass"):
+        raise ValueError(f"return_info must be False, True or 'mass' (also report the kept softmax mass), "
+                         f"got {return_info!r}")
     if not isinstance(layout, TokenLayout):
         raise OptionError(f"layout must be a fastdit.TokenLayout, got {type(layout).__name__}")
     for name, tensor in (("q", q), ("k", k), ("v", v)):
@@ -85,6 +96,10 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, k.shape[2])):
         raise ValueError(f"key_mask must be a bool tensor of shape ({batch}, {k.shape[2]}), got "
                          f"{key_mask.dtype} {tuple(key_mask.shape)}")
+    if return_info == "mass" and not method_cls.reports_lse:
+        raise ValueError(f"return_info='mass' needs the log-sum-exp of the computed scores, which method "
+                         f"{method_cls.name!r} does not have (a token method: it attends reduced or cached "
+                         f"tokens); use return_info=True")
     config = method_cls.make_config(config, **options)
     # No pipeline here: a default dense_steps (a fraction of a run) or dense_layers (a layer position)
     # would silently make the call dense or fail; only what the caller asks for applies.
@@ -110,7 +125,53 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     out = instance(ctx, q, k, v)
     if not return_info:
         return out
-    return out, call_info(ctx, batch, heads, seq, k.shape[2])
+    info = call_info(ctx, batch, heads, seq, k.shape[2])
+    info["lse"] = info["kept_mass"] = None
+    if method_cls.reports_lse:
+        dense = None
+        if "lse" in ctx.info:
+            info["lse"] = ctx.info["lse"]
+        else:  # a dense call (dense step / layer, or a layout the method runs densely)
+            info["lse"] = dense = dense_lse(q, k, key_mask, scale)
+        if return_info == "mass":
+            dense = dense_lse(q, k, key_mask, scale) if dense is None else dense
+            info["kept_mass"] = kept_mass(info["lse"], dense)
+    return out, info
+
+
+#: Score entries (float32) one chunk of ``dense_lse`` holds at once.
+LSE_BUDGET = 1 << 25
+
+
+def dense_lse(q, k, key_mask=None, scale=None):
+    """Exact log-sum-exp of dense attention's scaled scores, ``(B, H, S)`` float32 (float64 for
+    float64 inputs), in chunks of query rows; keys with ``key_mask`` False are left out."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else scale
+    batch, heads, seq, _ = q.shape
+    keys = k.to(dtype).transpose(-1, -2)
+    bias = None
+    if key_mask is not None:
+        bias = torch.zeros(batch, 1, 1, k.shape[2], dtype=dtype, device=q.device).masked_fill(
+            ~key_mask.to(device=q.device, dtype=torch.bool)[:, None, None, :], float("-inf"))
+    out = torch.empty(batch, heads, seq, dtype=dtype, device=q.device)
+    chunk = max(1, LSE_BUDGET // max(1, batch * heads * k.shape[2]))
+    for start in range(0, seq, chunk):
+        scores = (q[:, :, start:start + chunk].to(dtype) @ keys) * scale
+        if bias is not None:
+            scores = scores + bias
+        out[:, :, start:start + chunk] = torch.logsumexp(scores, dim=-1)
+    return out
+
+
+def kept_mass(lse, lse_dense):
+    """Per head (a float list): the mean over batch and query rows of ``exp(lse - lse_dense)``,
+    the fraction of the true softmax mass a call kept; rows without a valid key are left out."""
+    live = torch.isfinite(lse_dense)
+    fraction = torch.exp(lse.to(lse_dense.dtype) - torch.where(live, lse_dense, torch.zeros_like(lse_dense)))
+    fraction = torch.where(live, fraction.nan_to_num(0.0), torch.zeros_like(fraction)).double()
+    rows = live.double().sum((0, 2)).clamp_min(1.0)
+    return (fraction.sum((0, 2)) / rows).tolist()
 
 
 def call_info(ctx, batch, heads, seq, keys):

@@ -103,7 +103,8 @@ CASES = [
 
 @pytest.mark.parametrize("layout,options", CASES)
 def test_selection_equals_the_direct_rule(layout, options):
-    method = Sparge(dense_steps=0, **options)
+    """SpargeAttn's published rule (``estimator="pooled"``)."""
+    method = Sparge(dense_steps=0, estimator="pooled", **options)
     q, k, _ = inputs(layout, seed=sum(layout.grid))
     key_mask = torch.ones(2, layout.seq_len, dtype=torch.bool)
     if layout.text_len:

@@ -125,3 +125,25 @@ def test_seed_and_dtype():
     b = structured_qkv((2, 3, 4), heads=3, seed=5, dtype=torch.bfloat16)
     c = structured_qkv((2, 3, 4), heads=3, seed=6, dtype=torch.bfloat16)
     assert a.q.dtype == torch.bfloat16 and torch.equal(a.q, b.q) and not torch.equal(a.q, c.q)
+
+
+def test_rotary_and_smooth_heads_are_norm_preserving_and_smooth():
+    grid, dim = (4, 12, 12), 64
+    scale = 1 / math.sqrt(dim)
+    for kind in ("rotary", "smooth"):
+        feats = head_features(kind, grid, dim, scale, seed=2)
+        norms = feats.norm(dim=1)
+        # No feature grows with position: every token's feature vector has the same norm.
+        assert torch.allclose(norms, norms[0].expand_as(norms), rtol=1e-9), kind
+    smooth = head_features("smooth", grid, dim, scale, seed=2)[:, :32]
+    cos = torch.nn.functional.normalize(smooth, dim=1)
+    t, h, w = 1, 5, 5
+    i = (t * 12 + h) * 12 + w
+    near = float(cos[i] @ cos[i + 1])  # the next token along w
+    far = float((cos[i] @ cos[(3 * 12 + 11) * 12:].T).abs().mean())  # the far corner of the last frame
+    assert near > 0.6 and far < 0.4, (near, far)
+    x = structured_qkv((3, 10, 10), heads=2, head_dim=dim, kinds=("rotary", "smooth"), seed=4)
+    check_kinds(attention_masses(x.q, x.k, x.layout), x.kinds, 3)
+    y = structured_qkv((3, 10, 10), heads=2, head_dim=dim, kinds=("spatial", "temporal"), seed=4)
+    z = structured_qkv((3, 10, 10), heads=2, head_dim=dim, kinds=("spatial", "temporal"), seed=4)
+    assert torch.equal(y.q, z.q)

@@ -35,7 +35,8 @@ Columns, per method and head kind (one call over all heads of that kind):
   * ``density``: query-key score computations performed / dense attention's (``info["density"]``
     of ``fastdit.attention``; padding slots excluded, text included);
   * ``rel_l2``: ``||out - dense|| / ||dense||`` over the video query rows, dense being float32
-    SDPA on the same inputs;
+    SDPA on the same inputs; ``kept``: the true softmax mass the call kept (block-sparse methods:
+    ``fastdit.functional.kept_mass`` of the call's log-sum-exp, mean over heads and query rows);
   * ``select_ms``: ``method.select(ctx, q, k)`` alone (block-sparse methods; the prediction of
     dynamic ones, a cache lookup for static ones); ``attention_ms``: ``run_plan`` on that plan
     (block-sparse methods), or a dense SDPA of the shape the method really attended
@@ -79,7 +80,7 @@ from fastdit.eval.bench import common
 from fastdit.eval.bench import methods_claims as claims_module
 from fastdit.eval.bench.methods_claims import claims, print_table
 from fastdit.eval.bench.structured import DEFAULT_KINDS, DEFAULT_OBJECTS, KINDS, structured_qkv
-from fastdit.functional import call_info
+from fastdit.functional import call_info, dense_lse, kept_mass
 from fastdit.intercept import plain_sdpa
 from fastdit.jsonutil import dump_json
 from fastdit.methods import get_method, method_names
@@ -159,6 +160,9 @@ def measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda):
         info = call_info(ctx, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         row = {"density": info["density"], "rel_l2": video_error(out, ref, layout),
                "finite": bool(torch.isfinite(out).all())}
+        if "lse" in ctx.info:  # the true softmax mass the call kept, mean over heads and query rows
+            masses = kept_mass(ctx.info["lse"], dense_lse(q, k))
+            row["kept_mass"] = sum(masses) / len(masses)
         row["total_ms"] = common.time_fn(run, args.runs, args.warmup, cuda)
         row["select_ms"] = row["attention_ms"] = None
         if hasattr(method, "plan_from_clusters") and "plan" in ctx.info:
@@ -206,7 +210,7 @@ def cluster_split(method, ctx, q, k, dense_ms, args, cuda):
         ctx.state[key] = stored
     warm_ms = common.time_fn(lambda: method.cluster(ctx, q, k), args.runs, args.warmup, cuda)
     clusters = method.cluster(ctx, q, k)
-    score_ms = common.time_fn(lambda: method.plan_from_clusters(ctx, clusters, q), args.runs, args.warmup, cuda)
+    score_ms = common.time_fn(lambda: method.plan_from_clusters(ctx, clusters, q, k), args.runs, args.warmup, cuda)
     return {"cluster_ms": warm_ms, "cluster_cold_ms": cold_ms, "score_ms": score_ms,
             "cluster_over_dense": (warm_ms + score_ms) / dense_ms, "cold_over_dense": (cold_ms + score_ms) / dense_ms}
 

@@ -51,6 +51,25 @@ the spatial construction with a weak ``beta = 0.5``, so the scaled score is exac
 with ``beta_obj = 6``: a query spreads its mass over its object (slightly more on nearby tokens)
 and puts ``~ e^6 / (e^6 + K - 1)`` of it there. It needs ``head_dim - 2 >= K``.
 
+Rotary and smooth heads (norm-preserving, like RoPE'd queries and keys)
+-----------------------------------------------------------------------
+``"rotary"``: position enters through ``M`` random Fourier features of the 3-D coordinate
+``x = (t, h, w)``: frequencies ``omega_m ~ N(0, diag(sigma)^-2)`` (``sigma = (1, 1.5, 1.5)``), each
+pair ``[cos(omega_m . x), sin(omega_m . x)] / sqrt(M)``, scaled by ``sqrt(beta / scale)`` with
+``beta = 8``. Every token's position part has the same norm (no feature grows with position: a
+rotation, as RoPE is), and ``scale * q_i . k_j = beta (1 / M) sum_m cos(omega_m . (x_i - x_j))``,
+a Monte-Carlo estimate of ``beta exp(-|d / sigma|^2 / 2)`` (Bochner) whose ripples leak some mass
+far away, as real rotary heads do. The last 16 feature dims carry per-token content, drawn
+independently for q and k (``N(0, 1)`` per dim, scaled so the content logit has std 1): a
+random, unstructured part of every score.
+``"smooth"``: the scores come mostly from spatially smooth content, as in real video latents:
+32 content dims of white noise on the grid, blurred by a Gaussian of width ``(1, 2, 2)`` tokens
+along ``(t, h, w)`` and normalised per token to unit norm (neighbouring tokens' content is
+correlated; distant tokens are unrelated but may look alike by chance), scaled by
+``sqrt(6 / scale)`` in q and k alike (``scale * q_i . k_j = 6 cos(c_i, c_j)`` + position), plus
+the rotary position part above with a weak ``beta = 2``. Both kinds draw their frequencies and
+content from their own generator (``seed``), so other kinds' draws are unchanged.
+
 The frequencies per axis are capped by the head dimension (two dims per frequency, two dims kept
 for the offsets below) and by the axis (``M <= P // 2``; a length-1 axis gets none). Two more
 dims carry a per-head constant offset: queries get ``offset * |features|`` in dim ``D - 1`` and
@@ -84,7 +103,7 @@ import torch
 
 from fastdit.layout import TokenLayout
 
-KINDS = ("spatial", "temporal", "global", "semantic")
+KINDS = ("spatial", "temporal", "global", "semantic", "rotary", "smooth")
 DEFAULT_KINDS = ("spatial", "temporal", "global")
 #: Per kind: (sigma per axis (t, h, w) in tokens or None for an unused axis, beta).
 KIND_SHAPES = {
@@ -101,6 +120,16 @@ MIN_SPATIAL_LOCAL = 0.8
 MIN_TEMPORAL_SAME_POSITION = 0.6  # of the (T - 1) / T share the other frames hold
 MIN_GLOBAL_ENTROPY = 0.85
 MIN_SEMANTIC_SAME_OBJECT = 0.8
+#: Rotary and smooth heads: local mass at least this (they leak more than spatial heads: the random
+#: features' kernel has long-range ripples, and smooth content recurs away from the query).
+MIN_ROTARY_LOCAL = 0.35
+MIN_SMOOTH_LOCAL = 0.3
+
+#: Rotary heads: (sigma per axis (t, h, w) of the Gaussian kernel the random frequencies sample,
+#: position beta, content dims, content logit std). Smooth heads: (content dims, content
+#: smoothing width per axis in tokens, content beta, position beta of a weak rotary part).
+ROTARY_SHAPE = ((1.0, 1.5, 1.5), 8.0, 16, 1.0)
+SMOOTH_SHAPE = (32, (1.0, 2.0, 2.0), 6.0, 2.0)
 
 
 class StructuredInputs(NamedTuple):
@@ -157,10 +186,65 @@ def semantic_objects(grid, objects=DEFAULT_OBJECTS, seed=0):
     return distance.argmin(dim=1)
 
 
-def head_features(kind, grid, head_dim, scale, objects=None):
+def grid_coords(grid):
+    """``(T*H*W, 3)`` float64 ``(t, h, w)`` of every video token, model order."""
+    t, h, w = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
+    return torch.stack([t.reshape(-1), h.reshape(-1), w.reshape(-1)], dim=1).double()
+
+
+def rotary_features(grid, pairs, sigma, gen):
+    """``(T*H*W, 2 * pairs)`` random Fourier features of the coordinates (unit norm per token):
+    ``[cos(omega . x), sin(omega . x)] / sqrt(pairs)``, ``omega ~ N(0, diag(sigma)^-2)``."""
+    if pairs < 1:
+        return torch.zeros(math.prod(grid), 0, dtype=torch.float64)
+    omega = torch.randn(pairs, 3, generator=gen, dtype=torch.float64) / torch.tensor(sigma, dtype=torch.float64)
+    angle = grid_coords(grid) @ omega.T
+    return torch.cat([angle.cos(), angle.sin()], dim=1) / math.sqrt(pairs)
+
+
+def smooth_content(grid, dims, width, gen):
+    """``(T*H*W, dims)`` unit-norm content: white noise on the grid blurred by a Gaussian of
+    ``width`` tokens per axis (separable, zero padding), normalised per token."""
+    field = torch.randn(dims, *grid, generator=gen, dtype=torch.float64)
+    for axis, sigma in enumerate(width):
+        n = grid[axis]
+        if n < 2 or sigma <= 0:
+            continue
+        pos = torch.arange(n, dtype=torch.float64)
+        kernel = torch.exp(-0.5 * ((pos[:, None] - pos[None]) / sigma) ** 2)  # (n, n) blur along the axis
+        field = torch.movedim(torch.movedim(field, axis + 1, -1) @ kernel, -1, axis + 1)
+    content = field.reshape(dims, -1).T
+    return content / content.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def rotary_head_features(kind, grid, head_dim, scale, seed=0):
+    """Noise-free ``(T*H*W, head_dim - 2)`` features of a ``"rotary"`` or ``"smooth"`` head (q == k;
+    a rotary head's content dims are left 0: ``structured_qkv`` draws them apart for q and k)."""
+    gen = torch.Generator().manual_seed(int(seed) + (104729 if kind == "rotary" else 130363))
+    room = head_dim - 2
+    if kind == "rotary":
+        sigma, beta, content, _ = ROTARY_SHAPE
+        content = min(content, room // 4)
+        position = rotary_features(grid, (room - content) // 2, sigma, gen) * math.sqrt(beta / scale)
+        parts = [position]
+    else:
+        content, width, beta_content, beta = SMOOTH_SHAPE
+        content = min(content, room // 2)
+        parts = [smooth_content(grid, content, width, gen) * math.sqrt(beta_content / scale),
+                 rotary_features(grid, (room - content) // 2, ROTARY_SHAPE[0], gen) * math.sqrt(beta / scale)]
+    feats = torch.cat(parts, dim=1)
+    out = torch.zeros(feats.shape[0], room, dtype=torch.float64)
+    out[:, : feats.shape[1]] = feats
+    return out
+
+
+def head_features(kind, grid, head_dim, scale, objects=None, seed=0):
     """Noise-free ``(T*H*W, head_dim - 2)`` features of one head of ``kind`` (q == k), scaled so that
     ``scale * f_i . f_j = beta * sum_axes kappa(d)`` (plus ``SEMANTIC_BETA [same object]`` for
-    semantic heads, whose ``objects`` are the labels of ``semantic_objects``)."""
+    semantic heads, whose ``objects`` are the labels of ``semantic_objects``); rotary and smooth
+    heads: ``rotary_head_features`` (``seed`` draws their frequencies and content)."""
+    if kind in ("rotary", "smooth"):
+        return rotary_head_features(kind, grid, head_dim, scale, seed)
     if kind not in KIND_SHAPES:
         raise ValueError(f"head kind must be one of {KINDS}, got {kind!r}")
     sigmas, beta = KIND_SHAPES[kind]
@@ -232,7 +316,7 @@ def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, 
     k = torch.zeros_like(q)
     video = layout.video_positions()
     labels = semantic_objects(layout.grid, objects, seed) if "semantic" in kinds else None
-    features = {kind: head_features(kind, layout.grid, head_dim, scale, labels) for kind in set(kinds)}
+    features = {kind: head_features(kind, layout.grid, head_dim, scale, labels, seed) for kind in set(kinds)}
     for head, kind in enumerate(kinds):
         feats = features[kind]
         norm = float(feats.norm(dim=1).mean()) or 1.0
@@ -240,6 +324,12 @@ def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, 
         for which in (q, k):
             noisy = feats + sigma * torch.randn(batch, n_video, head_dim - 2, generator=gen, dtype=torch.float64)
             which[:, head, video, : head_dim - 2] = noisy
+        if kind == "rotary":  # per-token content, independent in q and k: a logit of std ROTARY_SHAPE[3]
+            dims = min(ROTARY_SHAPE[2], (head_dim - 2) // 4)
+            size = math.sqrt(ROTARY_SHAPE[3] / (scale * math.sqrt(dims)))
+            for which in (q, k):
+                which[:, head, video, head_dim - 2 - dims: head_dim - 2] = size * torch.randn(
+                    batch, n_video, dims, generator=gen, dtype=torch.float64)
         # The shared offset in separate dims: q . k unchanged, blocks self-similar.
         q[:, head, video, head_dim - 1] = offset * norm
         k[:, head, video, head_dim - 2] = offset * norm
@@ -302,6 +392,8 @@ def check_kinds(masses, kinds, frames):
     for head, (mass, kind) in enumerate(zip(masses, kinds)):
         if kind == "spatial":
             ok = mass["local"] >= MIN_SPATIAL_LOCAL
+        elif kind in ("rotary", "smooth"):
+            ok = mass["local"] >= (MIN_ROTARY_LOCAL if kind == "rotary" else MIN_SMOOTH_LOCAL)
         elif kind == "temporal":
             ok = mass["same_position"] >= MIN_TEMPORAL_SAME_POSITION * (frames - 1) / frames
         elif kind == "semantic":

@@ -194,6 +194,11 @@ class Method:
     #: functional API refuses such a call, naming both lengths, rather than dropping keys.
     any_key_length = False
 
+    #: Whether a call records the log-sum-exp of the scores it computed (``ctx.info["lse"]``):
+    #: methods that attend through a block plan do; token methods (which attend reduced or cached
+    #: tokens) do not, so ``fastdit.attention`` reports ``lse=None`` and refuses ``"mass"`` for them.
+    reports_lse = False
+
     def __init__(self, config=None, **options):
         self.config = self.make_config(config, **options) if (config is None or options
                                                               or not isinstance(config, self.config_cls)) else config
@@ -293,6 +298,7 @@ class Method:
         ctx.record(plan=plan)
         out, lse = run_plan(q, k, v, plan, key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale,
                             backend=ctx.backend, return_lse=True)
+        ctx.info["lse"] = lse
         return self.finalize(ctx, out, lse)
 
     def finalize(self, ctx, out, lse):

@@ -79,6 +79,7 @@ class BlockSparseMethod(Method):
     run it (with the skip rule when ``skip_threshold`` is set), apply the correction, finalize."""
 
     config_cls = BlockSparseConfig
+    reports_lse = True
 
     def is_refresh_step(self, ctx):
         """Whether this call of a ``correction="cached"`` method refreshes (see the module doc)."""
@@ -101,6 +102,7 @@ class BlockSparseMethod(Method):
         skip = config.skip_threshold is not None
         out, lse, *skipped = _base.run_plan(q, k, v, plan, skip_threshold=config.skip_threshold,
                                             return_skipped=skip, **common)
+        ctx.info["lse"] = lse  # of the computed scores (before any correction)
         if skip:  # int (B, H) / (1|B, 1|H) tensors on the device: no sync here
             ctx.info["skipped_subtiles"] = skipped[0]
             ctx.info["walked_subtiles"] = skip_subtiles_walked(plan.kv_counts, plan.kernel_len, plan.block_m,
@@ -117,6 +119,7 @@ class BlockSparseMethod(Method):
         out_kept, lse_kept = _base.run_plan(q, k, v, plan, **common)
         out_dropped, lse_dropped = _base.run_plan(q, k, v, complement_plan(plan), **common)
         out, lse = merge_lse(out_kept, lse_kept, out_dropped, lse_dropped)
+        ctx.info["lse"] = lse
         cached_store(ctx.state, out, lse, out_dropped, lse_dropped, q.dtype)
         ctx.info["dense"] = True  # the work of a dense call (counted as one)
         ctx.info["refresh"] = True

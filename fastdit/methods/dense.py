@@ -24,6 +24,7 @@ class Dense(Method):
     name = "dense"
     any_key_length = True  # plain attention
     config_cls = DenseConfig
+    reports_lse = True
 
     @classmethod
     def make_config(cls, config=None, **options):

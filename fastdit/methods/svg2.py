@@ -18,14 +18,32 @@ once, on the device, no host synchronisation):
 2. Permutation: queries are sorted by query cluster, keys (and values) by key cluster (a stable
    sort: model order inside a cluster), so every cluster is a contiguous variable-size block; the
    text / conditioning tokens follow in one query block and one key block of their own.
-3. Scoring: with centroids ``cq_m``, ``ck_j`` and ``n_j`` valid keys in key cluster ``j``,
+3. Scoring: ``p[m, j]``, the mass query cluster ``m`` puts on key cluster ``j``, by ``estimator``:
+
+   * ``"rowwise"`` (default): every video query row ``i`` of the cluster is scored against each
+     key cluster's mean ``kbar_j`` and per-dim variance ``var_j`` over its ``n_j`` valid keys
+     (and the text keys as one more block), ``p_i(j) = softmax_j(scale q_i . kbar_j + log n_j +
+     (scale^2 / 2) sum_d q_id^2 var_jd)``, and ``p[m, j]`` is the mean of ``p_i(j)`` over the
+     cluster's rows (``mass.rowwise_block_masses``). What it assumes: scores inside a key cluster
+     spread about as a Gaussian (second order); k-means keeps key clusters tight, which is where
+     this holds. A query cluster whose rows attend to different key clusters gets all of them
+     (every row counts). Cost: ``2 Ck`` scores per query row, ``2 Ck / S`` of dense's;
+   * ``"sampled"``: ``mass_rows`` rows per query cluster (stratified over the cluster) scored
+     exactly against every key, their masses averaged (``mass.row_block_masses``);
+   * ``"centroids"`` (SVG2's)::
 
        p[m, j] = n_j exp(scale cq_m . ck_j) / sum_j' n_j' exp(scale cq_m . ck_j')
 
-   (the softmax of centroid scores, each key cluster counted ``n_j`` times; empty key clusters get
-   0). This predicts the attention mass query cluster ``m`` puts on key cluster ``j``.
+     (the softmax of centroid scores, each key cluster counted ``n_j`` times; empty key clusters
+     get 0). It estimates ``exp(mean score)``, far below the mean of ``exp(score)`` when a head is
+     sharper than a cluster, and a whole query cluster's mass from its centroid, so on sharp
+     heads it keeps far less than ``top_p`` (issue 23: 0.53 true mass at ``top_p = 0.9`` on a
+     temporal head).
+
+   ``plan.info["predicted_mass"]`` ``(B, H)``: the predicted kept mass, mean over query rows.
 4. Selection: per query cluster, the key clusters in descending ``p``, keeping the fewest whose
-   cumulative ``p`` reaches ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
+   cumulative ``p`` (plus, with the measured estimators, the text keys' mass, always kept) reaches
+   ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
    least 1, and at least ``ceil(min_kc_ratio * Ck)``: SVG2's floor, 0.10 in its scripts, default 0
    here); ``top_p = 1`` keeps every key cluster (dense attention, exactly). Every video query
    cluster also keeps the text key block; the text query block keeps every key block: text rows
@@ -38,7 +56,7 @@ Cluster counts are clamped per call to the number of video tokens (the video len
 at call time, as svg's ``n_samples``); counts < 1 are refused when the method is configured.
 
 Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2 uses 100 / 100 on Wan 720p and
-400 / 1000 on HunyuanVideo 720p), ``top_p = 0.9``, ``kmeans_iters = 2`` (SVG2's
+400 / 1000 on HunyuanVideo 720p), ``top_p = 0.9``, ``estimator = "rowwise"``, ``kmeans_iters = 2`` (SVG2's
 ``kmeans_iter_step``), ``init_iters = 20`` (SVG2: 50), ``dense_steps = 0.25``, ``dense_layers = 1``.
 
 Corrections: ``correction="cached"`` works (its complement plan keeps the offsets and lists the
@@ -48,11 +66,11 @@ cluster (``corrections.pooled_correction`` through ``ClusterPlan.token_blocks``)
 (query, dropped key cluster), ``Ck / S`` of dense attention's scores. ``skip_threshold`` is a
 rule of the fixed-block engine and is refused when configured.
 
-Known weakness (structured benchmark inputs, ``eval/bench/methods.py``): the centroid scores
-predict a whole query cluster's mass; when a query cluster is much wider than its queries'
-attention (very local heads, few query clusters) the queries at its edge lose most of their mass,
-so pure ``top_p`` can keep too little; ``min_kc_ratio`` (SVG2's floor) and more query clusters
-help.
+Known weakness of ``estimator="centroids"`` (structured benchmark inputs,
+``eval/bench/methods.py``): the centroid scores predict a whole query cluster's mass; when a query
+cluster is much wider than its queries' attention (very local heads, few query clusters) the
+queries at its edge lose most of their mass, so pure ``top_p`` can keep too little;
+``min_kc_ratio`` (SVG2's floor) and more query clusters help. ``"rowwise"`` scores every row.
 
 Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
 token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
@@ -71,7 +89,10 @@ from fastdit.plan import BlockPlan
 from .base import option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .kmeans import kmeans, spread_init
+from .mass import row_block_masses, rowwise_block_masses, stratified_rows
 
+#: How cluster masses are predicted (``SVG2Config.estimator``).
+ESTIMATORS = ("rowwise", "sampled", "centroids")
 #: ``ctx.state`` key of the warm-start centroids.
 STATE_KEY = "svg2_centroids"
 
@@ -116,10 +137,16 @@ class SVG2Config(BlockSparseConfig):
                               widget="checkbox")
     min_kc_ratio: float = option(0.0, "keep at least this fraction of the key clusters per query cluster (SVG2: 0.1)",
                                  range=(0.0, 1.0), widget="slider")
+    estimator: str = option("rowwise", "how cluster masses are predicted: 'rowwise' (every query row against each "
+                            "key cluster's mean and spread), 'sampled' (exact masses of a few sampled rows per query "
+                            "cluster) or 'centroids' (softmax of centroid scores, SVG2's)",
+                            choices=ESTIMATORS, widget="dropdown", advanced=True)
+    mass_rows: int = option(4, "estimator='sampled': query rows sampled per query cluster", range=(1, None),
+                            widget="number", advanced=True)
 
     def validate(self):
         super().validate()
-        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters"):
+        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters", "mass_rows"):
             _int_at_least_one(self, name)
         value = self.top_p
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
@@ -133,6 +160,8 @@ class SVG2Config(BlockSparseConfig):
             raise ValueError(f"min_kc_ratio must be a number in [0, 1] (fraction of the key clusters always kept), "
                              f"got {value!r}")
         self.min_kc_ratio = float(value)
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"warm_start must be True or False, got {self.warm_start!r}")
         if self.skip_threshold is not None:
@@ -151,16 +180,27 @@ def cluster_scores(q_centroids, k_centroids, k_sizes, scale):
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def select_clusters(probs, top_p, min_kc_ratio=0.0):
+def select_clusters(probs, top_p, min_kc_ratio=0.0, kept_before=None):
     """``(order, counts)``: key clusters of each query cluster in descending ``p`` (long
     ``(G, Cq, Ck)``) and how many of them are kept (long ``(G, Cq)``, >= 1 and >=
-    ``ceil(min_kc_ratio * Ck)``)."""
+    ``ceil(min_kc_ratio * Ck)``). ``kept_before`` ``(G, Cq)``: predicted mass already kept
+    whatever the selection (the text keys, with ``estimator="rows"``), counted toward ``top_p``."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     clusters = probs.shape[-1]
     if top_p >= 1.0:  # every cluster, whatever the float rounding of the cumulative sum
         return order, torch.full(probs.shape[:-1], clusters, dtype=torch.long, device=probs.device)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the higher-ranked clusters
+    if kept_before is not None:
+        before = before + kept_before[..., None]
     return order, (before < top_p).sum(-1).clamp(min=max(1, math.ceil(min_kc_ratio * clusters - 1e-9)))
+
+
+def predicted_kept(probs, order, counts, kept_before=None):
+    """Predicted kept mass per query cluster ``(G, Cq)``: the ``counts`` top clusters' ``p`` (plus
+    ``kept_before``)."""
+    used = torch.arange(probs.shape[-1], device=probs.device) < counts[..., None]
+    kept = (probs.gather(-1, order) * used).sum(-1)
+    return kept if kept_before is None else kept + kept_before
 
 
 def block_lists(order, counts, has_text):
@@ -379,32 +419,68 @@ class SparseVideoGen2(BlockSparseMethod):
             ctx.state[STATE_KEY] = {"key": key, "q": q_centroids, "k": k_centroids}
         return Clusters(q_labels, k_labels, q_centroids, k_centroids, k_sizes, warm, iters)
 
-    def plan_from_clusters(self, ctx, clusters, q):
-        """Scoring, selection and the ``ClusterPlan`` of this call from its clustering."""
+    def plan_from_clusters(self, ctx, clusters, q, k=None):
+        """Scoring, selection and the ``ClusterPlan`` of this call from its clustering (``k`` is
+        needed by ``estimator="rows"``)."""
         layout = ctx.layout
         batch, heads, seq, dim = q.shape
         scale = 1.0 / math.sqrt(dim) if ctx.scale is None else ctx.scale
-        probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
-        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio)
-        has_text = layout.text_len > 0
-        kv_indices, kv_counts = block_lists(order, counts, has_text)
         video, text = layout.video_positions(q.device), layout.text_positions(q.device)
-        cq, ck = probs.shape[1:]
+        cq, ck = clusters.q_centroids.shape[1], clusters.k_centroids.shape[1]
         q_order, q_offsets, q_blocks = cluster_permutation(clusters.q_labels, cq, video, text)
         k_order, k_offsets, k_blocks = cluster_permutation(clusters.k_labels, ck, video, text)
 
         def per_head(t):
             return t.view(batch, heads, *t.shape[1:])
 
+        text_mass = None
+        if self.config.estimator != "centroids":
+            if k is None:
+                raise ValueError(f"svg2 with estimator={self.config.estimator!r} scores query rows against the keys: "
+                                 f"pass k")
+            if self.config.estimator == "sampled":
+                probs, text_mass = self.row_estimate(ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale)
+            else:
+                probs = rowwise_block_masses(q, k, ctx.key_mask, per_head(q_blocks), cq + 1, per_head(k_blocks),
+                                             ck + 1, scale, ctx.query_mask).view(batch * heads, cq + 1, ck + 1)
+                probs, text_mass = probs[:, :cq, :ck], probs[:, :cq, ck]
+        else:
+            probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
+        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio, text_mass)
+        q_sizes = q_offsets.diff(dim=-1)[:, :cq].double()
+        predicted = (predicted_kept(probs, order, counts, text_mass).double() * q_sizes).sum(-1)
+        predicted = (predicted + layout.text_len) / seq  # per (batch, head), over all rows (text rows keep all)
+        has_text = layout.text_len > 0
+        kv_indices, kv_counts = block_lists(order, counts, has_text)
+
         return ClusterPlan(
             kv_indices=per_head(kv_indices), kv_counts=per_head(kv_counts), block_m=1, block_n=1, seq_len=seq,
             name=f"svg2_q{cq}_k{ck}_p{self.config.top_p:g}", dynamic=True,
             info={"q_clusters": cq, "k_clusters": ck, "warm": clusters.warm, "iters": clusters.iters,
-                  "scores": per_head(probs)},
+                  "scores": per_head(probs), "predicted_mass": predicted.view(batch, heads)},
             q_order=per_head(q_order), q_inverse=per_head(inverse_order(q_order)), k_order=per_head(k_order),
             q_offsets=per_head(q_offsets), k_offsets=per_head(k_offsets), q_blocks=per_head(q_blocks),
             k_blocks=per_head(k_blocks))
 
     def select(self, ctx, q, k):
         """The ``ClusterPlan`` of this call: clustering, then scoring and selection."""
-        return self.plan_from_clusters(ctx, self.cluster(ctx, q, k), q)
+        return self.plan_from_clusters(ctx, self.cluster(ctx, q, k), q, k)
+
+    def row_estimate(self, ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale):
+        """``estimator="sampled"``: ``(p (G, Cq, Ck), text mass (G, Cq))`` float32: per query cluster,
+        the mean over ``mass_rows`` sampled member rows (stratified over the cluster, see
+        ``fastdit.methods.mass``) of their exact softmax mass on each key cluster and on the text."""
+        batch, heads, seq, dim = q.shape
+        groups = batch * heads
+        starts = q_offsets[:, :cq].long()
+        positions, weight = stratified_rows(starts, q_offsets.diff(dim=-1)[:, :cq].long(), self.config.mass_rows)
+        rows = q_order.gather(1, positions.reshape(groups, -1))  # model tokens (G, Cq * s)
+        if ctx.query_mask is not None:
+            ok = ctx.query_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, seq)
+            weight = weight * ok.reshape(groups, seq).gather(1, rows).view_as(weight).float()
+        q_rows = q.reshape(groups, seq, dim).gather(1, rows[..., None].expand(-1, -1, dim))
+        key_valid = None if ctx.key_mask is None else ctx.key_mask.to(device=q.device, dtype=torch.bool)
+        masses = row_block_masses(q_rows.view(batch, heads, -1, dim), k, key_valid, k_blocks.view(batch, heads, seq),
+                                  ck + 1, scale).view(groups, cq, -1, ck + 1)
+        probs = (masses * weight[..., None]).sum(2) / weight.sum(-1).clamp_min(1.0)[..., None]
+        return probs[..., :ck], probs[..., ck]

@@ -1,0 +1,162 @@
+"""Attention mass per key block, measured exactly on a few sampled query rows.
+
+Shared by the methods that select key blocks by a mass threshold (sparge's ``cdf``, svg2's
+``top_p``). Their published rules predict the mass query block ``m`` puts on key block ``j`` from
+pooled vectors, ``softmax_j(scale qbar_m . kbar_j)``: that estimates ``exp(mean score)`` over the
+block pair, which is far below ``mean exp(score)`` when a head is sharper than a block (Jensen), so
+on sharp, local heads the prediction is much more peaked than the truth and a threshold keeps far
+less mass than it says (issue 23 measures it in ``eval/bench/selection.py``).
+
+The estimator here: for each query block, ``s`` of its rows ``i`` (a stratified random sample,
+drawn once per layout with a fixed seed) are scored exactly against every valid key; their softmax
+``p_i(k) = exp(scale q_i . k - lse_i)`` is summed per key block, and the block's predicted mass is
+the mean over its sampled rows::
+
+    P[m, j] = (1 / s) sum_{i in sample(m)} sum_{k in block j} p_i(k)
+
+Each ``P[m, :]`` is a distribution over key blocks whatever the head's temperature: no assumption
+on how scores spread inside a block. What it assumes: a block's rows put their mass on similar key
+blocks, so ``s`` of them represent all (the mean over rows is unbiased for the block's true mean
+mass; its variance comes from rows that attend elsewhere, e.g. at a tile's edge on a local head).
+Cost: ``s`` exact score rows per query block, ``s / block`` of dense attention's scores (4 rows of
+128: 3%), reported by the benchmarks as selection time.
+"""
+from __future__ import annotations
+
+import torch
+
+#: float32 score entries held at once (rows x keys x heads per chunk).
+SCORE_BUDGET = 1 << 25
+
+
+def row_block_masses(q_rows, k, key_valid, blocks, n_blocks, scale):
+    """Exact softmax mass of each row of ``q_rows`` ``(B, H, R, D)`` on each key block: float32
+    ``(B, H, R, n_blocks)``, rows summing to 1 (0 for a row without a valid key).
+
+    ``k`` ``(B, H, L, D)``; ``key_valid`` bool ``(B|1, L)`` or None; ``blocks``: an int (keys are in
+    contiguous blocks of that many, ``L = n_blocks * blocks``) or a long ``(B, H, L)`` block index
+    per key (values in ``[0, n_blocks)``)."""
+    batch, heads, rows, _ = q_rows.shape
+    length = k.shape[2]
+    out = torch.zeros(batch, heads, rows, n_blocks, dtype=torch.float32, device=q_rows.device)
+    bias = None
+    if key_valid is not None:
+        bias = torch.zeros(key_valid.shape[0], 1, 1, length, device=q_rows.device).masked_fill(
+            ~key_valid.to(torch.bool)[:, None, None, :], float("-inf"))
+    chunk = max(1, SCORE_BUDGET // max(1, batch * rows * length))
+    for h0 in range(0, heads, chunk):
+        h1 = min(heads, h0 + chunk)
+        scores = (q_rows[:, h0:h1] @ k[:, h0:h1].transpose(-1, -2)).float().mul_(scale)
+        if bias is not None:
+            scores = scores + bias
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+        if isinstance(blocks, int):
+            out[:, h0:h1] = probs.view(batch, h1 - h0, rows, n_blocks, blocks).sum(-1)
+        else:
+            index = blocks[:, h0:h1, None, :].expand(batch, h1 - h0, rows, length)
+            out[:, h0:h1].scatter_add_(-1, index, probs)
+    return out
+
+
+def stratified_rows(starts, sizes, samples, seed=0):
+    """``(rows, weight)``: ``samples`` positions per block of a sequence cut into blocks at
+    ``starts`` with ``sizes`` members (long tensors ``(..., n)``), one drawn uniformly from each of
+    ``samples`` equal parts of the block (a fixed seed: the same rows every call); ``weight`` is 1,
+    or 0 for an empty block (its position is then ``starts``)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(samples, generator=gen, dtype=torch.float64).to(sizes.device)
+    parts = (torch.arange(samples, device=sizes.device, dtype=torch.float64) + u) / samples
+    offset = (parts * sizes[..., None].double()).floor().long()
+    offset = torch.minimum(offset, (sizes[..., None] - 1).clamp(min=0))
+    weight = (sizes > 0)[..., None].expand(*sizes.shape, samples).float()
+    return starts[..., None] + offset, weight
+
+
+def _segment_sum(x, blocks, n_blocks):
+    """Sum of ``x`` ``(B, H, L, ...)`` per key block: ``(B, H, n_blocks, ...)``; ``blocks`` an int
+    (contiguous blocks) or a long ``(B, H, L)`` index."""
+    if isinstance(blocks, int):
+        return x.view(*x.shape[:2], n_blocks, blocks, *x.shape[3:]).sum(3)
+    out = x.new_zeros(*x.shape[:2], n_blocks, *x.shape[3:])
+    index = blocks.view(*blocks.shape, *([1] * (x.dim() - 3))).expand_as(x)
+    return out.scatter_add_(2, index, x)
+
+
+def block_moments(k, key_valid, blocks, n_blocks):
+    """Per key block of ``k`` ``(B, H, L, D)`` over its valid keys: ``(mean, var, count)`` float32,
+    ``(B, H, n, D)``, ``(B, H, n, D)`` (per-dim variance) and ``(B|1, 1|H, n)``."""
+    weight = torch.ones(1, 1, k.shape[2], device=k.device) if key_valid is None else \
+        key_valid.to(torch.float32)[:, None, :]
+    if not isinstance(blocks, int):
+        weight = weight.expand(blocks.shape).contiguous()
+    count = _segment_sum(weight, blocks, n_blocks)
+    x = k.float() * weight[..., None]
+    safe = count.clamp_min(1.0)[..., None]
+    mean = _segment_sum(x, blocks, n_blocks) / safe
+    var = (_segment_sum(x * k.float(), blocks, n_blocks) / safe - mean.square()).clamp_min_(0.0)
+    return mean, var, count
+
+
+def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, query_valid=None, spread=True):
+    """Predicted mass of every query row on every key block, averaged per query block: float32
+    ``(B, H, n_q, n_k)`` (rows summing to 1; 0 for a query block without a valid row).
+
+    Row ``i``'s predicted mass on key block ``j`` (``n_j`` valid keys, mean ``kbar_j``, per-dim
+    variance ``var_j``) is ``softmax_j(scale q_i . kbar_j + log n_j + c_ij)`` with the key-spread
+    term ``c_ij = (scale^2 / 2) sum_d q_id^2 var_jd`` (``spread=True``): the second-order (log-normal)
+    estimate of ``log mean_{k in j} exp(scale q_i . (k - kbar_j))``, exact when the scores of a
+    block are Gaussian with independent dims; without it the softmax estimates ``n_j exp(mean
+    score)``, which Jensen's inequality puts below the true block sum. Every query row is scored
+    (``n_k`` scores per row: ``n_k / L`` of dense attention's, twice with ``spread``), so a query
+    block whose rows attend to different key blocks gets all of them (its mean is exact in the
+    rows; only the within-key-block spread is modelled). ``q_blocks`` / ``k_blocks``: an int
+    (contiguous blocks of that size) or a long ``(B, H, L)`` block index; ``query_valid``
+    ``(B|1, S)``: rows left out of the mean."""
+    batch, heads, seq, dim = q.shape
+    mean, var, count = block_moments(k, key_valid, k_blocks, n_k)
+    log_count = torch.where(count > 0, count.clamp_min(1.0).log(), torch.full_like(count, float("-inf")))
+    weight = torch.ones(1, 1, seq, device=q.device) if query_valid is None else \
+        query_valid.to(torch.float32)[:, None, :]
+    if not isinstance(q_blocks, int):
+        weight = weight.expand(q_blocks.shape).contiguous()
+    out = torch.zeros(batch, heads, n_q, n_k, dtype=torch.float32, device=q.device)
+    chunk = max(1, SCORE_BUDGET // max(1, batch * seq * n_k))
+    for h0 in range(0, heads, chunk):
+        h1 = min(heads, h0 + chunk)
+        qh = q[:, h0:h1].float()
+        logits = (qh @ mean[:, h0:h1].transpose(-1, -2)).mul_(scale) + log_count[:, h0:h1, None, :] \
+            if log_count.shape[1] > 1 else (qh @ mean[:, h0:h1].transpose(-1, -2)).mul_(scale) + log_count[:, :, None, :]
+        if spread:
+            logits += (qh.square() @ var[:, h0:h1].transpose(-1, -2)).mul_(0.5 * scale * scale)
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        w = weight if weight.shape[1] == 1 else weight[:, h0:h1]
+        qb = q_blocks if isinstance(q_blocks, int) else q_blocks[:, h0:h1]
+        out[:, h0:h1] = _segment_sum(probs * w[..., None], qb, n_q)
+    rows = _segment_sum(weight[..., None], q_blocks, n_q)  # (B|1, 1|H, n_q, 1)
+    return out / rows.clamp_min(1.0)
+
+
+def representative_rows(x, valid, samples):
+    """``(rows, weight)`` float32: per block of ``x`` ``(B, H, n, b, D)`` (contiguous blocks of ``b``
+    rows), ``samples`` representative rows chosen by farthest-point sampling (the first: the valid
+    row nearest the block's mean; each next: the valid row farthest from those chosen) and each
+    one's weight, the number of valid rows nearest to it. ``valid`` ``(B|1, n, b)`` bool. Rows
+    ``(B, H, n, samples)`` index ``b``; a block without a valid row gets weight 0."""
+    xf = x.float()
+    batch, heads, n, b, _ = x.shape
+    ok = valid[:, None].expand(batch, heads, n, b)
+    mean = (xf * ok[..., None]).sum(3, keepdim=True) / ok.sum(3, keepdim=True).clamp_min(1)[..., None]
+    far = torch.full(ok.shape, -1.0, device=x.device)
+    nearest = ((xf - mean).square().sum(-1)).masked_fill(~ok, float("inf")).argmin(-1)
+    rows = [nearest]
+    best = torch.full(ok.shape, float("inf"), device=x.device)
+    for _ in range(samples - 1):
+        chosen = xf.gather(3, rows[-1][..., None, None].expand(batch, heads, n, 1, xf.shape[-1]))
+        best = torch.minimum(best, (xf - chosen).square().sum(-1))
+        rows.append(torch.where(ok, best, far).argmax(-1))
+    rows = torch.stack(rows, -1)  # (B, H, n, s)
+    chosen = xf.gather(3, rows[..., None].expand(*rows.shape, xf.shape[-1]))  # (B, H, n, s, D)
+    distance = torch.cdist(xf, chosen)  # (B, H, n, b, s)
+    owner = distance.argmin(-1)
+    weight = torch.zeros(*rows.shape, device=x.device).scatter_add_(-1, owner, ok.float())
+    return rows, weight
