@@ -72,6 +72,19 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, k.shape[2])):
         raise ValueError(f"key_mask must be a bool tensor of shape ({batch}, {k.shape[2]}), got "
                          f"{key_mask.dtype} {tuple(key_mask.shape)}")
+    out, ctx = run_call(q, k, v, method, config, layout=layout, key_mask=key_mask, step=step, num_steps=num_steps,
+                        state=state, backend=backend, scale=scale, layer=layer, **options)
+    if not return_info:
+        return out
+    return out, call_info(ctx, batch, heads, seq, k.shape[2])
+
+
+def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num_steps=None, state=None,
+             backend="auto", scale=None, layer=0, **options):
+    """``fastdit.attention`` without the argument checks: ``(out, ctx)``, the finished
+    ``AttentionContext`` (``ctx.info`` says what ran, for counting without a host synchronisation).
+    Shared with the vllm-omni plugin (``fastdit.integrations.vllm_omni``), so both compute the same."""
+    heads = q.shape[1]
     method_cls = get_method(method)
     config = method_cls.resolve(method_cls.make_config(config, **options), None)
     instance = _instance(method_cls, config)
@@ -87,10 +100,7 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         total_heads=heads, scale=scale, state={} if state is None else state, backend=backend,
         dense_fn=lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale),
     )
-    out = instance(ctx, q, k, v)
-    if not return_info:
-        return out
-    return out, call_info(ctx, batch, heads, seq, k.shape[2])
+    return instance(ctx, q, k, v), ctx
 
 
 def call_info(ctx, batch, heads, seq, keys):
