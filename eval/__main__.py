@@ -10,7 +10,7 @@ alone starts a single process unless MPI is set up); the processes then use gloo
 """
 import sys
 
-from fastdit.cli_eval import main
+from fastdit.cli.eval import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@
 from . import methods
 from . import pipelines  # noqa: F401 - registers the model families' method defaults
 from .context import AttentionContext
-from .calibration import calibrate
+from .calibration.search import calibrate
 from .functional import attention
 from .layout import TokenLayout
 from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, PruneConfig, RadialConfig, SpargeConfig,

@@ -16,7 +16,7 @@ import torch
 
 import fastdit
 from fastdit.jsonutil import dump_json
-from fastdit.video import pipeline_frames, write_video
+from fastdit.media.video import pipeline_frames, write_video
 
 #: Method options for the embedded tiny models, whose latent grid (8 x 32 x 48 tokens in
 #: `fastdit compare`) is far smaller than a real video's: tiles of 4x4x8 tokens keep sliding-tile
@@ -120,7 +120,7 @@ def _public_options(config):
 
 def fidelity(frames, reference):
     """PSNR (dB, per frame, data range 1) and SSIM of ``frames`` against the dense ``reference``."""
-    from fastdit.eval.fidelity import psnr, ssim
+    from fastdit.eval.metrics.fidelity import psnr, ssim
 
     return float(psnr(frames, reference)), float(ssim(frames, reference))
 

@@ -385,17 +385,17 @@ def _targets(target):
 
 
 def _check_backend(backend, transformers):
-    from fastdit.kernels.block_sparse import BACKENDS, _triton_available, triton_interpreter_enabled
+    from fastdit.kernels import BACKENDS, available_backends
 
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise OptionError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "triton":
         return
-    if not _triton_available():
+    if "triton" not in available_backends():
         raise ValueError("backend='triton' needs the triton package (Linux); use backend='auto' or 'torch'")
     for _, transformer in transformers:
         param = next(transformer.parameters(), None)
-        if param is not None and param.device.type != "cuda" and not triton_interpreter_enabled():
+        if param is not None and "triton" not in available_backends(param.device):
             raise ValueError(f"backend='triton' but the model is on {param.device.type}: Triton runs on CUDA GPUs (or on "
                              "the CPU with TRITON_INTERPRET=1 set before fastdit is imported); use backend='auto' or 'torch'")
 
@@ -431,7 +431,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     from fastdit.pipelines import find_adapter
 
     if plan is not None:  # checked against the model before anything is installed
-        from fastdit.plan_file import plan_options_for
+        from fastdit.calibration.plan_file import plan_options_for
 
         options = {**plan_options_for(plan, target, method), **options}
     method_cls = get_method(method)

@@ -12,6 +12,7 @@ else:
     from .block_sparse import (
         BACKENDS,
         SUPPORTED_DTYPES,
+        available_backends,
         block_sparse_attention,
         check_skip_options,
         skip_subtiles_walked,
@@ -38,6 +39,7 @@ else:
     __all__ = [
         "BACKENDS",
         "SUPPORTED_DTYPES",
+        "available_backends",
         "block_sparse_attention",
         "block_sparse_attention_op",
         "block_sparse_attention_skip_op",

@@ -56,6 +56,23 @@ def triton_interpreter_enabled():
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+def available_backends(device=None):
+    """The concrete backends of ``block_sparse_attention`` that can run here, in ``BACKENDS`` order.
+
+    ``"torch"`` always (the PyTorch fallback runs on every device). ``"triton"`` when the triton
+    package imports and, given a ``device`` (``torch.device`` or its name), when tensors on it can run
+    Triton kernels: a CUDA device, or any device with ``TRITON_INTERPRET=1`` (the CPU interpreter).
+    ``backend="auto"`` picks Triton on CUDA when it is listed, else torch.
+
+        >>> available_backends("cpu")   # without TRITON_INTERPRET=1
+        ('torch',)
+    """
+    triton_ok = _triton_available()
+    if triton_ok and device is not None:
+        triton_ok = torch.device(device).type == "cuda" or triton_interpreter_enabled()
+    return tuple(b for b in BACKENDS if b == "torch" or (b == "triton" and triton_ok))
+
+
 def debug_enabled():
     """``FASTDIT_DEBUG=1``: validate every plan, even in calls made with ``validate=False``."""
     return os.environ.get("FASTDIT_DEBUG", "0").lower() in ("1", "true", "yes", "on")

@@ -13,7 +13,7 @@ one batched call::
 
 Sorting pairs blocks of similar size across groups, so the padding stays small: on random
 boundaries (sorted uniform cuts, mean 64 or 128 tokens, 8 groups) the computed pairs were 1.12x to
-1.28x the attended ones, and ``python -m fastdit.eval.bench_varlen`` (N=12288, D=64, 8 heads,
+1.28x the attended ones, and ``python -m fastdit.eval.bench.varlen`` (N=12288, D=64, 8 heads,
 density 0.25; three runs on a busy 2-core CPU, one or two threads) timed this path at 1.15x to
 1.35x the fixed path's time at equal density, and 1.0x to 1.3x on the fixed form's own
 boundaries (the per-step index work). A first version rewrote

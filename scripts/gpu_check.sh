@@ -8,10 +8,10 @@
 #   patched  the patched path: fastdit.attention / run_plan with sta's and radial's own plans (text
 #            tokens and key mask included) next to the kernel alone and dense SDPA   (T_PATCHED=60 s)
 #   varlen   variable-size blocks (offsets; svg2's clusters): a small case against the float64
-#            reference, then fixed vs variable blocks at equal density (bench_varlen)  (T_VARLEN=40 s)
+#            reference, then fixed vs variable blocks at equal density (bench.varlen)  (T_VARLEN=40 s)
 #   methods  every method on structured video-like q/k/v per head kind at Wan 480p's 32760 tokens:
 #            density, error against dense, selection / attention / outside-attention time, the
-#            corrections, the same-density claims (bench_attention --methods)       (T_METHODS=60 s)
+#            corrections, the same-density claims (bench.attention --methods)       (T_METHODS=60 s)
 #   wan      one transformer forward, Wan2.1-T2V-1.3B at 480p x 81 frames, dense / sta / radial,
 #            eager and torch.compile'd (bf16, random weights)                        (T_WAN=140 s)
 #   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=130 s)
@@ -72,7 +72,7 @@ T0=$SECONDS
 
 # -- set-up: fastdit importable (editable install, else a sys.path shim), diffusers from wheels ------
 importable() {  # can python, started in directory $1, import the engine and the benchmarks?
-    (cd "$1" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench_attention, fastdit.eval.bench_transformer") \
+    (cd "$1" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench.attention, fastdit.eval.bench.transformer") \
         >/dev/null 2>&1
 }
 
@@ -94,7 +94,7 @@ if [ "$FORCE_SHIM" = 1 ] || ! importable "$REPO"; then
     RUN_DIR="$SHIM"
     echo "[gpu_check] using sys.path shim $SHIM"
     if ! importable "$SHIM"; then
-        (cd "$SHIM" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench_attention, fastdit.eval.bench_transformer")
+        (cd "$SHIM" && "$PY" -c "import fastdit.kernels, fastdit.eval.bench.attention, fastdit.eval.bench.transformer")
         echo "[gpu_check] cannot import fastdit"; exit 2
     fi
 fi
@@ -159,25 +159,25 @@ part() {  # part NAME CAP_SECONDS COMMAND... : run under the cap, record status 
 skip() { SUMMARY+=("$(printf '%-8s %-60s %4s' "$1" "SKIPPED: $2" "-")"); }
 
 if want kernel; then
-    part kernel "$T_KERNEL" "$PY" -m fastdit.eval.bench_attention --check --path kernel \
+    part kernel "$T_KERNEL" "$PY" -m fastdit.eval.bench.attention --check --path kernel \
         --out "$OUT_DIR/attention_kernel_$STAMP.json" $ATTENTION_ARGS
 fi
 if want patched; then
-    part patched "$T_PATCHED" "$PY" -m fastdit.eval.bench_attention --no-check --path patched \
+    part patched "$T_PATCHED" "$PY" -m fastdit.eval.bench.attention --no-check --path patched \
         --out "$OUT_DIR/attention_patched_$STAMP.json" $ATTENTION_ARGS
 fi
 if want varlen; then
-    part varlen "$T_VARLEN" "$PY" -m fastdit.eval.bench_varlen --check --out "$OUT_DIR/varlen_$STAMP.json" \
+    part varlen "$T_VARLEN" "$PY" -m fastdit.eval.bench.varlen --check --out "$OUT_DIR/varlen_$STAMP.json" \
         $VARLEN_ARGS
 fi
 if want methods; then
-    part methods "$T_METHODS" "$PY" -m fastdit.eval.bench_attention --path methods \
+    part methods "$T_METHODS" "$PY" -m fastdit.eval.bench.attention --path methods \
         --methods sta,radial,sparge,svg,todo,tome,prune,window --corrections pooled,cached \
         --json "$OUT_DIR/attention_methods_$STAMP.json" $METHODS_ARGS
 fi
 if want wan; then
     if [ "$HAVE_DIFFUSERS" = 1 ]; then
-        part wan "$T_WAN" "$PY" -m fastdit.eval.bench_transformer --models wan --scale full \
+        part wan "$T_WAN" "$PY" -m fastdit.eval.bench.transformer --models wan --scale full \
             --budget-s $((T_WAN - 20)) --out "$OUT_DIR/transformer_wan_$STAMP.json" $TRANSFORMER_ARGS
     else
         skip wan "diffusers not available (carry .whl/diffusers-*.whl)"
@@ -185,7 +185,7 @@ if want wan; then
 fi
 if want hunyuan; then
     if [ "$HAVE_DIFFUSERS" = 1 ]; then
-        part hunyuan "$T_HY" "$PY" -m fastdit.eval.bench_transformer --models hunyuan --scale full \
+        part hunyuan "$T_HY" "$PY" -m fastdit.eval.bench.transformer --models hunyuan --scale full \
             --hy-frames "$HY_FRAMES" --budget-s $((T_HY - 20)) --out "$OUT_DIR/transformer_hunyuan_$STAMP.json" \
             $TRANSFORMER_ARGS
     else

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdit.eval import bench_attention, bench_transformer, bench_transformer_models
+from fastdit.eval.bench import attention as bench_attention
+from fastdit.eval.bench import transformer as bench_transformer
+from fastdit.eval.bench import transformer_models as bench_transformer_models
 
 ROOT = Path(__file__).resolve().parents[1]
 SPARSE = ("sta", "radial")

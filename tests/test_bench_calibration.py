@@ -1,11 +1,11 @@
-"""``python -m fastdit.eval.bench_calibration --quick``: the calibration evidence script runs, its plan meets
+"""``python -m fastdit.eval.bench.calibration --quick``: the calibration evidence script runs, its plan meets
 the budget on the calibration prompt, and its equal-density comparison interpolates correctly."""
 import json
 import math
 
 import pytest
 
-from fastdit.eval.bench_calibration import interpolate, main
+from fastdit.eval.bench.calibration import interpolate, main
 
 
 def test_interpolate_the_global_curve():
@@ -34,6 +34,6 @@ def test_quick_run_writes_rows_and_meets_the_budget_on_calibration(tmp_path):
 
 
 def structured_budget():
-    from fastdit.eval.bench_calibration import STRUCTURED_BUDGET
+    from fastdit.eval.bench.calibration import STRUCTURED_BUDGET
 
     return STRUCTURED_BUDGET["sparge"]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from fastdit.eval import bench_methods
-from fastdit.eval import bench_methods_claims as claims_module
+from fastdit.eval.bench import methods as bench_methods
+from fastdit.eval.bench import methods_claims as claims_module
 
 
 def test_bench_methods_tiny(tmp_path, capsys):

@@ -1,10 +1,10 @@
-"""``python -m fastdit.eval.bench_varlen --quick --check`` in-process: the JSON holds the three forms
+"""``python -m fastdit.eval.bench.varlen --quick --check`` in-process: the JSON holds the three forms
 with finite times, the token-pair densities it promises, the check against the float64 reference,
 and the variable form on the fixed form's own boundaries gives the fixed form's output."""
 import json
 import math
 
-from fastdit.eval import bench_varlen
+from fastdit.eval.bench import varlen as bench_varlen
 
 
 def test_bench_varlen_quick(tmp_path):

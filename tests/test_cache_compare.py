@@ -10,7 +10,7 @@ import pytest
 from fastdit.caches import block_lists, cache_settings, check_cache
 from fastdit.cli import main as cli_main
 from fastdit.compare import compare, format_table, generate
-from fastdit.cli_eval import main as eval_main
+from fastdit.cli.eval import main as eval_main
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
 
 pytest.importorskip("cache_dit", reason="cache-dit is the optional extra fastdit[cache]")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.calibration import calibrate, candidates_for, select_plan
+from fastdit.calibration.search import calibrate, candidates_for, select_plan
 from fastdit.layout import TokenLayout
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
-from fastdit.plan_file import load_plan, plan_options_for, write_plan
+from fastdit.calibration.plan_file import load_plan, plan_options_for, write_plan
 
 CALL = {k: v for k, v in TINY_TEST_DEFAULTS["wan"].items()}  # 3 x 5 x 7 latent tokens, 2 steps, CFG
 GRID, TILE = (3, 5, 7), (1, 2, 2)  # tile grid 3 x 3 x 4

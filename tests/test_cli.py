@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdit.cli import main
-from fastdit.cli_common import parse_options, parse_value
+from fastdit.cli.common import parse_options, parse_value
 
 
 def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
@@ -51,7 +51,7 @@ def no_model(monkeypatch):
     """Fail the test if a pipeline is loaded or built."""
     import fastdit.pipelines.loading as loading
     import fastdit.pipelines.tiny as tiny
-    from fastdit.eval import generation
+    from fastdit.eval.runner import generation
 
     def fail(*args, **kwargs):
         pytest.fail("a model was loaded despite the bad arguments")
@@ -141,7 +141,7 @@ def test_bad_eval_arguments(argv, option, message, tmp_path, capsys, no_model):
 
 
 def test_eval_entry_point_reports_one_line(tmp_path, capsys, no_model):
-    from fastdit.cli_eval import main as eval_main
+    from fastdit.cli.eval import main as eval_main
 
     with pytest.raises(SystemExit) as info:
         eval_main(["--set", "sta.tile=0,0,0", "--out", str(tmp_path)])
@@ -167,7 +167,7 @@ def test_size_checked_again_once_loaded():
     """Sizes of a real model: a lower bound before loading, the exact latent grid once loaded."""
     from types import SimpleNamespace
 
-    from fastdit.cli_common import call_arguments, check_requested_size
+    from fastdit.cli.common import call_arguments, check_requested_size
 
     class Pipe:  # a Wan-like pipeline: VAE 8x spatial, 4x temporal, patch (1, 2, 2), 81 frames by default
         vae_scale_factor_spatial, vae_scale_factor_temporal = 8, 4

@@ -116,7 +116,7 @@ PER_HEAD_POOLED = {  # method -> (grid, text position, options, check that the p
 
 @pytest.mark.parametrize("method", sorted(PER_HEAD_POOLED))
 def test_pooled_per_head_blocks_match_float64_reference(method):
-    from fastdit.eval.structured import structured_qkv
+    from fastdit.eval.bench.structured import structured_qkv
 
     grid, text_position, opts, blocks_differ = PER_HEAD_POOLED[method]
     opts = dict(opts, dense_steps=0, dense_layers=0)

@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
-from fastdit.cli_eval import main as eval_main
-from fastdit.eval import generation, report
-from fastdit.eval.config import SCHEMA, TIMING_FIELDS, EvalConfig, EvalError
-from fastdit.eval.prompts import Prompt, load_prompts, shipped_prompt_file
-from fastdit.eval.settings import build_settings
+from fastdit.cli.eval import main as eval_main
+from fastdit.eval.runner import generation
+from fastdit.eval.runner import report
+from fastdit.eval.runner.config import SCHEMA, TIMING_FIELDS, EvalConfig, EvalError
+from fastdit.eval.runner.prompts import Prompt, load_prompts, shipped_prompt_file
+from fastdit.eval.runner.settings import build_settings
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS
 
 SIZE = TINY_TEST_DEFAULTS["wan"]
@@ -263,7 +264,7 @@ def test_metrics_added_later_without_regenerating(first_run, prompts, tmp_path, 
     finished run: only metrics are computed, cached values are kept, nothing is generated."""
     import torch
 
-    from fastdit.eval.fidelity import LPIPS
+    from fastdit.eval.metrics.fidelity import LPIPS
 
     out, _ = first_run
     run = tmp_path / "more"
@@ -304,8 +305,8 @@ def test_tiny_call_size_is_compare_size():
 
 
 def test_library_does_not_import_the_command_line():
-    code = ("import sys, fastdit.eval.runner, fastdit.eval.report, fastdit.eval.aggregate; "
-            "print(sorted(m for m in sys.modules if m in ('fastdit.cli', 'fastdit.cli_eval')))")
+    code = ("import sys, fastdit.eval.runner.run, fastdit.eval.runner.report, fastdit.eval.runner.aggregate; "
+            "print(sorted(m for m in sys.modules if m in ('fastdit.cli', 'fastdit.cli.eval')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -343,7 +344,7 @@ def test_density_counts_dense_steps(prompts, tmp_path):
 def test_fallbacks_reach_results(prompts, tmp_path):
     """A float64 pipeline: fastdit runs every attention call with the model's own attention and
     counts it as a fallback with its reason; results.json and results.md report them."""
-    from fastdit.eval.runner import run_eval
+    from fastdit.eval.runner.run import run_eval
 
     cfg = EvalConfig(out=str(tmp_path / "f64"), model="tiny-wan", methods=["dense", "sta"],
                      options={"sta": {"tile": (1, 2, 2), "dense_steps": 0}}, prompts=[Prompt("A boat on a lake.")],

@@ -292,3 +292,22 @@ def test_validate_plan():
     assert validate_plan(idx, cnt, 6, n_q_blocks=4)  # wrong number of query blocks
     assert validate_plan(idx.float(), cnt, 6)  # not integer
     assert validate_plan(idx[0], cnt, 6)  # wrong rank
+
+
+def test_available_backends_say_what_can_run(monkeypatch):
+    """``available_backends`` lists the torch fallback always, and Triton only where it can run:
+    installed, and for a device, on CUDA or under the interpreter."""
+    from fastdit.kernels import BACKENDS, available_backends
+    from fastdit.kernels import block_sparse as bs
+
+    assert "torch" in available_backends() and "torch" in available_backends("cpu")
+    assert set(available_backends()) <= set(BACKENDS) - {"auto"}
+    monkeypatch.setattr(bs, "_triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert available_backends() == ("triton", "torch")
+    assert available_backends("cpu") == ("torch",)
+    assert available_backends(torch.device("cuda", 0)) == ("triton", "torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert available_backends("cpu") == ("triton", "torch")
+    monkeypatch.setattr(bs, "_triton_available", lambda: False)
+    assert available_backends("cuda") == ("torch",) and available_backends() == ("torch",)

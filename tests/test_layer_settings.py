@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.calibration import calibrate, select_plan
+from fastdit.calibration.search import calibrate, select_plan
 from fastdit.layout import TokenLayout
 from fastdit.methods.sparge import Sparge
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
-from fastdit.plan_file import PlanError, load_plan, write_plan
+from fastdit.calibration.plan_file import PlanError, load_plan, write_plan
 
 CALL = dict(TINY_TEST_DEFAULTS["wan"])  # 3 x 5 x 7 latent tokens, 2 steps, CFG, 4 patched layers, 2 heads
 GRID = (3, 5, 7)

@@ -5,10 +5,10 @@ Layers, bottom to top (docs/architecture.md draws them):
   0 kernels                       fastdit.kernels.*
   1 data types                    layout, plan, context, stats, masks, jsonutil
   2 methods                       fastdit.methods.*
-  3 patch and model adapters      patching, intercept, steps, functional, plan_file, pipelines.*
-  4 libraries with entry points   compare, parallel, video, support, options, pictures, calibration,
-                                  calibration_candidates, eval.*, app.*
-  5 command line                  cli, cli_eval, cli_common, cli_calibrate, python -m fastdit.eval
+  3 patch and model adapters      patching, intercept, steps, functional, calibration.plan_file, pipelines.*
+  4 libraries with entry points   compare, parallel, support, options, media.*, calibration.* (search,
+                                  candidates), eval.* (bench, metrics, runner), app.*
+  5 command line                  cli.*, python -m fastdit.eval
 """
 import ast
 import importlib.util
@@ -24,10 +24,10 @@ LAYERS = [
     ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.masks", "fastdit.jsonutil"),
     ("fastdit.methods",),
     ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
-     "fastdit.plan_file"),
-    ("fastdit.compare", "fastdit.parallel", "fastdit.video", "fastdit.support", "fastdit.options", "fastdit.pictures",
-     "fastdit.calibration", "fastdit.calibration_candidates", "fastdit.eval", "fastdit.app"),
-    ("fastdit.cli", "fastdit.cli_eval", "fastdit.cli_common", "fastdit.cli_calibrate", "fastdit.eval.__main__"),
+     "fastdit.calibration.plan_file"),
+    ("fastdit.compare", "fastdit.parallel", "fastdit.support", "fastdit.options", "fastdit.media",
+     "fastdit.calibration", "fastdit.eval", "fastdit.app"),
+    ("fastdit.cli", "fastdit.eval.__main__"),
 ]
 
 
@@ -149,7 +149,7 @@ MAX_LINES = 500
 
 def test_no_python_file_over_500_lines():
     """Every tracked ``.py`` file of the repository stays at most ``MAX_LINES`` lines: a longer one is
-    split by role (see how eval/bench_*.py and tests/model_matrix.py are cut)."""
+    split by role (see how eval/bench/attention*.py and tests/model_matrix.py are cut)."""
     import shutil
     import subprocess
 
@@ -168,3 +168,21 @@ def test_no_python_file_over_500_lines():
     over = sorted((n, name) for name, n in lengths.items() if n > MAX_LINES)
     assert not over, f"files over {MAX_LINES} lines (split them by role): " + ", ".join(
         f"{name} ({n})" for n, name in reversed(over))
+
+
+MAX_MODULES = 16  # "about 15": a folder with more modules groups them in sub-folders
+
+
+def test_no_folder_holds_too_many_modules():
+    """Every package folder (``fastdit/``, ``kernels/``, ``pipelines/``, ``eval/`` and their sub-folders)
+    holds at most ``MAX_MODULES`` modules besides ``__init__`` and ``__main__``: a person who adds a
+    metric, a benchmark or a subcommand should see where it goes from the folder names."""
+    root = Path(__file__).resolve().parent.parent
+    counts = {}
+    for top in ("fastdit", "kernels", "pipelines", "eval"):
+        for init in (root / top).rglob("__init__.py"):
+            modules = [p for p in init.parent.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+            counts[str(init.parent.relative_to(root))] = len(modules)
+    assert counts.get("fastdit") and counts.get("eval") is not None, counts
+    over = {folder: n for folder, n in counts.items() if n > MAX_MODULES}
+    assert not over, f"folders over {MAX_MODULES} modules (group them in sub-folders): {over}"

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdit.eval.fidelity import LPIPS, FIDELITY_METRICS, lpips_distance, psnr, ssim
+from fastdit.eval.metrics.fidelity import LPIPS, FIDELITY_METRICS, lpips_distance, psnr, ssim
 
 def _rng(seed=0):
     return np.random.default_rng(seed)
@@ -129,7 +129,7 @@ def test_ssim_blocks_match_skimage(max_elements):
 _LARGE_VIDEO_CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from fastdit.eval.fidelity import psnr, ssim
+    from fastdit.eval.metrics.fidelity import psnr, ssim
     r = np.random.default_rng(0)
     a = r.random((29, 512, 768, 3), dtype=np.float32)
     b = np.clip(a + 0.05 * r.standard_normal(a.shape, dtype=np.float32), 0, 1)
@@ -221,7 +221,7 @@ def test_lpips_end_to_end(lpips_dir):
 
 def test_lpips_large_frames_run_in_smaller_batches(lpips_dir, monkeypatch):
     """Under a small activation budget frames go one at a time; the distance stays the same."""
-    from fastdit.eval import fidelity
+    from fastdit.eval.metrics import fidelity
     r = _rng(8)
     a = r.random((5, 40, 48, 3)).astype(np.float32)
     b = np.clip(a + 0.2 * r.standard_normal(a.shape).astype(np.float32), 0, 1)
@@ -240,7 +240,7 @@ def test_lpips_large_frames_run_in_smaller_batches(lpips_dir, monkeypatch):
 
 def test_lpips_formula_by_hand(lpips_dir):
     """The LPIPS v0.1 formula written out on the loaded network's feature taps."""
-    from fastdit.eval.fidelity import load_lpips
+    from fastdit.eval.metrics.fidelity import load_lpips
     net = load_lpips("alex", lpips_dir)
     r = _rng(6)
     x = torch.from_numpy(r.random((1, 3, 40, 40))).float() * 2 - 1

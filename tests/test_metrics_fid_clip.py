@@ -12,8 +12,8 @@ import pytest
 import scipy.linalg
 import torch
 
-from fastdit.eval import clip_score as cs
-from fastdit.eval import fid as fidm
+from fastdit.eval.metrics import clip_score as cs
+from fastdit.eval.metrics import fid as fidm
 
 def _rng(seed=0):
     return np.random.default_rng(seed)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastdit.eval import vbench as vb
+from fastdit.eval.metrics import vbench as vb
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -7,7 +7,7 @@ import torch
 
 from fastdit.layout import TokenLayout
 from fastdit.methods.sta import SlidingTile
-from fastdit.plan_file import PlanError, load_plan, plan_options, write_plan
+from fastdit.calibration.plan_file import PlanError, load_plan, plan_options, write_plan
 
 
 def make_plan(**changes):

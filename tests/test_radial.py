@@ -6,7 +6,7 @@ import torch
 
 import fastdit
 from fastdit.layout import TokenLayout
-from fastdit.eval import radial_report as RR
+from fastdit.eval.bench import radial_report as RR
 from fastdit.methods import radial as R
 
 from layer_capture import LayerCapture, assert_matches_masked_dense

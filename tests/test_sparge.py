@@ -9,7 +9,7 @@ import torch
 import fastdit
 from fastdit.layout import TokenLayout
 from fastdit.methods.sparge import Sparge
-from fastdit.eval.structured import structured_qkv
+from fastdit.eval.bench.structured import structured_qkv
 
 from tiny_models import TINY
 

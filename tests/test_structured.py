@@ -1,4 +1,4 @@
-"""The structured q/k/v generator (fastdit.eval.structured): its heads have the documented attention."""
+"""The structured q/k/v generator (fastdit.eval.bench.structured): its heads have the documented attention."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fastdit.eval.structured import (DEFAULT_KINDS, KINDS, SEMANTIC_BETA, StructuredInputs, attention_masses,
+from fastdit.eval.bench.structured import (DEFAULT_KINDS, KINDS, SEMANTIC_BETA, StructuredInputs, attention_masses,
                                      check_kinds, head_features, semantic_objects, structured_qkv)
 
 

@@ -181,8 +181,8 @@ def positional_heads(grid, kinds, dim=32, batch=1, sharpness=12.0, seed=0):
 
 
 def structured(grid, kinds):
-    """``fastdit.eval.structured``'s Fourier-feature heads (a second, smoother construction)."""
-    from fastdit.eval.structured import structured_qkv
+    """``fastdit.eval.bench.structured``'s Fourier-feature heads (a second, smoother construction)."""
+    from fastdit.eval.bench.structured import structured_qkv
 
     q, k, v, _, _ = structured_qkv(grid=grid, heads=len(kinds), head_dim=64, kinds=kinds, seed=0)
     return q, k, v

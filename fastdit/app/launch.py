@@ -31,7 +31,7 @@ def check_plan_argument(path):
     """``--plan PATH`` read and checked before the page starts; SystemExit with the reason otherwise."""
     if path is None:
         return None
-    from fastdit.plan_file import PlanError, load_plan
+    from fastdit.calibration.plan_file import PlanError, load_plan
 
     try:
         load_plan(path)

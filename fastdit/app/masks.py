@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from fastdit.pictures import MASK_PIXELS, mask_picture, pooled_mask
+from fastdit.media.pictures import MASK_PIXELS, mask_picture, pooled_mask
 
 from .errors import AppError
 

@@ -78,7 +78,7 @@ def patched(pipe, method, options, record_masks=False, plan=None):
     options or a plan file that does not fit (checked against the model at patch time) raise
     ``AppError`` with nothing installed."""
     import fastdit
-    from fastdit.plan_file import PlanError
+    from fastdit.calibration.plan_file import PlanError
 
     try:
         patch = fastdit.patch(pipe, method, record_masks=record_masks, plan=plan, **options)
@@ -150,7 +150,7 @@ def _plain(value):
 def _lpips(frames, reference):
     """LPIPS against dense, or None when its weights are not present (or frames are too small)."""
     try:
-        from fastdit.eval.fidelity import lpips_distance
+        from fastdit.eval.metrics.fidelity import lpips_distance
 
         return float(lpips_distance(frames, reference))
     except (FileNotFoundError, ValueError, ImportError):
@@ -210,7 +210,7 @@ class Runner:
             raise AppError("Write a prompt.")
         seed = check_seed(request.seed)
         if _plan_path(request.plan) is not None:  # the plan's options replace the option boxes
-            from fastdit.plan_file import PlanError, plan_options
+            from fastdit.calibration.plan_file import PlanError, plan_options
 
             try:
                 return seed, plan_options(_plan_path(request.plan), request.method)  # file and method only
@@ -278,7 +278,7 @@ class Runner:
         call, notes, tokens = self._call_for(entry, request)
         plan = _plan_path(request.plan)
         if plan is not None:  # checked against this model before the dense run; patch(plan=...) applies it
-            from fastdit.plan_file import PlanError, plan_options_for
+            from fastdit.calibration.plan_file import PlanError, plan_options_for
 
             try:
                 plan_options_for(plan, pipe, method)
@@ -357,7 +357,7 @@ class Runner:
 
     def _finish(self, run, started_at):
         from fastdit.compare import fidelity
-        from fastdit.video import write_video
+        from fastdit.media.video import write_video
 
         dense, result, stats, notes = run["dense"], run["result"], run["stats"], run["notes"]
         method = run["request"].method

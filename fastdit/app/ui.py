@@ -97,7 +97,7 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
     methods = method_choices()
     default_method = "sta" if "sta" in methods else methods[0]
     if plan is not None:  # the plan's method is selected when the page opens
-        from fastdit.plan_file import load_plan
+        from fastdit.calibration.plan_file import load_plan
 
         planned = load_plan(plan)["method"]
         default_method = planned if planned in methods else default_method

@@ -397,7 +397,7 @@ def load_strategy(path, *, grid=None, tile=FASTVIDEO_TILE, out=None):
     entry means the whole axis. ``out``: also write the plan there (JSON).
 
     Apply it with ``fastdit.patch(pipe, "sta", plan=path_of_the_written_plan)``, or with the options
-    ``fastdit.plan_file.plan_options`` gives. ValueError names the file and the entry for a file
+    ``fastdit.calibration.plan_file.plan_options`` gives. ValueError names the file and the entry for a file
     that is not JSON, not an object, or has keys / windows that do not parse.
     """
     path = os.fspath(path)

@@ -48,7 +48,7 @@ cluster (``corrections.pooled_correction`` through ``ClusterPlan.token_blocks``)
 (query, dropped key cluster), ``Ck / S`` of dense attention's scores. ``skip_threshold`` is a
 rule of the fixed-block engine and is refused when configured.
 
-Known weakness (structured benchmark inputs, ``eval/bench_methods.py``): the centroid scores
+Known weakness (structured benchmark inputs, ``eval/bench/methods.py``): the centroid scores
 predict a whole query cluster's mass; when a query cluster is much wider than its queries'
 attention (very local heads, few query clusters) the queries at its edge lose most of their mass,
 so pure ``top_p`` can keep too little; ``min_kc_ratio`` (SVG2's floor) and more query clusters
@@ -56,7 +56,7 @@ help.
 
 Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
 token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
-and scoring are overhead in the timings (``eval/bench_methods.py`` reports them separately).
+and scoring are overhead in the timings (``eval/bench/methods.py`` reports them separately).
 """
 from __future__ import annotations
 

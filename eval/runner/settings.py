@@ -1,0 +1,121 @@
+"""Settings (a method with one set of options), samples (setting x prompt x seed) and the
+fingerprints a stored sample must match to be reused."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from fastdit.eval.runner.config import EvalError
+from fastdit.eval.runner.prompts import Prompt
+from fastdit.jsonutil import to_json
+
+__all__ = ["Sample", "Setting", "build_samples", "build_settings", "fingerprint", "format_option_value",
+           "tiny_method_presets"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    method: str
+    options: dict = field(default_factory=dict, hash=False, compare=False)
+    #: the cache-dit cache this setting runs with (``EvalConfig.cache``), or None
+    cache: str | None = None
+
+    @property
+    def is_reference(self):
+        """The unpatched, uncached dense setting: every fidelity metric's reference."""
+        return self.method == "dense" and self.cache is None
+
+    @property
+    def slug(self):
+        """The setting's folder name under ``samples/``."""
+        return re.sub(r"[^A-Za-z0-9._=+-]+", "_", self.name.replace("[", "-").replace("]", "")).strip("_")
+
+
+@dataclass(frozen=True)
+class Sample:
+    setting: Setting
+    prompt_index: int
+    prompt: Prompt
+    seed: int
+
+    @property
+    def key(self):
+        return (self.setting.name, self.prompt_index, self.seed)
+
+    def stem(self, out):
+        """``OUT/samples/<setting>/<prompt>_<seed>``: the sample's files are this plus a suffix."""
+        return os.path.join(out, "samples", self.setting.slug, f"{self.prompt_index}_{self.seed}")
+
+
+def format_option_value(value):
+    """An option value in a setting's name: tuples of numbers as ``4x4x8``."""
+    if isinstance(value, (tuple, list)):
+        return "x".join(str(v) for v in value) if all(isinstance(v, (int, float)) for v in value) else str(list(value))
+    return str(value)
+
+
+def tiny_method_presets(model, methods, options):
+    """``options`` (method -> options) with the tiny models' method presets underneath
+    (each method's ``tiny_options``) when ``model`` is a tiny built-in; else unchanged."""
+    from fastdit.methods import tiny_presets
+    from fastdit.pipelines.loading import tiny_name
+
+    options = {method: dict(values) for method, values in options.items()}
+    if tiny_name(model) is not None:
+        for method, preset in tiny_presets().items():
+            if method in methods:
+                options[method] = {**preset, **options.get(method, {})}
+    return options
+
+
+def build_settings(cfg):
+    """Settings in run order: dense, then each method (one per grid combination)."""
+    import fastdit
+
+    methods = ["dense"] + [m for m in cfg.methods if m != "dense"]
+    unknown = [m for m in methods if m not in fastdit.method_names()]
+    if unknown:
+        raise EvalError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(fastdit.method_names())}")
+    for method in list(cfg.options) + list(cfg.grid):
+        if method not in methods:
+            raise EvalError(f"options given for method {method!r}, which is not in --methods {','.join(methods)}")
+    if cfg.grid.get("dense"):
+        raise EvalError("--grid on dense: dense is the reference and takes no options")
+    settings = []
+    for method in methods:
+        base = dict(cfg.options.get(method, {}))
+        grid = cfg.grid.get(method) or {}
+        names = list(grid)
+        for combo in itertools.product(*(grid[n] for n in names)) if names else [()]:
+            options = {**base, **dict(zip(names, combo))}
+            label = method if not names else (
+                method + "[" + ",".join(f"{n}={format_option_value(v)}" for n, v in zip(names, combo)) + "]")
+            try:
+                fastdit.methods.get_method(method).make_config(None, **options)
+            except (TypeError, ValueError) as error:
+                raise EvalError(f"setting {label}: {error}") from None
+            settings.append(Setting(label, method, options))
+            if cfg.cache is not None:  # the same setting under cache-dit, right after it
+                settings.append(Setting(f"{label}+{cfg.cache}", method, options, cache=cfg.cache))
+    return settings
+
+
+def build_samples(cfg, settings):
+    """All samples in a fixed order: setting, then prompt, then seed."""
+    return [Sample(s, i, p, int(seed)) for s in settings for i, p in enumerate(cfg.prompts) for seed in cfg.seeds]
+
+
+def fingerprint(cfg, sample):
+    """What a stored sample must match to be reused on resume: model, requested sizes, dtype,
+    backend, method and options, prompt text and seed."""
+    data = {"model": cfg.model, "call": cfg.call, "dtype": cfg.dtype, "backend": cfg.backend,
+            "method": sample.setting.method, "options": sample.setting.options,
+            "prompt": sample.prompt.text, "seed": sample.seed}
+    if sample.setting.cache is not None:  # (absent otherwise: fingerprints of uncached runs are unchanged)
+        data["cache"] = {"name": sample.setting.cache, "options": cfg.cache_options}
+    return hashlib.sha1(json.dumps(to_json(data), sort_keys=True).encode()).hexdigest()[:16]

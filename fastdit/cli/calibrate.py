@@ -1,0 +1,138 @@
+"""``fastdit calibrate``: search a method's settings per (step bucket, layer[, head]) against an error budget.
+
+    fastdit calibrate --model tiny-wan --method sta --prompts coco --max-prompts 4 --budget 0.05 --out plan.json
+    fastdit compare ... (then apply with fastdit.patch(pipe, "sta", plan="plan.json"))
+
+Runs the pipeline densely on the prompts, measures every candidate setting on sampled query rows
+of every attention call, and writes the plan (JSON). Re-running the same command after an
+interruption resumes: prompts already finished (kept in ``OUT.partial.json``) are not redone.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+__all__ = ["add_calibrate_arguments", "add_calibrate_parser", "cmd_calibrate"]
+
+
+def _budget(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number > 0 (relative L2 error), got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expects a number > 0 (relative L2 error), got {text!r}")
+    return value
+
+
+def add_calibrate_arguments(parser):
+    from fastdit.cli.common import add_generation_arguments, positive_int, seed_int
+
+    add_generation_arguments(parser)
+    parser.add_argument("--method", default="sta", help="the method to calibrate (sta: per layer and head; the others per layer)")
+    parser.add_argument("--prompts", default="coco",
+                        help="prompt file (.txt one per line, or .json), or 'coco' / 'vbench' (the shipped sets)")
+    parser.add_argument("--max-prompts", type=positive_int, default=4, help="use the first N prompts (default 4)")
+    parser.add_argument("--budget", type=_budget, required=True,
+                        help="largest relative L2 error against dense attention per head, e.g. 0.05")
+    parser.add_argument("--buckets", type=positive_int, default=1, help="step buckets with their own settings")
+    parser.add_argument("--candidates", default=None,
+                        help="sta: windows 'wt,wh,ww;...' (0 = whole axis); other methods: 'option=v1,v2'; "
+                             "default: the method's candidate set")
+    parser.add_argument("--set", action="append", metavar="OPTION=VALUE",
+                        help="a base option of the method, e.g. --set tile=4,4,8 (repeatable)")
+    parser.add_argument("--rows", type=positive_int, default=256, help="query rows sampled per attention call")
+    parser.add_argument("--seed", type=seed_int, default=0)
+    parser.add_argument("--out", default="plan.json", help="the plan file to write (JSON)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def parse_candidates(text, method):
+    """``"1,3,3;3,3,3"`` (sta windows) or ``"ratio=0.25,0.5"`` -> a list of candidate option dicts."""
+    from fastdit.cli.common import CLIError
+    from fastdit.options import parse_value
+
+    if text is None:
+        return None
+    if "=" in text:
+        name, _, values = text.partition("=")
+        parsed = [parse_value(v) for v in values.split(",") if v.strip()]
+        candidates = [{name.strip(): v} for v in parsed]
+    else:
+        try:
+            candidates = [tuple(int(x) for x in part.split(",")) for part in text.split(";") if part.strip()]
+        except ValueError:
+            raise CLIError(f"argument --candidates: expects windows like '1,3,3;3,3,3' or OPTION=V1,V2, got {text!r}") from None
+        if method != "sta":
+            raise CLIError(f"argument --candidates: window triples apply to sta; for {method} give OPTION=V1,V2")
+    if not candidates:
+        raise CLIError(f"argument --candidates: no candidates in {text!r}")
+    return candidates
+
+
+def cmd_calibrate(args):
+    import torch
+
+    import fastdit
+    from fastdit.calibration.search import calibrate
+    from fastdit.cli.common import CLIError, call_arguments, check_device, check_requested_size
+    from fastdit.eval.runner.config import EvalError
+    from fastdit.eval.runner.prompts import load_prompts
+    from fastdit.eval.runner.settings import tiny_method_presets
+    from fastdit.options import parse_value
+    from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline
+
+    if args.method not in fastdit.method_names():
+        raise CLIError(f"argument --method: unknown method {args.method!r}; available: {', '.join(fastdit.method_names())}")
+    options = {}
+    for setting in args.set or []:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise CLIError(f"argument --set: expects OPTION=VALUE, got {setting!r}")
+        options[key.strip()] = parse_value(value)
+    candidates = parse_candidates(args.candidates, args.method)
+    try:
+        prompts = [p.text for p in load_prompts(args.prompts)][: args.max_prompts]
+    except EvalError as error:
+        raise CLIError(f"argument --prompts: {error}") from None
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir) or os.path.isdir(args.out):
+        raise CLIError(f"argument --out: {args.out} must be a file in an existing folder")
+    check_device(args.device)
+    try:
+        check_requested_size(args.model, args.frames, args.height, args.width)
+        pipe = load_pipeline(args.model, args.device, getattr(torch, args.dtype) if args.dtype else None)
+    except ModelNotFoundError as error:
+        raise CLIError(f"argument --model: {error}") from None
+    call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
+    options = tiny_method_presets(args.model, [args.method], {args.method: options})[args.method]
+    shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
+    print(f"calibrating {args.method} on {args.model} ({pipe.device}): {len(prompts)} prompt(s), budget {args.budget}, "
+          f"{shown}")
+    try:
+        plan = calibrate(pipe, args.method, prompts, budget=args.budget, steps=args.buckets, candidates=candidates,
+                         out=args.out, call_kwargs=call_kwargs, options=options, rows=args.rows, seed=args.seed,
+                         progress=not args.no_progress)
+    except ValueError as error:
+        raise CLIError(str(error), exit_code=1) from None
+    measured = plan["measured"]
+    print(f"plan written to {args.out}: worst relative error {measured['error']:.4f} (budget {args.budget}), "
+          f"mean density {measured['density']:.3f}")
+    settings = plan.get("settings", {})
+    for row in measured["layers"]:
+        key = f"{row['bucket']}_{row['layer']}"
+        chosen = f", {'dense' if settings[key] is None else settings[key]}" if key in settings else ""
+        print(f"  bucket {row['bucket']} layer {row['layer']}: error {row['error']:.4f}, density {row['density']:.3f}"
+              f"{chosen}")
+    return 0
+
+
+def add_calibrate_parser(subparsers):
+    """Add the ``calibrate`` subcommand to ``fastdit``'s subparsers."""
+    parser = subparsers.add_parser("calibrate", help="search per-layer (sta: per-head) settings of a method against an error "
+                                                     "budget; writes a plan file (resumable)")
+    add_calibrate_arguments(parser)
+    parser.set_defaults(func=cmd_calibrate)
+    return parser

@@ -1,0 +1,110 @@
+"""``fastdit compare``: dense and each method with the same seed; latency, speedup, PSNR, SSIM.
+
+    fastdit compare                                  # tiny Wan model, dense vs sta
+    fastdit compare --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --frames 81 --height 480 --width 832 \
+        --methods dense,sta --set sta.dense_steps=0.25 --out runs/wan
+"""
+from __future__ import annotations
+
+from fastdit.cli.common import (
+    apply_plan_argument,
+    CLIError,
+    add_cache_arguments,
+    add_generation_arguments,
+    cache_arguments,
+    call_arguments,
+    check_generation_arguments,
+    parse_options,
+    positive_int,
+    seed_int,
+)
+
+
+def cmd_compare(args):
+    import torch
+
+    from fastdit.compare import compare, format_table
+    from fastdit.eval.runner.settings import tiny_method_presets
+    from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    import fastdit
+
+    unknown = [m for m in methods if m not in fastdit.method_names()]
+    if unknown:
+        raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
+                       f"{', '.join(fastdit.method_names())}")
+    options = parse_options(args.set, methods)
+    check_generation_arguments(args)
+    cache, cache_options = cache_arguments(args, args.cp is not None)
+    parallel = None
+    if args.cp is not None:
+        from fastdit import parallel as cp
+
+        if cp.launched_world() is not None and cp.launched_world()[1] != args.cp:
+            raise CLIError(f"argument --cp: compare splits one sample over all {cp.launched_world()[1]} processes; "
+                           f"launch {args.cp} (torchrun --nproc_per_node {args.cp})")
+        try:
+            parallel = cp.setup(args.cp)
+        except ValueError as error:
+            raise CLIError(f"argument --cp: {error}") from None
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        pipe = load_pipeline(args.model, args.device or (parallel and str(parallel.device)), dtype)
+    except ModelNotFoundError as error:
+        raise CLIError(f"argument --model: {error}") from None
+    if parallel is not None:
+        cp.enable(pipe, parallel)
+        if not parallel.is_main and hasattr(pipe, "set_progress_bar_config"):
+            pipe.set_progress_bar_config(disable=True)  # one progress bar, rank 0's
+    call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
+    options = apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options), options)
+    if args.negative_prompt is not None:
+        call_kwargs["negative_prompt"] = args.negative_prompt
+    if cache is not None:  # the fitted settings, checked before any run
+        from fastdit.caches import cache_settings
+
+        try:
+            cache_settings(cache, pipe, call_kwargs.get("num_inference_steps", 50), cache_options)
+        except (ValueError, TypeError) as error:
+            raise CLIError(f"argument --cache: {error}") from None
+    shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
+    print(f"model {args.model} on {pipe.device}: {shown}")
+    report = compare(pipe, methods, args.prompt, args.seed, call_kwargs, args.out, model_name=args.model,
+                     method_options=options, backend=args.backend, fps=args.fps, warmup=not args.no_warmup,
+                     parallel=parallel, cache=cache, cache_options=cache_options)
+    if parallel is not None and not parallel.is_main:
+        return 0
+    print()
+    print(format_table(report["runs"]))
+    for row in report["runs"]:
+        if row.get("plans"):
+            print(f"{row['method']}: plans {', '.join(row.get('plans', []))}; padding {100 * row['padding_fraction']:.1f}% of tokens")
+        for reason, count in (row.get("fallbacks") or {}).items():
+            print(f"{row['method']}: {count} fallback call(s) ran the model's own attention: {reason}")
+    print("density: computed / total attention blocks over all calls of the patched layers (dense steps, dense "
+          "layers and fallbacks count as 1); sparse-only: the same over the sparse calls alone")
+    print(f"\nvideos and report.json in {args.out}")
+    return 0
+
+
+def add_compare_parser(sub):
+    compare = sub.add_parser("compare", help="run dense and each method with the same seed; latency, speedup, PSNR, SSIM")
+    add_generation_arguments(compare)
+    compare.add_argument("--methods", default="dense,sta", help="comma-separated methods (dense always runs first)")
+    compare.add_argument("--set", action="append", metavar="METHOD.OPTION=VALUE",
+                         help="method option, e.g. --set sta.tile=6,8,8 --set sta.dense_steps=0.25 (repeatable)")
+    compare.add_argument("--seed", type=seed_int, default=0)
+    compare.add_argument("--prompt", default="A red fox runs through fresh snow in a pine forest at sunrise")
+    compare.add_argument("--negative-prompt", default=None)
+    compare.add_argument("--out", default="fastdit_compare", help="output folder (mp4 per run, report.json)")
+    compare.add_argument("--fps", type=positive_int, default=16)
+    compare.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
+    compare.add_argument("--plan", default=None, metavar="FILE",
+                         help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be in --methods")
+    compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
+                         help="Ulysses context parallelism over N processes of a launcher "
+                              "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")
+    add_cache_arguments(compare)
+    compare.set_defaults(func=cmd_compare)
+    return compare

@@ -1,0 +1,1 @@
+"""Files and pictures people look at: generated videos (``video.py``) and attention-mask pictures (``pictures.py``)."""
