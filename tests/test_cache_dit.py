@@ -23,7 +23,7 @@ import torch
 
 import fastdit
 from fastdit.pipelines.tiny import tiny
-from test_cache_composition import assert_restored, generate, options, snapshot
+from test_cache_composition import assert_restored, generate, options, reference
 
 cache_dit = pytest.importorskip("cache_dit", reason="cache-dit is the optional extra fastdit[cache]")
 
@@ -53,26 +53,14 @@ def pipes():
     output, the pipeline's frames, and the attention calls of a run without cache."""
     found = {}
     for family in ("wan", "hunyuan_video"):
-        pipe = tiny(family)
-        recorded = []
-
-        def grab(module, args, kwargs):
-            if not recorded:
-                recorded.append((tuple(a.clone() if torch.is_tensor(a) else a for a in args),
-                                 {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}))
-
-        handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
-        frames = generate(pipe, family)
-        handle.remove()
-        with torch.no_grad():
-            expected = pipe.transformer(*recorded[0][0], **recorded[0][1])[0]
+        pipe, before, recorded, expected, frames = reference(family)
         with fastdit.patch(pipe, "dense") as probe:
             layers = list(probe.layers)
             counter = CallCounter(pipe, layers)
             generate(pipe, family)
             uncached = counter.total
             counter.remove()
-        found[family] = (pipe, snapshot(pipe.transformer), recorded[0], expected, frames, layers, uncached)
+        found[family] = (pipe, before, recorded, expected, frames, layers, uncached)
     return found
 
 
