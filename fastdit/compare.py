@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import fastdit
+from fastdit.cpu_load import LoadWatch
 from fastdit.jsonutil import dump_json
 from fastdit.media.video import pipeline_frames, write_video
 
@@ -47,6 +48,8 @@ class Generation:
     padding_fraction: float | None = None
     patch: object = None
     extra: dict = field(default_factory=dict)
+    #: the machine's load around the timed call (``fastdit.cpu_load.LoadWatch``'s record)
+    load: dict | None = None
 
 
 def _silent(*_args, **_kwargs):
@@ -91,14 +94,16 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
             if str(device).startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
+            watch = LoadWatch().start()
             start = time.perf_counter()
             with torch.inference_mode():
                 output = pipe(prompt=prompt, generator=generator, **call_kwargs)
             _sync(device)
             latency = time.perf_counter() - start
+            load = watch.stop()
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if str(device).startswith("cuda") else None
         frames = pipeline_frames(output) if call_kwargs["output_type"] == "np" else None
-        result = Generation(method, options, frames, latency, peak)
+        result = Generation(method, options, frames, latency, peak, load=load)
         if patch is not None:
             stats = patch.stats.as_dict()
             result.density = stats.pop("effective_density")
@@ -223,7 +228,7 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
         row = {"method": name, "options": result.options, "latency_s": result.latency_s, "speedup": 1.0,
                "psnr_db": None, "ssim": None, "video": os.path.abspath(path),
                "density": result.density, "padding_fraction": result.padding_fraction,
-               "peak_memory_mb": result.peak_memory_mb, **result.extra}
+               "peak_memory_mb": result.peak_memory_mb, **result.extra, "load": result.load}
         if reference is None:
             reference = result
         else:

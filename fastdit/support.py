@@ -1,7 +1,9 @@
 """The family x method support matrix, computed from the adapter and method registries.
 
-``python -m fastdit.support`` prints the Markdown table that the README carries between
-``<!-- support-table:start -->`` and ``<!-- support-table:end -->`` (a test keeps them equal).
+``python -m fastdit.support`` prints the Markdown table that docs/models.md carries between
+``<!-- support-table:start -->`` and ``<!-- support-table:end -->``; ``python -m fastdit.support
+--options`` the option tables of docs/methods.md (between ``<!-- method-options:start -->`` and
+``<!-- method-options:end -->``). A test keeps both equal to the registries.
 
 A method is supported on a family unless the family is marked unpatchable (``Adapter.unsupported``)
 or the method's ``check_family(adapter, config)`` raises for it.
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 TABLE_START = "<!-- support-table:start -->"
 TABLE_END = "<!-- support-table:end -->"
+OPTIONS_START = "<!-- method-options:start -->"
+OPTIONS_END = "<!-- method-options:end -->"
 
 
 @dataclass
@@ -80,12 +84,42 @@ def support_table_markdown():
     return "\n".join(lines)
 
 
+def options_markdown():
+    """Every method's options in Markdown: one table per method (option, default, meaning, and
+    whether the app keeps it under "Advanced"), read from the config dataclasses (no trailing newline)."""
+    from fastdit.app.method_options import option_specs
+    from fastdit.methods import get_method, method_names
+    from fastdit.options import format_value
+
+    def cell(text):
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    parts = []
+    for name in method_names():
+        config = get_method(name).config_cls.__name__
+        lines = [f"### {name} options", "", f"`fastdit.patch(pipe, \"{name}\", ...)` or `fastdit.{config}(...)`.", "",
+                 "| option | default | meaning | app |", "|---|---|---|---|"]
+        for spec in option_specs(name):
+            default = spec.default_text() if spec.default is None else f"`{format_value(spec.default)}`"
+            lines.append(f"| `{spec.name}` | {cell(default)} | {cell(spec.help)} | "
+                         f"{'advanced' if spec.advanced else ''} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def marked_section(text, start=TABLE_START, end=TABLE_END):
+    """The text between the markers ``start`` and ``end`` of ``text`` (stripped), or None without them."""
+    if start not in text or end not in text:
+        return None
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
+
+
 def readme_table(text):
     """The text between the support-table markers of ``text`` (stripped), or None without markers."""
-    if TABLE_START not in text or TABLE_END not in text:
-        return None
-    return text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
+    return marked_section(text, TABLE_START, TABLE_END)
 
 
 if __name__ == "__main__":
-    print(support_table_markdown())
+    import sys
+
+    print(options_markdown() if "--options" in sys.argv[1:] else support_table_markdown())

@@ -1,6 +1,6 @@
-"""The Gradio app: driven like a user would (launched in-process on a free localhost port, called with
-``gradio_client``), its service layer called directly, and one headless-browser test of the page
-(Debian's ``chromium``).
+"""The Gradio app: driven like a user would (launched in-process on a free localhost port, called
+with ``gradio_client``) and its service layer called directly (the page in a browser:
+``tests/test_app_browser.py``).
 
 Runs at the tiny test size (9 frames at 80x112, 2 steps: a 3 x 5 x 7 latent grid). The sparse
 sliding-tile setting is one frame per tile (1x5x7 tokens), ``window=1,1,1`` and no dense steps: each
@@ -9,54 +9,35 @@ dense. (The tiny preset, 4x4x8 tiles fitted to the grid, covers this small grid 
 """
 import ast
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
+from app_harness import ROOT, assert_unpatched, drop_repository_root_from_sys_path, launch
 
-# The repository's ``kernels/`` is installed as ``fastdit.kernels``; with the repository root on
-# sys.path (``python -m pytest`` from it) it would also be importable as a top-level ``kernels``,
-# which transformers takes for Hugging Face's ``kernels`` library and imports from the app's worker
-# thread, registering fastdit's custom ops a second time and breaking them (see app.py).
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+drop_repository_root_from_sys_path()  # before gradio and fastdit (see tests/app_harness.py)
 
 gr = pytest.importorskip("gradio", reason="the app needs gradio (pip install 'fastdit[app]')")
 gradio_client = pytest.importorskip("gradio_client", reason="the app tests need gradio_client")
 
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS  # noqa: E402
 
-ARTIFACTS = Path(__file__).parent / "artifacts"
 APP_DIR = ROOT / "fastdit" / "app"
 TEST_SIZE = {k: TINY_TEST_DEFAULTS["wan"][k] for k in ("num_frames", "height", "width", "num_inference_steps")}
 SMALL = dict(model="tiny-wan", frames=TEST_SIZE["num_frames"], height=TEST_SIZE["height"],
              width=TEST_SIZE["width"], steps=TEST_SIZE["num_inference_steps"], seed=0)
 SPARSE_STA = dict(method="sta", sta_tile="1,5,7", sta_window="1,1,1", sta_dense_steps="0")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def app():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # an unknown hub id must fail fast, not try the network
     from fastdit.app import build_app
 
     demo = build_app("tiny-wan", concurrency=2)  # two runs at once: different models overlap
     demo.queue(default_concurrency_limit=1)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    yield demo, f"http://127.0.0.1:{port}/"
+    yield demo, launch(demo)
     demo.close()
 
 
@@ -83,14 +64,6 @@ def request(**overrides):
                   height=SMALL["height"], width=SMALL["width"], method="sta",
                   options={"tile": "1,5,7", "window": "1,1,1", "dense_steps": "0"})
     return RunRequest(**{**fields, **overrides})
-
-
-def assert_unpatched_and_free(runner):
-    import fastdit
-
-    for entry in runner.pipes.entries():
-        assert not entry.lock.locked()
-        fastdit.patch(entry.pipe, "dense").remove()  # AlreadyPatchedError if a run left its patch
 
 
 def assert_h264_mp4(path, frames, height, width):
@@ -175,7 +148,7 @@ def test_size_not_allowed_is_rounded_with_a_note(client):
 def test_bad_input_is_a_gradio_error(app, client, bad, message):
     with pytest.raises(gradio_client.exceptions.AppError, match=message):
         compare(client, **bad)
-    assert_unpatched_and_free(app[0].runner)
+    assert_unpatched(app[0].runner, free=True)
 
 
 def test_largest_seed_runs(client):
@@ -191,7 +164,7 @@ def test_failed_and_stopped_runs_leave_the_model_unpatched(app):
     runner = app[0].runner
     with pytest.raises(AppError, match="3 triples"):  # per-head windows that do not match the 2 heads
         runner.compare(request(options={"window": "1,1,1; 3,3,3; 1,1,1", "dense_steps": "0"}))
-    assert_unpatched_and_free(runner)
+    assert_unpatched(runner, free=True)
 
     def failing(fraction, desc=""):
         if desc.startswith("sta: step 1"):
@@ -199,7 +172,7 @@ def test_failed_and_stopped_runs_leave_the_model_unpatched(app):
 
     with pytest.raises(RuntimeError, match="boom"):
         runner.compare(request(), progress=failing)
-    assert_unpatched_and_free(runner)
+    assert_unpatched(runner, free=True)
 
     cancel, seen = threading.Event(), []
 
@@ -211,7 +184,7 @@ def test_failed_and_stopped_runs_leave_the_model_unpatched(app):
     with pytest.raises(RunCancelled):
         runner.compare(request(), progress=stop_during_method, cancel=cancel)
     assert "sta: step 1/2" in seen and "sta: step 2/2" not in seen, seen
-    assert_unpatched_and_free(runner)
+    assert_unpatched(runner, free=True)
 
     after = runner.compare(request())
     fresh = Runner().compare(request())
@@ -265,7 +238,7 @@ def test_two_models_at_once_overlap_and_each_equals_its_run_alone(app):
         for key in ("dense_digest", "method_digest", "effective_density", "psnr_db", "options"):
             assert together[name][key] == alone[name][key], (name, key)
         assert together[name]["dense_digest"] != together[name]["method_digest"]
-    assert_unpatched_and_free(demo.runner)
+    assert_unpatched(demo.runner, free=True)
 
 
 def test_fallbacks_are_counted_and_shown():
@@ -449,29 +422,6 @@ def test_package_layout():
             "assert 'gradio' not in sys.modules; print(sorted(fastdit.app.__all__))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-
-
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI: apt-get install -y chromium)")
-def test_browser_renders_the_page(app):
-    _demo, url = app
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "app_screenshot.png"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--disable-dev-shm-usage", "--hide-scrollbars", "--window-size=1400,1000",
-             "--virtual-time-budget=20000"]
-    with tempfile.TemporaryDirectory() as profile:
-        dom = subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}", "--dump-dom", url],
-                             capture_output=True, text=True, timeout=120)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    html = dom.stdout
-    for element in ("fd-prompt", "fd-method", "fd-compare", "fd-dense-video", "fd-method-video", "fd-metrics", "fd-seed"):
-        assert f'id="{element}"' in html, f"{element} missing from the rendered page"
-    assert "Compare" in html and "fastdit" in html
-    with tempfile.TemporaryDirectory() as profile:
-        run = subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}", f"--screenshot={shot}", url],
-                             capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and shot.is_file() and shot.stat().st_size > 10_000, run.stderr[-2000:]
 
 
 def test_cli_subcommand_parses():

@@ -2,15 +2,11 @@
 through ``fastdit.patch(..., plan=...)``; a plan that does not fit shows the PlanError message and
 leaves the model unpatched. Same harness as ``tests/test_app.py`` (service layer and gradio_client)."""
 import json
-import os
-import socket
-import sys
-from pathlib import Path
 
 import pytest
+from app_harness import assert_unpatched, drop_repository_root_from_sys_path, launch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]  # see tests/test_app.py
+drop_repository_root_from_sys_path()  # before gradio and fastdit (see tests/app_harness.py)
 
 gr = pytest.importorskip("gradio", reason="the app needs gradio (pip install 'fastdit[app]')")
 gradio_client = pytest.importorskip("gradio_client", reason="the app tests need gradio_client")
@@ -43,13 +39,6 @@ def request(**overrides):
                   height=SMALL["height"], width=SMALL["width"], method="sparge",
                   options={"topk": "0.9", "dense_steps": "1"})  # ignored when a plan is given
     return RunRequest(**{**fields, **overrides})
-
-
-def assert_unpatched(runner):
-    import fastdit
-
-    for entry in runner.pipes.entries():
-        fastdit.patch(entry.pipe, "dense").remove()  # AlreadyPatchedError if a run left its patch
 
 
 def expected_density():
@@ -89,16 +78,9 @@ def test_runner_applies_the_plan_and_refuses_a_mismatched_one(tmp_path):
         assert_unpatched(runner)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_page_plan_input_and_plan_argument(tmp_path):
     """``--plan PATH`` presets the page's plan input (and selects its method); a run through the page
     with that plan applies it; an uploaded plan of another model is a Gradio error with PlanError's text."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fastdit.app import add_app_parser, build_app
     from fastdit.app.launch import check_plan_argument
 
@@ -112,10 +94,9 @@ def test_page_plan_input_and_plan_argument(tmp_path):
         check_plan_argument(str(tmp_path / "missing.json"))
     demo = build_app("tiny-wan", plan=check_plan_argument(path))
     demo.queue(default_concurrency_limit=1)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = launch(demo)
     try:
-        client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+        client = gradio_client.Client(url, verbose=False)
         params = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/compare"]["parameters"]
         defaults = {p["parameter_name"]: p.get("parameter_default") for p in params}
         assert defaults["method"] == "sparge" and defaults["plan"] is not None  # preset by --plan

@@ -21,6 +21,7 @@ def test_bench_methods_tiny(tmp_path, capsys):
     assert "unknown method 'nosuch'" in printed and "claim: sparge lower error than sta" in printed
     saved = json.loads(out.read_text())
     rows = {(r["method"], r["kind"]): r for r in saved["rows"]}
+    assert all(r["load"]["cpu_count"] >= 1 for r in saved["rows"] if "error" not in r)
     for kind in ("temporal",):
         sta, sparge = rows[("sta:tile=(1,2,2):window=(1,1,3)", kind)], rows[("sparge@sta", kind)]
         assert 0 < sta["density"] < 1 and 0 <= sta["rel_l2"] < 2 and sta["finite"]

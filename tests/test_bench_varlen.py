@@ -15,6 +15,7 @@ def test_bench_varlen_quick(tmp_path):
     rows = {row["form"]: row for row in report["rows"]}
     assert set(rows) == {"fixed", "varlen_same", "varlen_random"}
     for row in rows.values():
+        assert row["load"]["cpu_count"] >= 1 and "shared" in row["load"]  # every timed row says how loaded the CPU was
         assert math.isfinite(row["ms"]) and row["ms"] > 0 and math.isfinite(row["ratio_vs_fixed"])
         assert abs(row["density"] - 0.25) < 0.05, row
     assert rows["fixed"]["ratio_vs_fixed"] == 1.0

@@ -1,7 +1,6 @@
 """fastdit.calibrate on the tiny Wan pipeline: budgets, resume, applying the plan, bad input, the CLI."""
 import functools
 import json
-import math
 import os
 
 import pytest
@@ -12,6 +11,8 @@ from fastdit.calibration.search import calibrate, candidates_for, select_plan
 from fastdit.layout import TokenLayout
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
 from fastdit.calibration.plan_file import load_plan, plan_options_for, write_plan
+
+from helpers import sta_mask
 
 CALL = {k: v for k, v in TINY_TEST_DEFAULTS["wan"].items()}  # 3 x 5 x 7 latent tokens, 2 steps, CFG
 GRID, TILE = (3, 5, 7), (1, 2, 2)  # tile grid 3 x 3 x 4
@@ -73,20 +74,6 @@ def test_tiny_budget_gives_all_dense(pipe, tmp_path):
     assert plan["step_buckets"] == [0, 1]
     assert set(map(tuple, plan["strategy"].values())) == {(0, 0, 0)}
     assert plan["measured"]["density"] == 1.0 and plan["measured"]["error"] == 0.0
-
-
-def sta_mask(grid, tile, window):
-    """Independent sliding-tile rule in model order (no text): per axis a window of w tiles (0: all)
-    whose start is the query tile minus w // 2, clamped into the axis."""
-    n_tiles = [math.ceil(g / t) for g, t in zip(grid, tile)]
-    pos = torch.stack(torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1).reshape(-1, 3)
-    tiles = pos // torch.tensor(tile)
-    ok = torch.ones(len(pos), len(pos), dtype=torch.bool)
-    for axis in range(3):
-        w = n_tiles[axis] if window[axis] == 0 else min(window[axis], n_tiles[axis])
-        start = (tiles[:, axis] - w // 2).clamp(0, n_tiles[axis] - w)
-        ok &= (tiles[None, :, axis] >= start[:, None]) & (tiles[None, :, axis] < start[:, None] + w)
-    return ok
 
 
 def test_patch_with_plan_uses_each_layer_and_head_setting(pipe, tmp_path):

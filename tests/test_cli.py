@@ -28,6 +28,9 @@ def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
     assert sta["latency_s"] > 0 and sta["speedup"] > 0 and 0 < sta["ssim"] <= 1 and sta["psnr_db"] > 0
     assert 0 < sta["density"] < 1 and sta["padding_fraction"] >= 0
     for run in report["runs"]:
+        load = run["load"]  # the machine's load around the timed call (fastdit.cpu_load)
+        assert load["cpu_count"] >= 1 and load["own_cores"] >= 0 and load["wall_s"] > 0
+        assert load["before"] is None or (set(load["before"]) == {"1m", "5m", "15m"} and isinstance(load["shared"], bool))
         data = open(run["video"], "rb").read()
         assert b"avc1" in data[:4096] or b"avc1" in data  # H.264 in an mp4 container
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +87,9 @@ def test_run_writes_results_table_and_plots(first_run):
     for row in results["samples"]:
         assert os.path.isfile(os.path.join(out, row["video"])) and os.path.isfile(os.path.join(out, row["frames"]))
         assert row["shape"] == [SIZE["num_frames"], SIZE["height"], SIZE["width"], 3]
+    for record_path in (p for p in (Path(out) / "samples").glob("*/*.json") if not p.name.endswith(".metrics.json")):  # each sample's timing says how loaded the CPU was
+        load = json.loads(record_path.read_text())["load"]
+        assert load["cpu_count"] >= 1 and load["wall_s"] > 0
     table = open(os.path.join(out, "results.md")).read()
     assert "| `sta` |" in table and "psnr (dB)" in table
     for name in ["speedup_vs_psnr", "speedup_vs_ssim", "speedup_vs_temporal_flickering", "per_prompt_psnr",

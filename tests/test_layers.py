@@ -3,7 +3,7 @@ and no import circle exists anywhere (module level or inside functions).
 
 Layers, bottom to top (docs/architecture.md draws them):
   0 kernels                       fastdit.kernels.*
-  1 data types                    layout, plan, context, stats, masks, jsonutil
+  1 data types and utilities      layout, plan, context, stats, masks, jsonutil, cpu_load
   2 methods                       fastdit.methods.*
   3 patch and model adapters      patching, intercept, steps, functional, calibration.plan_file, pipelines.*
   4 libraries with entry points   compare, parallel, support, options, media.*, calibration.* (search,
@@ -22,7 +22,8 @@ import fastdit
 
 LAYERS = [
     ("fastdit.kernels",),
-    ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.masks", "fastdit.jsonutil"),
+    ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.masks", "fastdit.jsonutil",
+     "fastdit.cpu_load"),
     ("fastdit.methods",),
     ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
      "fastdit.calibration.plan_file"),

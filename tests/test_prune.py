@@ -14,6 +14,7 @@ from fastdit import TokenLayout
 from fastdit.pipelines import registered_adapters
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
 
+from helpers import seeded_qkv
 from tiny_models import TINY, run
 
 UNPATCHABLE = {a.family for a in registered_adapters() if a.unsupported}
@@ -49,16 +50,11 @@ def block_rows(layout, size, block):
     return torch.arange(start, min(start + size, layout.video_start + layout.video_len))
 
 
-def qkv(batch, heads, seq, dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, seq, dim, generator=g) for _ in range(3)]
-
-
 @pytest.mark.parametrize("position", ["prefix", "suffix"])
 def test_recomputes_exactly_the_chosen_blocks_and_reuses_the_cache_bit_for_bit(position):
     layout = TokenLayout((3, 5, 7), 5, position)  # 105 video tokens: 14 blocks of 8, the last of 1
     size, ratio, seq = 8, 0.5, layout.seq_len
-    q, k, v = qkv(2, 3, seq, 16, seed=1)
+    q, k, v = seeded_qkv(2, 3, seq, 16, seed=1)
     key_mask = torch.ones(2, seq, dtype=torch.bool)
     key_mask[1, layout.text_start + 3:layout.text_start + 5] = False  # padded text keys of sample 1
     options = dict(ratio=ratio, block_size=size, refresh_every=4, warmup=0.0)
@@ -105,7 +101,7 @@ def test_ratio_zero_and_refresh_every_one_equal_dense():
     for options in (dict(ratio=0.0), dict(ratio=0.9, refresh_every=1)):
         state = {}
         for step in range(4):
-            q, k, v = qkv(1, 2, layout.seq_len, 8, seed=10 + step)
+            q, k, v = seeded_qkv(1, 2, layout.seq_len, 8, seed=10 + step)
             out, info = fastdit.attention(q, k, v, "prune", layout=layout, step=step, num_steps=4, state=state,
                                           block_size=4, return_info=True, backend="torch", **options)
             assert torch.allclose(out.double(), dense64(q, k, v), atol=1e-5), (options, step)
@@ -117,7 +113,7 @@ def test_schedule_prunes_less_in_early_steps_and_refreshes():
     options = dict(ratio=0.75, warmup=0.5, refresh_every=6, block_size=8, dense_steps=1)
     state, kept = {}, []
     for step in range(1, 9):
-        q, k, v = qkv(1, 1, layout.seq_len, 8, seed=20 + step)
+        q, k, v = seeded_qkv(1, 1, layout.seq_len, 8, seed=20 + step)
         _, info = fastdit.attention(q, k, v, "prune", layout=layout, step=step, num_steps=8, state=state,
                                     return_info=True, backend="torch", **options)
         kept.append(round(info["density"] * layout.seq_len / 8))
@@ -182,7 +178,7 @@ def test_gpu_plan_shape_and_triton_interpreter_equal_the_cpu_path():
     from fastdit.methods.prune import ENGINE_BLOCK, _dense_plan
     from fastdit.plan import run_plan
 
-    q, k, v = qkv(1, 2, 2 * ENGINE_BLOCK + 37, 8, seed=50)  # not a multiple of the GPU block
+    q, k, v = seeded_qkv(1, 2, 2 * ENGINE_BLOCK + 37, 8, seed=50)  # not a multiple of the GPU block
     multi = _dense_plan(q.shape[2], k.shape[2], torch.device("cpu"), False).validate()
     assert multi.kv_indices.shape[-2:] == (3, 3) and multi.block_m == ENGINE_BLOCK
     assert torch.allclose(run_plan(q, k, v, multi, backend="torch").double(), dense64(q, k, v), atol=1e-5)
@@ -191,7 +187,7 @@ def test_gpu_plan_shape_and_triton_interpreter_equal_the_cpu_path():
     for backend in ("torch", "triton"):  # tests run Triton in the interpreter on the CPU
         state, outs[backend] = {}, []
         for step in range(2):
-            q, k, v = qkv(1, 2, layout.seq_len, 16, seed=60 + step)
+            q, k, v = seeded_qkv(1, 2, layout.seq_len, 16, seed=60 + step)
             outs[backend].append(fastdit.attention(q, k, v, "prune", layout=layout, step=step, num_steps=2, state=state,
                                                    ratio=0.5, block_size=8, warmup=0.0, backend=backend))
     for a, b in zip(outs["torch"], outs["triton"]):

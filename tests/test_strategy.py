@@ -6,7 +6,6 @@ bound wins when the bounds cross) and key tiles within ``k // 2`` of it are atte
 queries also see every text key, text queries see every key.
 """
 import json
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,8 @@ import torch
 import fastdit
 from fastdit.layout import TokenLayout
 from fastdit.methods.sta import SlidingTile, load_strategy
+
+from helpers import sta_mask
 
 
 def fastvideo_mask(grid, tile, window, text_len):
@@ -154,15 +155,7 @@ def test_per_head_strategy_output_matches_float64_reference():
     for head in range(3):
         mask = fastdit_mask(method, layout, 0, 1, 3, head)
         window = strategy[f"0_1_{head}"]
-        # independent: tile coordinates in model order, centre clamped into the axis
-        n_tiles = [math.ceil(g / t) for g, t in zip(grid, tile)]
-        pos = torch.stack(torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1).reshape(-1, 3)
-        tiles = pos // torch.tensor(tile)
-        ok = torch.ones(len(pos), len(pos), dtype=torch.bool)
-        for axis in range(3):
-            w = n_tiles[axis] if window[axis] == 0 else min(window[axis], n_tiles[axis])
-            start = (tiles[:, axis] - w // 2).clamp(0, n_tiles[axis] - w)
-            ok &= (tiles[None, :, axis] >= start[:, None]) & (tiles[None, :, axis] < start[:, None] + w)
+        ok = sta_mask(grid, tile, window)  # independent: tile coordinates in model order, clamped windows
         reference_mask = torch.ones(layout.seq_len, layout.seq_len, dtype=torch.bool)
         reference_mask[text:, text:] = ok
         assert torch.equal(mask, reference_mask), head

@@ -15,6 +15,8 @@ from fastdit.kernels import dense_reference
 from fastdit.layout import TokenLayout
 from fastdit.methods import svg
 
+from helpers import randn_qkv
+
 NO_DENSE = dict(dense_steps=0, dense_layers=0)
 
 
@@ -22,11 +24,6 @@ def run_svg(q, k, v, layout, key_mask=None, backend="torch", step=0, state=None,
     out, info = fastdit.attention(q, k, v, "svg", layout=layout, key_mask=key_mask, backend=backend, step=step,
                                   state=state, return_info=True, **{**NO_DENSE, **options})
     return out, info["plan"], info
-
-
-def randn_qkv(layout, batch=2, heads=3, dim=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, heads, layout.seq_len, dim, generator=g) for _ in range(3))
 
 
 # -- the rules, written token by token ---------------------------------------------------------------

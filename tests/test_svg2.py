@@ -17,6 +17,7 @@ from fastdit.layout import TokenLayout
 from fastdit.methods import svg2
 from fastdit.pipelines import registered_adapters
 
+from helpers import randn_qkv
 from test_kmeans import direct_kmeans
 from tiny_models import TINY, run
 
@@ -29,11 +30,6 @@ def run_svg2(q, k, v, layout, key_mask=None, state=None, step=0, backend="torch"
     out, info = fastdit.attention(q, k, v, "svg2", layout=layout, key_mask=key_mask, backend=backend, step=step,
                                   state=state, return_info=True, **{**NO_DENSE, **options})
     return out, info["plan"], info
-
-
-def randn_qkv(layout, batch=2, heads=3, dim=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, heads, layout.seq_len, dim, generator=g) for _ in range(3))
 
 
 def spread(x, clusters):

@@ -17,6 +17,7 @@ from fastdit.methods import get_method
 from fastdit.pipelines import registered_adapters
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
 
+from helpers import seeded_qkv
 from layer_capture import sta_token_mask
 from tiny_models import TINY, run
 
@@ -32,11 +33,6 @@ def masked64(q, k, v, mask=None):
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(-1) @ v.double()
-
-
-def qkv(batch, heads, seq, dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, seq, dim, generator=g) for _ in range(3)]
 
 
 def band_token_mask(layout, band, block=64):
@@ -59,7 +55,7 @@ def test_window_steps_add_the_residual_of_the_last_full_step(options, mask_of):
     assert mask.float().mean() < 0.8
     state, full_q = {}, None
     for step in range(4):
-        q, k, v = qkv(1, 2, layout.seq_len, 16, seed=step)
+        q, k, v = seeded_qkv(1, 2, layout.seq_len, 16, seed=step)
         q_step = q if step == 0 else full_q + 0.2 * q  # queries drift across steps
         out, info = fastdit.attention(q_step, k, v, "window", layout=layout, step=step, num_steps=4, state=state,
                                       refresh_every=3, backend="torch", return_info=True, **options)
@@ -83,7 +79,7 @@ def test_window_covering_everything_and_refresh_every_one_equal_dense(options):
     layout = TokenLayout((3, 5, 7), 6, "suffix")
     state = {}
     for step in range(4):
-        q, k, v = qkv(1, 2, layout.seq_len, 8, seed=30 + step)
+        q, k, v = seeded_qkv(1, 2, layout.seq_len, 8, seed=30 + step)
         out = fastdit.attention(q, k, v, "window", layout=layout, step=step, num_steps=4, state=state,
                                 backend="torch", **options)
         assert torch.allclose(out.double(), masked64(q, k, v), atol=1e-5), (options, step)
@@ -95,7 +91,7 @@ def test_share_steps_reuses_the_previous_output_when_the_layer_barely_changes():
     for threshold in (1e3, 0.0):
         state, outs[threshold] = {}, []
         for step in range(4):
-            q, k, v = qkv(1, 2, layout.seq_len, 8, seed=40 + step)
+            q, k, v = seeded_qkv(1, 2, layout.seq_len, 8, seed=40 + step)
             out, info = fastdit.attention(q, k, v, "window", layout=layout, step=step, num_steps=4, state=state,
                                           dense_steps=1, refresh_every=4, share_steps=True, share_threshold=threshold,
                                           backend="torch", return_info=True, **SMALL)
@@ -148,7 +144,7 @@ def test_share_cfg_two_calls_per_step_halves_attention(monkeypatch):
         performed[share], outputs[share] = [], []
         for step in range(2):
             for branch in (0, 1):  # Wan: conditional pass, then unconditional
-                q, k, v = qkv(1, 2, layout.seq_len, 8, seed=10 * step + branch)
+                q, k, v = seeded_qkv(1, 2, layout.seq_len, 8, seed=10 * step + branch)
                 spy.calls = 0
                 out, work = call_method(method, call, layout, step, branch, q, k, v)
                 performed[share].append((work, spy.calls))
@@ -168,7 +164,7 @@ def test_share_cfg_batched_computes_the_conditional_half_and_the_text_rows(monke
     for share in (False, True):
         method, call = make_window(refresh_every=4, share_cfg=share, **SMALL), CallState(4)
         for step in range(2):  # batch 2 = [uncond, cond], one call per step
-            q, k, v = qkv(2, 2, layout.seq_len, 8, seed=step)
+            q, k, v = seeded_qkv(2, 2, layout.seq_len, 8, seed=step)
             spy.rows = 0
             out, work = call_method(method, call, layout, step, 0, q, k, v)
         results[share] = (out, work, spy.rows, q, k, v)
@@ -185,7 +181,7 @@ def test_share_cfg_batched_computes_the_conditional_half_and_the_text_rows(monke
     for cfg in (False, None):
         method, call = make_window(refresh_every=4, share_cfg=True, **SMALL), CallState(4)
         for step in range(2):
-            q, k, v = qkv(2, 2, layout.seq_len, 8, seed=step)
+            q, k, v = seeded_qkv(2, 2, layout.seq_len, 8, seed=step)
             out, _ = call_method(method, call, layout, step, 0, q, k, v, cfg=cfg)
         assert torch.equal(out, plain_out)
 

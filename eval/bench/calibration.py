@@ -37,6 +37,8 @@ import torch
 
 import fastdit
 from fastdit.calibration.search import DenseProbe, calibrate
+from fastdit.cpu_load import LoadWatch
+from fastdit.eval.bench.common import warn_if_shared
 from fastdit.jsonutil import dump_json
 from fastdit.calibration.plan_file import plan_options_for
 
@@ -353,7 +355,10 @@ def main(argv=None):
     results["structured"] = {}
     for name in methods:
         if not args.structured_only:
+            load = LoadWatch().start()  # calibrate_s is a time: say whether the cores were shared
             results["methods"][name] = run_method(pipe, name, SETUPS[name], call, args, log)
+            results["methods"][name]["load"] = load.stop()
+            warn_if_shared(results["methods"][name]["load"], f"{name}'s calibration")
         budget = args.structured_budget.get(name, STRUCTURED_BUDGET[name])
         results["structured"][name] = structured_evidence(name, SETUPS[name], budget, args)
     print_table(results, log)

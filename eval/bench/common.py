@@ -6,7 +6,9 @@
   (CUDA: allocated memory; CPU: the resident set, sampled by a thread);
 * ``machine`` (device, CPU and GPU names, library versions), ``default_out_path``;
 * ``BenchReport``: what a benchmark prints and writes (the log, the rows, the JSON rewritten after
-  every row so that an interrupted run keeps what it measured, and optionally the printed table).
+  every row so that an interrupted run keeps what it measured, and optionally the printed table);
+  every row carries the machine's load around its measurement (``"load"``, ``fastdit.cpu_load``),
+  and a warning goes to stderr when other work shared the cores.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import datetime as _dt
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 
 import torch
 
+from fastdit.cpu_load import LoadWatch, load_warning
 from fastdit.jsonutil import dump_json
 
 # --------------------------------------------------------------------------------------------------
@@ -202,6 +206,13 @@ def first_line(error, limit=120):
 
 # --------------------------------------------------------------------------------------------------
 # The report
+def warn_if_shared(load, what):
+    """Print ``fastdit.cpu_load.load_warning`` to stderr when ``load`` says other work shared the cores."""
+    warning = load_warning(load, what)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
 # --------------------------------------------------------------------------------------------------
 
 
@@ -209,12 +220,16 @@ class BenchReport:
     """What a benchmark prints and writes.
 
     ``log`` prints a line and keeps it; ``add`` keeps a row, stamped with the meta's ``stamp`` keys
-    (so a row read alone says where it ran); ``write`` (re)writes the JSON ``{"meta", **sections,
-    "rows"}`` atomically (``fastdit.jsonutil.dump_json``) and, with ``table_path``, the lines."""
+    (so a row read alone says where it ran) and with ``"load"``: the machine's load from the
+    previous row (or the report's creation) to this one, the span in which the row was measured
+    (``fastdit.cpu_load.LoadWatch``; a warning on stderr when other work shared the cores);
+    ``write`` (re)writes the JSON ``{"meta", **sections, "rows"}`` atomically
+    (``fastdit.jsonutil.dump_json``) and, with ``table_path``, the lines."""
 
     def __init__(self, out_path, meta, table_path=None, stamp=("timestamp", "gpu", "cpu", "torch", "triton")):
         self.out_path, self.meta, self.table_path, self.stamp = out_path, meta, table_path, stamp
         self.lines, self.rows, self.sections = [], [], {}
+        self.load = LoadWatch().start()
 
     def log(self, s=""):
         print(s, flush=True)
@@ -222,6 +237,9 @@ class BenchReport:
 
     def add(self, row):
         row.update({k: self.meta[k] for k in self.stamp})
+        row["load"] = self.load.stop()
+        warn_if_shared(row["load"], f"row {len(self.rows) + 1}")
+        self.load.start()
         self.rows.append(row)
         return row
 

@@ -74,6 +74,7 @@ import sys
 import torch
 
 from fastdit.context import AttentionContext, CallState
+from fastdit.cpu_load import LoadWatch
 from fastdit.eval.bench import common
 from fastdit.eval.bench import methods_claims as claims_module
 from fastdit.eval.bench.methods_claims import claims, print_table
@@ -344,11 +345,12 @@ def run_benchmark(args):
         inputs = kind_inputs(kind, args, device, dtype)
         other = kind_inputs(kind, args, device, dtype, seed=1)
         refresh_inputs = nearby(inputs[:3], other[:3])
-        with torch.no_grad():
+        with torch.no_grad(), LoadWatch() as load:
             ref = plain_sdpa(*(t.float() for t in inputs[:3]))
             dense_ms = common.time_fn(lambda: plain_sdpa(*inputs[:3]), args.runs, args.warmup, cuda)
         results["rows"].append({"method": "dense", "kind": kind, "density": 1.0, "rel_l2": 0.0,
-                                "total_ms": dense_ms, "attention_ms": dense_ms})
+                                "total_ms": dense_ms, "attention_ms": dense_ms, "load": load.record})
+        common.warn_if_shared(load.record, f"dense on {kind} heads")
         reference_density = {}  # label of a reference run (sta's first, every svg2) -> its density on this kind
         match = dict(parse_methods(args.match)[0][2]) if args.match else {}
         for label, name, options, same in runs:
@@ -365,7 +367,10 @@ def run_benchmark(args):
                                                         inputs, args, reference)
                     else:
                         options[option] = min(1.0, reference_density[reference])
-                row = measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda)
+                with LoadWatch() as load:
+                    row = measure(name, options, inputs, refresh_inputs, ref, dense_ms, args, cuda)
+                row["load"] = load.record
+                common.warn_if_shared(load.record, f"{label} on {kind} heads")
             except Exception as error:
                 row = {"error": common.first_line(error, 300)}
                 print(f"{label} on {kind} heads failed: {row['error']}", file=sys.stderr)

@@ -116,6 +116,10 @@ def aggregate(cfg, settings, samples, log=None, num_processes=1):
             for setting_name, entries in scores.values.items():
                 per_setting.setdefault(setting_name, {}).update(entries)
 
+    shared = [key for key, record in records.items() if (record.get("load") or {}).get("shared")]
+    if shared:  # the rule: fastdit.cpu_load; each sample record keeps its "load"
+        notes.append(f"{len(shared)} of {len(records)} samples were timed while other work shared the CPU "
+                     f"(their records' \"load\"): their latencies and speedups are not what an idle machine gives")
     dense_rows = [r for r in rows if r["setting"] == settings[0].name]
     aggregated = []
     for setting in settings:

@@ -4,7 +4,9 @@ Timing: ``latency_s`` is the sample's denoising+decoding time (CUDA events on a 
 clock); warm-up runs (1 step, not recorded) happen first in every process. Each setting's samples
 are split between processes (accelerate's contiguous split), so a sample and its dense reference
 (same prompt and seed) land on the same process and speedups compare like with like.
-``peak_memory_mb``: CUDA peak allocated memory during the sample (null on the CPU).
+``peak_memory_mb``: CUDA peak allocated memory during the sample (null on the CPU). ``load``: the
+machine's load around the timed call (``fastdit.cpu_load``); a warning is logged when other work
+shared the cores, and the report counts such samples.
 
 The record keeps what the patch did (``Generation.extra``): ``density`` is the effective density
 (computed / total attention blocks over all calls of the patched layers, dense steps, dense layers
@@ -18,6 +20,7 @@ import time
 import numpy as np
 
 from fastdit.compare import COMPARE_TINY_SIZE
+from fastdit.cpu_load import load_warning
 from fastdit.eval.runner.config import EvalError
 from fastdit.eval.runner.processes import Log, process_device, process_rank, several, shard
 from fastdit.eval.runner.settings import fingerprint
@@ -120,6 +123,7 @@ def sample_record(cfg, sample, result, wall, shape, call, device):
         "latency_s": result.latency_s, "wall_s": wall, "peak_memory_mb": result.peak_memory_mb,
         "density": result.density, "padding_fraction": result.padding_fraction, "extra": result.extra,
         "shape": list(shape), "call": call, "device": device, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "load": result.load,
     }
 
 
@@ -176,6 +180,9 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
             result.density = cp.reduce(result.density, "mean", parallel)
             if not parallel.is_group_leader:
                 continue
+        warning = load_warning(result.load, f"{sample.setting.name} p{sample.prompt_index} s{sample.seed}")
+        if warning:
+            log(warning, all_ranks=several(state))
         frames8 = to_uint8(np.asarray(result.frames))
         record = sample_record(cfg, sample, result, wall, frames8.shape, shown_call, str(getattr(pipe, "device", "")))
         store_sample(cfg, sample, frames8, record)

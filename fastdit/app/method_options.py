@@ -4,7 +4,8 @@ Nothing here is written per method. A field's widget kind comes from its type an
 default from the dataclass, its help from ``field.metadata["help"]`` or else the class docstring's
 ``Attributes:`` entry; ``field.metadata`` may also give ``"widget"`` (a kind below, or ``triple``, ``checkbox``,
 ``dropdown``, ``number``, ``slider``), ``"range"`` (``(low, high)``, either may be None),
-``"choices"`` and ``"label"``; None values count as absent. A newly registered method shows
+``"choices"``, ``"label"`` and ``"advanced"`` (True: an expert option, shown in the app's collapsed
+"Advanced" group); None values count as absent. A newly registered method shows
 up in the app with its options and no change here.
 
 Kinds: ``int``, ``float``, ``number`` (an int or a float: integral values become ints, as
@@ -55,6 +56,7 @@ class OptionSpec:
     fallback: object = None  # what None becomes when the model family sets nothing (Method.default_options)
     literal: bool = True  # text is read as a Python literal (``parse_value``); False: kept as a string
     family_defaults: tuple = ()  # ((model family, value), ...) where an adapter sets this option
+    advanced: bool = False  # field.metadata["advanced"]: the app shows it in the collapsed "Advanced" group
 
     def default_text(self):
         """What a blank box means, e.g. ``0.95 (wan 0.2, hunyuan_video 0.95)``."""
@@ -116,6 +118,7 @@ def option_specs(method):
             choices=choices, range=tuple(value_range) if value_range is not None else None, widget=widget,
             fallback=method_cls.default_options.get(f.name) if default is None else default,
             literal=not (kind == "text" and is_str), family_defaults=family.get(f.name, ()) if default is None else (),
+            advanced=bool(meta.get("advanced", False)),
         ))
     return specs
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastdit.cpu_load import load_warning
+
 from .errors import AppError, RunCancelled
 from .masks import draw_patch_mask
 from .method_options import method_choices, options_text, parse_options
@@ -367,6 +369,10 @@ class Runner:
         if stats["fallback_calls"]:
             notes.append(f"{stats['fallback_calls']} attention calls ran the model's own attention (fallbacks): "
                          + fallback_text(stats["fallbacks"]))
+        for label, generation in (("dense", dense), (method, result)):
+            warning = load_warning(generation.load, f"the {label} run")
+            if warning:
+                notes.append(warning)
         metrics = {
             "model": run["request"].model, "method": method, "options": run["config"],
             "plan": None if _plan_path(run["request"].plan) is None else os.path.basename(_plan_path(run["request"].plan)),
@@ -381,7 +387,7 @@ class Runner:
             "padding_fraction": stats["padding_fraction"], "layers": run["layers"], "device": run["device"],
             "dense_reused": run["reused"], "dense_digest": frames_digest(dense.frames),
             "method_digest": frames_digest(result.frames), "started_at": started_at, "finished_at": time.time(),
-            "notes": list(notes),
+            "dense_load": dense.load, "method_load": result.load, "notes": list(notes),
         }
         return RunResult(dense_path, method_path, run["mask"], run["mask_caption"], metrics, notes,
                          dense.frames, result.frames)

@@ -33,27 +33,27 @@ def _tiny_presets():
 
 
 def option_widget(spec, value):
-    """The widget of one method option (``OptionSpec``) showing ``value``."""
-    label, info = spec.label, spec.help or None
+    """The widget of one method option (``OptionSpec``) showing ``value`` (element id ``fd-opt-<api name>``)."""
+    shared = dict(label=spec.label, info=spec.help or None, elem_id=f"fd-opt-{spec.api_name}")
     if spec.kind in ("int", "float", "number"):
         low, high = spec.range or (None, None)
         if value is None:  # blank = the default, which the method or the model family fills in
-            return gr.Textbox(value="", label=label, info=info, max_lines=1, placeholder=f"default: {spec.default_text()}")
+            return gr.Textbox(value="", max_lines=1, placeholder=f"default: {spec.default_text()}", **shared)
         if spec.widget == "slider" and low is not None and high is not None:
-            return gr.Slider(minimum=low, maximum=high, value=value, label=label, info=info,
-                             step=1 if spec.kind == "int" else (high - low) / 100)
-        return gr.Number(value=value, label=label, info=info, precision=0 if spec.kind == "int" else None,
-                         minimum=low, maximum=high)
+            return gr.Slider(minimum=low, maximum=high, value=value,
+                             step=1 if spec.kind == "int" else (high - low) / 100, **shared)
+        return gr.Number(value=value, precision=0 if spec.kind == "int" else None, minimum=low, maximum=high,
+                         **shared)
     if spec.kind == "bool" and not spec.optional:
-        return gr.Checkbox(value=bool(value), label=label, info=info)
+        return gr.Checkbox(value=bool(value), **shared)
     if spec.kind == "bool":
         choices = ([DEFAULT_CHOICE] if spec.optional else []) + ["on", "off"]
-        return gr.Radio(choices=choices, value=spec.display(value), label=label, info=info)
+        return gr.Radio(choices=choices, value=spec.display(value), **shared)
     if spec.kind == "choice":
         choices = ([DEFAULT_CHOICE] if spec.optional else []) + [str(c) for c in spec.choices]
-        return gr.Dropdown(choices=choices, value=str(spec.display(value)), label=label, info=info)
+        return gr.Dropdown(choices=choices, value=str(spec.display(value)), **shared)
     placeholder = f"default: {spec.default_text()}" + ("; one per head: 1,3,3; 3,3,3" if spec.kind == "tuple" else "")
-    return gr.Textbox(value=spec.display(value), label=label, info=info, max_lines=1, placeholder=placeholder)
+    return gr.Textbox(value=spec.display(value), max_lines=1, placeholder=placeholder, **shared)
 
 
 def _examples(model, sizes, methods):
@@ -114,9 +114,16 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
             with gr.Column(scale=2, min_width=340):
                 model = gr.Dropdown(choices=TINY_MODELS + list(KNOWN_MODELS), value=default_model, label="model",
                                     allow_custom_value=True, elem_id="fd-model",
-                                    info="built-in tiny models, a hub id or a local folder (loaded once, cached)")
+                                    info="built-in tiny models, a hub id or a local folder")
                 prompt = gr.Textbox(value=DEFAULT_PROMPT, label="prompt", lines=2, elem_id="fd-prompt")
-                negative = gr.Textbox(value=DEFAULT_NEGATIVE, label="negative prompt", lines=1)
+                # The primary action sits right under the prompt, so it is on the first screen
+                # whatever the method's option count.
+                with gr.Row(equal_height=True):
+                    method = gr.Dropdown(choices=methods, value=default_method, label="method", elem_id="fd-method",
+                                         scale=2, min_width=120)
+                    run_btn = gr.Button("Compare", variant="primary", elem_id="fd-compare", scale=2, min_width=100)
+                    stop_btn = gr.Button("Stop", variant="stop", elem_id="fd-stop", scale=1, min_width=60)
+                notes = gr.Markdown(label="notes", elem_id="fd-notes")
                 with gr.Row():
                     seed = gr.Number(value=0, label="seed", precision=0, info=f"0 .. {MAX_SEED}", elem_id="fd-seed")
                     steps = gr.Number(value=sizes.get("num_inference_steps", 3), label="steps", precision=0, minimum=1)
@@ -125,35 +132,36 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
                     frames = gr.Number(value=sizes.get("num_frames", 29), label="frames", precision=0, minimum=1)
                     height = gr.Number(value=sizes.get("height", 384), label="height", precision=0, minimum=16, step=16)
                     width = gr.Number(value=sizes.get("width", 384), label="width", precision=0, minimum=16, step=16)
-                method = gr.Dropdown(choices=methods, value=default_method, label="method", elem_id="fd-method",
-                                     info="the attention method compared against dense")
-                for name in methods:
-                    specs = option_specs(name)
+
+                def option_group(name, specs):
+                    """The widgets of ``specs`` (two per row) in a group shown while ``name`` is chosen."""
                     with gr.Group(visible=name == default_method, elem_classes=["fd-options"]) as group:
                         for start in range(0, len(specs), 2):
                             with gr.Row():
                                 for spec in specs[start:start + 2]:
                                     shown = presets.get(name, {}).get(spec.name, spec.default)
                                     option_widgets.append((spec, option_widget(spec, shown)))
-                    groups[name] = group
-                plan_file = gr.File(value=plan, label="plan file (fastdit calibrate)", file_types=[".json"],
-                                    type="filepath", elem_id="fd-plan", height=90)
-                gr.Markdown("A plan file sets the method's settings per step bucket, layer and head (its "
-                            "method must be the one chosen above); its options replace the boxes above.",
-                            elem_classes=["fd-plan-help"])
-                with gr.Row():
-                    mask_layer = gr.Number(value=-1, label="mask: layer", precision=0,
-                                           info="patched layer to draw (-1 = the last)")
-                    mask_head = gr.Number(value=0, label="mask: head", precision=0, minimum=0)
-                with gr.Accordion("more", open=False):
+                    groups.setdefault(name, []).append(group)
+
+                for name in methods:  # everyday options: always in view
+                    option_group(name, [spec for spec in option_specs(name) if not spec.advanced])
+                with gr.Accordion("Advanced", open=False, elem_id="fd-advanced"):
+                    for name in methods:  # expert options (OptionSpec.advanced, from the config's metadata)
+                        option_group(name, [spec for spec in option_specs(name) if spec.advanced])
+                    plan_file = gr.File(value=plan, label="plan file (fastdit calibrate)", file_types=[".json"],
+                                        type="filepath", elem_id="fd-plan")
+                    gr.Markdown("A plan file sets the method's settings per step bucket, layer and head (its "
+                                "method must be the one chosen above); its options replace the boxes.",
+                                elem_classes=["fd-plan-help"])
+                    negative = gr.Textbox(value=DEFAULT_NEGATIVE, label="negative prompt", lines=1)
+                    with gr.Row():
+                        mask_layer = gr.Number(value=-1, label="mask: layer", precision=0,
+                                               info="patched layer to draw (-1 = the last)")
+                        mask_head = gr.Number(value=0, label="mask: head", precision=0, minimum=0)
                     reuse_dense = gr.Checkbox(value=False, label="reuse the dense run when its inputs are unchanged",
                                               info="faster exploring; the speedup then compares against an earlier "
                                                    "dense timing")
                     image = gr.Image(label="conditioning image (image-to-video models)", type="pil", height=160)
-                with gr.Row():
-                    run_btn = gr.Button("Compare", variant="primary", elem_id="fd-compare", scale=3)
-                    stop_btn = gr.Button("Stop", variant="stop", elem_id="fd-stop", scale=1)
-                notes = gr.Markdown(label="notes", elem_id="fd-notes")
             with gr.Column(scale=3, min_width=480):
                 with gr.Row():
                     dense_video = gr.Video(label="dense (reference)", elem_id="fd-dense-video", autoplay=True,
@@ -177,10 +185,13 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
             gr.Examples(example_rows, [prompt, negative, seed, steps, guidance, frames, height, width, method],
                         label=f"examples (sizes for {default_model})", examples_per_page=8)
 
-        def show_options(selected):
-            return [gr.update(visible=name == selected) for name in groups]
+        group_list = [(name, group) for name, method_groups in groups.items() for group in method_groups]
 
-        method.change(show_options, method, list(groups.values()), queue=False, api_visibility="private")
+        def show_options(selected):
+            return [gr.update(visible=name == selected) for name, _ in group_list]
+
+        method.change(show_options, method, [group for _, group in group_list], queue=False,
+                      api_visibility="private")
 
         preset_widgets = [(spec, c) for spec, c in option_widgets if spec.name in _tiny_presets().get(spec.method, {})]
 

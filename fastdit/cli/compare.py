@@ -18,6 +18,7 @@ from fastdit.cli.common import (
     positive_int,
     seed_int,
 )
+from fastdit.cpu_load import load_warning
 
 
 def cmd_compare(args):
@@ -84,6 +85,10 @@ def cmd_compare(args):
             print(f"{row['method']}: {count} fallback call(s) ran the model's own attention: {reason}")
     print("density: computed / total attention blocks over all calls of the patched layers (dense steps, dense "
           "layers and fallbacks count as 1); sparse-only: the same over the sparse calls alone")
+    for row in report["runs"]:
+        warning = load_warning(row.get("load"), f"{row['method']}'s timed run")
+        if warning:
+            print(warning)
     print(f"\nvideos and report.json in {args.out}")
     return 0
 

@@ -44,12 +44,13 @@ _REGISTRY = {}
 _SETTING_KEY = "fastdit.layer_setting"
 
 
-def option(default, help, *, range=None, choices=None, widget=None, **kwargs):
+def option(default, help, *, range=None, choices=None, widget=None, advanced=False, **kwargs):
     """A config field with the metadata the CLI, the app and the docs show: ``help`` text, a
-    ``range`` ``(low, high)`` for numbers, ``choices`` for strings, and a ``widget`` kind
-    (``"number"``, ``"slider"``, ``"triple"``, ``"checkbox"``, ``"dropdown"``, ``"text"``). A new
-    method's options then appear everywhere without editing the CLI or the app."""
-    metadata = {"help": help, "range": range, "choices": choices, "widget": widget}
+    ``range`` ``(low, high)`` for numbers, ``choices`` for strings, a ``widget`` kind
+    (``"number"``, ``"slider"``, ``"triple"``, ``"checkbox"``, ``"dropdown"``, ``"text"``), and
+    ``advanced``: an expert option the app keeps in its collapsed "Advanced" group (and the options
+    tables mark). A new method's options then appear everywhere without editing the CLI or the app."""
+    metadata = {"help": help, "range": range, "choices": choices, "widget": widget, "advanced": bool(advanced)}
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
@@ -96,7 +97,7 @@ class MethodConfig:
     layer_settings: dict | None = option(
         None, "per (step bucket, layer) options: {'s_l': {option: value}} or {'s_l': None} (dense); step i uses "
         "the bucket with the largest start <= i; unnamed layers and earlier steps use the other options",
-        widget="text")
+        widget="text", advanced=True)
 
     def validate(self):
         steps = self.dense_steps

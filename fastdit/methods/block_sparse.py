@@ -53,12 +53,12 @@ class BlockSparseConfig(MethodConfig):
 
     skip_threshold: float | None = option(None, "skip key sub-tiles scoring this far (log units) below the row "
                                           "maximum inside the kernel; empty: never", range=(0.0, None),
-                                          widget="number")
+                                          widget="number", advanced=True)
     correction: str = option("none", "correction for dropped key blocks: none, pooled (block means, "
                              "Rectified SpaAttn) or cached (residual from dense refresh steps, Re-ttention)",
-                             choices=CORRECTIONS, widget="dropdown")
+                             choices=CORRECTIONS, widget="dropdown", advanced=True)
     refresh_every: int = option(5, "correction=cached: a dense refresh step every N sparse steps",
-                                range=(1, None), widget="number")
+                                range=(1, None), widget="number", advanced=True)
 
     def validate(self):
         super().validate()

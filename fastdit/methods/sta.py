@@ -105,7 +105,7 @@ class STAConfig(BlockSparseConfig, TileWindowOptions):
 
     strategy: dict | None = option(None, "per (step bucket, layer, head) windows: {'s_l_h': (wt, wh, ww)}, "
                                    "0 = whole axis; step i uses the bucket with the largest start <= i; "
-                                   "unnamed heads and earlier steps use window", widget="text")
+                                   "unnamed heads and earlier steps use window", widget="text", advanced=True)
 
     def validate(self):
         super().validate()
