@@ -69,12 +69,18 @@ def pipeline_device(pipe):
 
 
 def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=None, backend="auto",
-             record_masks=False, keep_patch=False, **pipe_kwargs):
+             record_masks=False, keep_patch=False, cache=None, **pipe_kwargs):
     """Run ``pipe`` once with ``method`` (``"dense"`` = unpatched) and the given seed.
 
     Returns a ``Generation``. With ``keep_patch=True`` the patch is left applied and returned in
-    ``Generation.patch`` (the caller removes it), e.g. to draw its masks afterwards.
+    ``Generation.patch`` (the caller removes it), e.g. to draw its masks afterwards. ``cache``:
+    ``cache_dit.enable_cache`` keyword arguments (``fastdit.caches.cache_settings``): cache-dit is
+    enabled after the patch and disabled after the run; ``extra["cache"]`` says what it reused.
     """
+    from contextlib import nullcontext
+
+    from fastdit.caches import CacheRun
+
     options = dict(options or {})
     call_kwargs = {"output_type": "np", **(call_kwargs or {}), **pipe_kwargs}
     device = pipeline_device(pipe)
@@ -82,17 +88,19 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
     patch = None
     if method != "dense":
         patch = fastdit.patch(pipe, method, backend=backend, record_masks=record_masks, **options)
+    cached = CacheRun(pipe, cache) if cache is not None else None
     try:
-        if str(device).startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats(device)
-        _sync(device)
-        watch = LoadWatch().start()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            output = pipe(prompt=prompt, generator=generator, **call_kwargs)
-        _sync(device)
-        latency = time.perf_counter() - start
-        load = watch.stop()
+        with cached if cached is not None else nullcontext():
+            if str(device).startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            watch = LoadWatch().start()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                output = pipe(prompt=prompt, generator=generator, **call_kwargs)
+            _sync(device)
+            latency = time.perf_counter() - start
+            load = watch.stop()
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if str(device).startswith("cuda") else None
         frames = pipeline_frames(output) if call_kwargs["output_type"] == "np" else None
         result = Generation(method, options, frames, latency, peak, load=load)
@@ -102,6 +110,8 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
             result.padding_fraction = stats.pop("padding_fraction")
             result.options = {**_public_options(patch.config)}
             result.extra = stats  # sparse_density, dense/sparse/fallback calls, fallbacks, plans
+        if cached is not None:
+            result.extra["cache"] = cached.stats
     finally:
         if patch is not None and not keep_patch:
             patch.remove()
@@ -137,6 +147,9 @@ def format_table(rows):
     with_adherence = any(row.get("adherence") is not None for row in rows)
     if with_adherence:
         header.insert(5, "adherence")
+    caches = any(row.get("cache") for row in rows)
+    if caches:  # cache-dit runs: attention calls that ran, steps on which a block list reused its blocks
+        header += ["attn calls", "cached steps"]
     lines = []
     for row in rows:
         psnr_db = row.get("psnr_db")
@@ -150,7 +163,7 @@ def format_table(rows):
             "-" if row.get("sparse_density") is None else f"{row['sparse_density']:.3f}",
             "-" if row.get("fallback_calls") is None else str(row["fallback_calls"]),
             "-" if row.get("padding_fraction") is None else f"{100 * row['padding_fraction']:.1f}%",
-        ])
+        ] + ([_calls(row), str(row["cache"]["cached_steps"]) if row.get("cache") else "-"] if caches else []))
         if with_adherence:
             lines[-1].insert(5, "-" if row.get("adherence") is None else f"{row['adherence']:.3f}")
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
@@ -159,8 +172,15 @@ def format_table(rows):
     return "\n".join(out)
 
 
+def _calls(row):
+    """Attention calls a patched run counted (dense, sparse and fallback), "-" for the unpatched runs."""
+    counts = [row.get(name) for name in ("dense_calls", "sparse_calls", "fallback_calls")]
+    return "-" if None in counts else str(sum(counts))
+
+
 def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_compare", model_name="",
-            method_options=None, backend="auto", fps=16, warmup=True, log=print, parallel=None, adherence=False):
+            method_options=None, backend="auto", fps=16, warmup=True, log=print, parallel=None, adherence=False,
+            cache=None, cache_options=None):
     """Dense first, then each method with the same seed; writes mp4s and ``report.json``.
 
     Args:
@@ -172,6 +192,10 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
             and writes the videos and the report.
         adherence: also score each video against the prompt with ``fastdit.eval.metrics.adherence``
             (moving-shapes captions, the tiny-shapes model): ``row["adherence"]`` in [0, 1].
+        cache: a cache-dit cache (``fastdit.caches.CACHES``, e.g. ``"dbcache"``): every method also
+            runs with it (rows ``dense+dbcache``, ``sta+dbcache``, ...), settings fitted to the model
+            (``fastdit.caches.cache_settings``) with ``cache_options`` overriding them. Speedup and
+            fidelity are always against the uncached dense run.
     Returns the report dict ``{"model", "device", "prompt", "seed", "call", "runs": [...]}``.
     """
     from fastdit.parallel import reduce
@@ -183,6 +207,14 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
     methods = ["dense"] + [m for m in methods if m != "dense"]
     for method in methods:
         fastdit.methods.get_method(method)  # unknown names fail before any work
+    runs_wanted = [(method, None) for method in methods]
+    settings = None
+    if cache is not None:
+        from fastdit.caches import cache_settings, check_cache
+
+        check_cache(cache, parallel is not None)
+        settings = cache_settings(cache, pipe, (call_kwargs or {}).get("num_inference_steps", 50), cache_options)
+        runs_wanted = [run for method in methods for run in ((method, None), (method, cache))]
     if main:
         os.makedirs(out_dir, exist_ok=True)
     device = pipeline_device(pipe)
@@ -194,18 +226,20 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
             for method in methods[1:]:
                 generate(pipe, prompt, seed, warm, method, warm_up_options(method_options.get(method, {})), backend)
     runs, reference = [], None
-    for index, method in enumerate(methods):
-        log(f"[{index + 1}/{len(methods)}] {method}")
-        result = generate(pipe, prompt, seed, call_kwargs, method, method_options.get(method), backend)
+    for index, (method, cached) in enumerate(runs_wanted):
+        name = method if cached is None else f"{method}+{cached}"
+        log(f"[{index + 1}/{len(runs_wanted)}] {name}")
+        result = generate(pipe, prompt, seed, call_kwargs, method, method_options.get(method), backend,
+                          cache=settings if cached else None)
         if parallel is not None:
             result.latency_s = reduce(result.latency_s, "max")
             result.peak_memory_mb = reduce(result.peak_memory_mb, "max")
             result.density = reduce(result.density, "mean")
             result.extra["sparse_density"] = reduce(result.extra.get("sparse_density"), "mean")
-        path = os.path.join(out_dir, f"{method}.mp4")
+        path = os.path.join(out_dir, f"{name}.mp4")
         if main:
             write_video(path, result.frames, fps=fps)
-        row = {"method": method, "options": result.options, "latency_s": result.latency_s, "speedup": 1.0,
+        row = {"method": name, "options": result.options, "latency_s": result.latency_s, "speedup": 1.0,
                "psnr_db": None, "ssim": None, "video": os.path.abspath(path),
                "density": result.density, "padding_fraction": result.padding_fraction,
                "peak_memory_mb": result.peak_memory_mb, **result.extra, "load": result.load}

@@ -108,21 +108,8 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     if isinstance(config.dense_steps, float) and config.dense_steps > 0 and num_steps is None:
         raise OptionError(f"dense_steps={config.dense_steps} is a fraction of the denoising steps: pass num_steps= "
                           "(and step=) to fastdit.attention, or dense_steps as an int count")
-    config = method_cls.resolve(config, None)
-    instance = _instance(method_cls, config)
-    instance.check_heads(heads)
-    call = CallState(num_steps)
-    call.rounds = int(step)
-    if key_mask is not None and bool(key_mask.all()):
-        key_mask = None
-    attn_mask = None if key_mask is None else key_mask[:, None, None, :]
-    ctx = AttentionContext(
-        layer=layer, layer_name=f"layer{layer}", step=int(step), num_steps=num_steps, branch=0, layout=layout,
-        call=call, local_layer=layer, key_mask=key_mask, query_mask=None, head_offset=0, num_heads=heads,
-        total_heads=heads, scale=scale, state={} if state is None else state, backend=backend,
-        dense_fn=lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale),
-    )
-    out = instance(ctx, q, k, v)
+    out, ctx = run_call(q, k, v, method, config, layout=layout, key_mask=key_mask, step=step, num_steps=num_steps,
+                        state=state, backend=backend, scale=scale, layer=layer)
     if not return_info:
         return out
     info = call_info(ctx, batch, heads, seq, k.shape[2])
@@ -137,6 +124,30 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
             dense = dense_lse(q, k, key_mask, scale) if dense is None else dense
             info["kept_mass"] = kept_mass(info["lse"], dense)
     return out, info
+
+
+def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num_steps=None, state=None,
+             backend="auto", scale=None, layer=0, **options):
+    """``fastdit.attention`` without the argument checks: ``(out, ctx)``, the finished
+    ``AttentionContext`` (``ctx.info`` says what ran, for counting without a host synchronisation).
+    Shared with the vllm-omni plugin (``fastdit.integrations.vllm_omni``), so both compute the same."""
+    heads = q.shape[1]
+    method_cls = get_method(method)
+    config = method_cls.resolve(method_cls.make_config(config, **options), None)
+    instance = _instance(method_cls, config)
+    instance.check_heads(heads)
+    call = CallState(num_steps)
+    call.rounds = int(step)
+    if key_mask is not None and bool(key_mask.all()):
+        key_mask = None
+    attn_mask = None if key_mask is None else key_mask[:, None, None, :]
+    ctx = AttentionContext(
+        layer=layer, layer_name=f"layer{layer}", step=int(step), num_steps=num_steps, branch=0, layout=layout,
+        call=call, local_layer=layer, key_mask=key_mask, query_mask=None, head_offset=0, num_heads=heads,
+        total_heads=heads, scale=scale, state={} if state is None else state, backend=backend,
+        dense_fn=lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale),
+    )
+    return instance(ctx, q, k, v), ctx
 
 
 #: Score entries (float32) one chunk of ``dense_lse`` holds at once.

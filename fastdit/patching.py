@@ -287,25 +287,12 @@ class Patch:
             self._warn_once(("worth",), costmodel.worth_warning(self.method, q, k, ctx.info))
         if order is not None:
             out = out.index_select(2, torch.argsort(order))
-        self._count(ctx, size)
+        self.stats.count_call(ctx.info, size)
         if self.record_masks:
             plan = ctx.info.get("plan")
             dense = bool(ctx.info.get("dense")) or plan is None
             self._records[layer] = LayerRecord(layout, dense, None if dense else plan, key_mask, heads, query_mask)
         return out
-
-    def _count(self, ctx, size):
-        info = ctx.info
-        if info.get("dense"):
-            self.stats.count_dense(size)
-        elif "performed" in info:
-            self.stats.count_sparse(size, info["performed"] / max(info["total"], 1), info.get("plan"))
-        elif "plan" in info:
-            plan = info["plan"]
-            density = plan.block_density_tensor().mean() if plan.dynamic else plan.density
-            self.stats.count_sparse(size, density, plan)
-        else:
-            self.stats.count_sparse(size, 1.0)  # a method that reported nothing computed everything
 
     # -- public -------------------------------------------------------------------------------
     def set_num_steps(self, num_steps):

@@ -70,6 +70,21 @@ class PatchStats:
                 self.plan_names.add(plan.name)
                 self.padding_fraction = max(self.padding_fraction, plan.padding_fraction)
 
+    def count_call(self, info, size):
+        """Count one finished method call from its ``AttentionContext.info`` (what ``record`` and the
+        method wrote): dense by design, token-method counts, or a block plan (a dynamic plan's
+        density stays a device tensor: no host synchronisation)."""
+        if info.get("dense"):
+            self.count_dense(size)
+        elif "performed" in info:
+            self.count_sparse(size, info["performed"] / max(info["total"], 1), info.get("plan"))
+        elif "plan" in info:
+            plan = info["plan"]
+            density = plan.block_density_tensor().mean() if plan.dynamic else plan.density
+            self.count_sparse(size, density, plan)
+        else:
+            self.count_sparse(size, 1.0)  # a method that reported nothing computed everything
+
     # -- figures ------------------------------------------------------------------------------
     @staticmethod
     def _ratio(computed, work):

@@ -90,27 +90,29 @@ def assert_restored(transformer, before, inputs, expected):
     assert torch.equal(got[0], expected), "not bit-identical after remove() and disable_cache()"
 
 
+def reference(family):
+    """A fresh pipeline of ``family``, its transformer's state, a recorded transformer call with its
+    output, and the pipeline's frames, all taken before anything is installed."""
+    pipe = tiny(family)
+    recorded = []
+
+    def grab(module, args, kwargs):
+        if not recorded:
+            recorded.append((tuple(a.clone() if torch.is_tensor(a) else a for a in args),
+                             {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}))
+
+    handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    frames = generate(pipe, family)
+    handle.remove()
+    with torch.no_grad():
+        expected = pipe.transformer(*recorded[0][0], **recorded[0][1])[0]
+    return pipe, snapshot(pipe.transformer), recorded[0], expected, frames
+
+
 @pytest.fixture(scope="module")
 def pipes():
-    """Per family: the pipeline, its transformer's state, and a recorded transformer call with its
-    output, all taken before anything is installed."""
-    found = {}
-    for family in FAMILIES:
-        pipe = tiny(family)
-        recorded = []
-
-        def grab(module, args, kwargs):
-            if not recorded:
-                recorded.append((tuple(a.clone() if torch.is_tensor(a) else a for a in args),
-                                 {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}))
-
-        handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
-        frames = generate(pipe, family)
-        handle.remove()
-        with torch.no_grad():
-            expected = pipe.transformer(*recorded[0][0], **recorded[0][1])[0]
-        found[family] = (pipe, snapshot(pipe.transformer), recorded[0], expected, frames)
-    return found
+    """Per family: ``reference(family)``."""
+    return {family: reference(family) for family in FAMILIES}
 
 
 def options(method):

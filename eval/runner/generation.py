@@ -77,8 +77,9 @@ def call_kwargs(pipe, cfg, log=print, check_call=None):
     return kwargs
 
 
-def timed_generate(pipe, sample, call_kwargs, backend):
+def timed_generate(pipe, sample, call_kwargs, backend, cache=None):
     """``fastdit.compare.generate`` timed with CUDA events on a GPU (its wall clock elsewhere).
+    ``cache``: ``cache_dit.enable_cache`` arguments for a setting with a cache (else unused).
     Returns ``(Generation, wall seconds)``."""
     import torch
 
@@ -90,7 +91,7 @@ def timed_generate(pipe, sample, call_kwargs, backend):
         start.record()
     wall = time.perf_counter()
     result = generate(pipe, sample.prompt.text, sample.seed, call_kwargs, sample.setting.method,
-                      sample.setting.options, backend)
+                      sample.setting.options, backend, cache=cache if sample.setting.cache else None)
     wall = time.perf_counter() - wall
     if on_cuda:
         end.record()
@@ -159,6 +160,14 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
     if parallel is not None:
         cp.enable(pipe, parallel)
     kwargs = call_kwargs(pipe, cfg, log, check_call)
+    cache = None
+    if cfg.cache is not None:
+        from fastdit.caches import cache_settings
+
+        try:
+            cache = cache_settings(cfg.cache, pipe, kwargs.get("num_inference_steps", 50), cfg.cache_options)
+        except (ValueError, TypeError) as error:
+            raise EvalError(f"--cache: {error}") from None
     if cfg.warmup:
         warmup(pipe, cfg, todo, kwargs)
     rank = process_rank(state)
@@ -167,7 +176,7 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
     shown_call = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}
     for sample in bar:
         bar.set_postfix_str(f"{sample.setting.name} p{sample.prompt_index} s{sample.seed}")
-        result, wall = timed_generate(pipe, sample, kwargs, cfg.backend)
+        result, wall = timed_generate(pipe, sample, kwargs, cfg.backend, cache)
         if parallel is not None:  # the group's slowest rank; density: the mean over the group's ranks
             result.latency_s, wall = cp.reduce(result.latency_s, "max", parallel), cp.reduce(wall, "max", parallel)
             result.density = cp.reduce(result.density, "mean", parallel)

@@ -44,6 +44,13 @@ def check_inputs(cfg):
         raise EvalError("no seeds given")
     if len(set(cfg.seeds)) != len(cfg.seeds):
         raise EvalError(f"repeated seeds in {cfg.seeds}")
+    if cfg.cache is not None:
+        from fastdit.caches import check_cache
+
+        try:
+            check_cache(cfg.cache, cfg.cp is not None)
+        except ValueError as error:
+            raise EvalError(f"cache {cfg.cache!r}: {error}") from None
     settings = build_settings(cfg)
     run_checks(cfg)
     return settings

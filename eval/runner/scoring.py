@@ -34,7 +34,7 @@ def compute_sample_metrics(cfg, samples, state=None, log=None):
 
     log = log or Log(state)
     values = sample_values(cfg)
-    dense = {(s.prompt_index, s.seed): s for s in samples if s.setting.method == "dense"}
+    dense = {(s.prompt_index, s.seed): s for s in samples if s.setting.is_reference}
     device = process_device(cfg, state, default="cpu")
     rank = process_rank(state)
     todo = []
@@ -49,7 +49,7 @@ def compute_sample_metrics(cfg, samples, state=None, log=None):
                disable=not cfg.progress, dynamic_ncols=True)
     for sample, reference, cache, missing in bar:
         frames = load_frames(cfg, sample)
-        is_dense = sample.setting.method == "dense"
+        is_dense = sample.setting.is_reference
         ref = None
         if not is_dense and any(values[name].reference for name in missing):
             ref = load_frames(cfg, reference)

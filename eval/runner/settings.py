@@ -22,6 +22,13 @@ class Setting:
     name: str
     method: str
     options: dict = field(default_factory=dict, hash=False, compare=False)
+    #: the cache-dit cache this setting runs with (``EvalConfig.cache``), or None
+    cache: str | None = None
+
+    @property
+    def is_reference(self):
+        """The unpatched, uncached dense setting: every fidelity metric's reference."""
+        return self.method == "dense" and self.cache is None
 
     @property
     def slug(self):
@@ -93,6 +100,8 @@ def build_settings(cfg):
             except (TypeError, ValueError) as error:
                 raise EvalError(f"setting {label}: {error}") from None
             settings.append(Setting(label, method, options))
+            if cfg.cache is not None:  # the same setting under cache-dit, right after it
+                settings.append(Setting(f"{label}+{cfg.cache}", method, options, cache=cfg.cache))
     return settings
 
 
@@ -107,4 +116,6 @@ def fingerprint(cfg, sample):
     data = {"model": cfg.model, "call": cfg.call, "dtype": cfg.dtype, "backend": cfg.backend,
             "method": sample.setting.method, "options": sample.setting.options,
             "prompt": sample.prompt.text, "seed": sample.seed}
+    if sample.setting.cache is not None:  # (absent otherwise: fingerprints of uncached runs are unchanged)
+        data["cache"] = {"name": sample.setting.cache, "options": cfg.cache_options}
     return hashlib.sha1(json.dumps(to_json(data), sort_keys=True).encode()).hexdigest()[:16]

@@ -318,3 +318,37 @@ def check_generation_arguments(args):
         check_requested_size(args.model, args.frames, args.height, args.width)
     except ModelNotFoundError as error:
         raise CLIError(f"argument --model: {error}") from None
+
+
+def add_cache_arguments(parser):
+    """``--cache`` / ``--cache-set`` (compare and eval): every method also runs under cache-dit."""
+    from fastdit.caches import CACHES
+
+    parser.add_argument("--cache", default=None, choices=CACHES,
+                        help="also run every method with cache-dit's block cache (pip install \"fastdit[cache]\"): "
+                             "rows dense, dense+CACHE, METHOD, METHOD+CACHE")
+    parser.add_argument("--cache-set", action="append", metavar="FIELD=VALUE",
+                        help="a cache-dit DBCacheConfig field, e.g. --cache-set residual_diff_threshold=0.12 "
+                             "(default: fitted to the model, see fastdit/caches.py; repeatable)")
+
+
+def cache_arguments(args, parallel=False):
+    """``(cache name or None, {field: value})`` from ``--cache`` / ``--cache-set``; CLIError when the
+    cache cannot run (cache-dit missing, with --cp) or a setting is malformed."""
+    from fastdit.caches import check_cache
+
+    overrides = {}
+    for setting in args.cache_set or []:
+        field_name, sep, value = setting.partition("=")
+        if not sep or not field_name:
+            raise CLIError(f"argument --cache-set: expects FIELD=VALUE, got {setting!r}")
+        overrides[field_name.strip()] = parse_value(value)
+    if args.cache is None:
+        if overrides:
+            raise CLIError("argument --cache-set: needs --cache")
+        return None, {}
+    try:
+        check_cache(args.cache, parallel)
+    except ValueError as error:
+        raise CLIError(f"argument --cache: {error}") from None
+    return args.cache, overrides

@@ -9,7 +9,9 @@ from __future__ import annotations
 from fastdit.cli.common import (
     apply_plan_argument,
     CLIError,
+    add_cache_arguments,
     add_generation_arguments,
+    cache_arguments,
     call_arguments,
     check_generation_arguments,
     parse_options,
@@ -51,6 +53,7 @@ def cmd_compare(args):
             parse_caption(args.prompt)
         except ValueError as error:
             raise CLIError(f"argument --prompt: tiny-shapes takes captions like {SHAPES_PROMPT!r}: {error}") from None
+    cache, cache_options = cache_arguments(args, args.cp is not None)
     parallel = None
     if args.cp is not None:
         from fastdit import parallel as cp
@@ -75,11 +78,19 @@ def cmd_compare(args):
     options = apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options), options)
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
+    if cache is not None:  # the fitted settings, checked before any run
+        from fastdit.caches import cache_settings
+
+        try:
+            cache_settings(cache, pipe, call_kwargs.get("num_inference_steps", 50), cache_options)
+        except (ValueError, TypeError) as error:
+            raise CLIError(f"argument --cache: {error}") from None
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
     print(f"model {args.model} on {pipe.device}: {shown}")
     report = compare(pipe, methods, args.prompt, args.seed, call_kwargs, args.out, model_name=args.model,
                      method_options=options, backend=args.backend, fps=args.fps, warmup=not args.no_warmup,
-                     parallel=parallel, adherence=shapes)
+                     parallel=parallel, adherence=shapes, cache=cache,
+                     cache_options=cache_options)
     if parallel is not None and not parallel.is_main:
         return 0
     print()
@@ -123,5 +134,6 @@ def add_compare_parser(sub):
     compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
                          help="Ulysses context parallelism over N processes of a launcher "
                               "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")
+    add_cache_arguments(compare)
     compare.set_defaults(func=cmd_compare)
     return compare

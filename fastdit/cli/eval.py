@@ -46,6 +46,9 @@ def add_eval_arguments(parser):
     parser.add_argument("--cp", type=positive_int, default=None, metavar="N",
                         help="split each sample over N processes (Ulysses context parallelism); the launcher's "
                              "processes form groups of N that share the samples")
+    from fastdit.cli.common import add_cache_arguments
+
+    add_cache_arguments(parser)
     parser.add_argument("--lpips-net", default="alex", choices=["alex", "vgg"])
     parser.add_argument("--lpips-weights", default=None,
                         help="folder with the LPIPS files (default $FASTDIT_LPIPS_WEIGHTS or ~/.cache/fastdit/lpips)")
@@ -112,8 +115,8 @@ def config_from_args(args):
     import os
 
     import fastdit
-    from fastdit.cli.common import (CLIError, apply_plan_argument, check_generation_arguments, check_method_options,
-                                    parse_options)
+    from fastdit.cli.common import (CLIError, apply_plan_argument, cache_arguments, check_generation_arguments,
+                                    check_method_options, parse_options)
     from fastdit.eval.runner.config import EvalConfig, EvalError
     from fastdit.eval.runner.prompts import load_prompts
     from fastdit.eval.runner.settings import tiny_method_presets
@@ -141,6 +144,7 @@ def config_from_args(args):
         prompts = load_prompts(args.prompts)
     except EvalError as error:
         raise CLIError(f"argument --prompts: {error}") from None
+    cache, cache_options = cache_arguments(args, args.cp is not None)
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
     return EvalConfig(
@@ -154,7 +158,7 @@ def config_from_args(args):
         fid_frames=args.fid_frames, clip_model=args.clip_model,
         vbench_python=args.vbench_python or os.environ.get("FASTDIT_VBENCH_PYTHON") or None,
         vbench_dimensions=[d.strip() for d in args.vbench_dimensions.split(",") if d.strip()] if args.vbench_dimensions else None,
-        plots=not args.no_plots, cp=args.cp,
+        plots=not args.no_plots, cp=args.cp, cache=cache, cache_options=cache_options,
     )
 
 

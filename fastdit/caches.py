@@ -1,0 +1,106 @@
+"""cache-dit's block caches around a fastdit run (``pip install "fastdit[cache]"``).
+
+``fastdit compare --cache dbcache`` and ``fastdit eval --cache dbcache`` run every method with and
+without cache-dit's DBCache (``cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(...))``):
+cache-dit skips whole transformer blocks on steps whose first blocks' residual changed little,
+fastdit makes the attention of the blocks that do run sparse; the two compose (tested in
+``tests/test_cache_dit.py``: fastdit counts only the attention calls that really ran, and removing
+both restores the pipeline bit for bit).
+
+DBCache settings fitted to the model (cache-dit's defaults compute 8 front blocks and warm up for
+8 steps, which asserts on models of fewer blocks and caches nothing in a run of 8 steps):
+
+* ``Fn_compute_blocks`` = ``clamp(n // 4, 1, 8)`` with ``n`` the blocks of the shortest block list
+  (HunyuanVideo / Flux have two), ``Bn_compute_blocks`` = 0;
+* ``max_warmup_steps`` = ``clamp(steps // 4, 1, 8)`` (the first steps always compute);
+* ``residual_diff_threshold`` = 0.08, cache-dit's default.
+
+``--cache-set NAME=VALUE`` overrides any ``DBCacheConfig`` field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+
+#: Caches ``--cache`` accepts.
+CACHES = ("dbcache",)
+#: cache-dit's default residual threshold (a block's output is reused while the relative change of
+#: the first blocks' residual stays below it).
+DEFAULT_THRESHOLD = 0.08
+
+
+def require_cache_dit():
+    """The ``cache_dit`` module, or ValueError saying how to install it."""
+    try:
+        import cache_dit
+    except ImportError as error:
+        raise ValueError(f"--cache needs cache-dit, which is not installed ({error}); install it with "
+                         f"pip install \"fastdit[cache]\"") from None
+    return cache_dit
+
+
+def check_cache(name, parallel=False):
+    """Refuse a cache fastdit cannot run (ValueError with the reason)."""
+    if name not in CACHES:
+        raise ValueError(f"unknown cache {name!r}; available: {', '.join(CACHES)}")
+    if parallel:
+        raise ValueError("--cache with --cp is not supported: cache-dit brings its own context parallelism "
+                         "(cache_dit.enable_cache(..., parallelism_config=...)), and its block caches under "
+                         "diffusers' Ulysses attention with fastdit on every rank are untested; run one of them")
+    require_cache_dit()
+
+
+def block_lists(transformer):
+    """Blocks per block list, from fastdit's adapter: ``{"transformer_blocks": 2, ...}``."""
+    from fastdit.pipelines import find_adapter
+
+    adapter = find_adapter(transformer)
+    counts = Counter(re.sub(r"\.\d+\..*$", "", name) for name, _ in adapter.attention_modules(transformer))
+    return dict(counts)
+
+
+def cache_settings(name, pipe, num_steps, overrides=None):
+    """Keyword arguments for ``cache_dit.enable_cache(pipe, ...)``: a ``DBCacheConfig`` fitted to
+    the model and the run (see the module docstring), with ``overrides`` (field -> value) applied."""
+    cache_dit = require_cache_dit()
+    check_cache(name)
+    shortest = min(block_lists(pipe.transformer).values())
+    fields = {"Fn_compute_blocks": min(max(shortest // 4, 1), 8), "Bn_compute_blocks": 0,
+              "max_warmup_steps": min(max(int(num_steps) // 4, 1), 8), "residual_diff_threshold": DEFAULT_THRESHOLD}
+    valid = {f.name for f in dataclasses.fields(cache_dit.DBCacheConfig)}
+    unknown = sorted(set(overrides or {}) - valid)
+    if unknown:
+        raise ValueError(f"--cache-set: unknown DBCacheConfig field(s) {unknown}; valid: {sorted(valid)}")
+    fields.update(overrides or {})
+    if fields["Fn_compute_blocks"] + fields["Bn_compute_blocks"] > shortest:
+        raise ValueError(f"--cache-set: Fn_compute_blocks + Bn_compute_blocks = "
+                         f"{fields['Fn_compute_blocks'] + fields['Bn_compute_blocks']} but the model's shortest block "
+                         f"list has {shortest} blocks")
+    return {"cache_config": cache_dit.DBCacheConfig(**fields)}
+
+
+class CacheRun:
+    """``with CacheRun(pipe, settings):`` cache-dit enabled on ``pipe`` inside, disabled after;
+    ``stats`` then holds ``cached_steps`` (the most steps any block list reused) and the config."""
+
+    def __init__(self, pipe, settings):
+        self.pipe, self.settings, self.stats = pipe, settings, {}
+
+    def __enter__(self):
+        require_cache_dit().enable_cache(self.pipe, **self.settings)
+        return self
+
+    def __exit__(self, *exc):
+        cache_dit = require_cache_dit()
+        try:
+            summaries = cache_dit.summary(self.pipe, logging=False)
+            cached = [len(getattr(s, "cached_steps", None) or []) for s in summaries]
+            config = self.settings["cache_config"]
+            self.stats = {"cached_steps": max(cached, default=0),
+                          "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                                     if f.name in ("Fn_compute_blocks", "Bn_compute_blocks", "max_warmup_steps",
+                                                   "residual_diff_threshold")}}
+        finally:
+            cache_dit.disable_cache(self.pipe)
+        return False

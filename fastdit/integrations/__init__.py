@@ -1,0 +1,2 @@
+"""fastdit inside other engines: ``fastdit.integrations.vllm_omni`` (vllm-omni sparse-attention plugins,
+registered as entry points in the group ``vllm_omni.sparse_attn``)."""
