@@ -103,7 +103,7 @@ def test_patch_with_plan_uses_each_layer_and_head_setting(pipe, tmp_path):
 def test_plan_of_another_model_is_refused(pipe, tmp_path):
     plan = {"format": "fastdit-plan", "version": 1, "method": "sta",
             "model": {"family": "wan", "transformer": "WanTransformer3DModel", "layers": 6, "heads": 2, "grids": []},
-            "options": {"tile": list(TILE)}, "step_buckets": [0], "strategy": {"0_0_0": [1, 1, 1]}}
+            "options": {"tile": list(TILE)}, "step_buckets": [0], "strategy": {"0_0_0": [1, 1, 1], "0_0_1": [1, 1, 1]}}
     path = write_plan(plan, tmp_path / "plan.json")
     with pytest.raises(ValueError, match="number of patched attention layers is 4 but the plan was made for 6"):
         plan_options_for(path, pipe, "sta")
