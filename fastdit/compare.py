@@ -74,12 +74,12 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
 
     Returns a ``Generation``. With ``keep_patch=True`` the patch is left applied and returned in
     ``Generation.patch`` (the caller removes it), e.g. to draw its masks afterwards. ``cache``:
-    ``cache_dit.enable_cache`` keyword arguments (``fastdit.caches.cache_settings``): cache-dit is
+    ``cache_dit.enable_cache`` keyword arguments (``fastdit.integrations.caches.cache_settings``): cache-dit is
     enabled after the patch and disabled after the run; ``extra["cache"]`` says what it reused.
     """
     from contextlib import nullcontext
 
-    from fastdit.caches import CacheRun
+    from fastdit.integrations.caches import CacheRun
 
     options = dict(options or {})
     call_kwargs = {"output_type": "np", **(call_kwargs or {}), **pipe_kwargs}
@@ -192,9 +192,9 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
             and writes the videos and the report.
         adherence: also score each video against the prompt with ``fastdit.eval.metrics.adherence``
             (moving-shapes captions, the tiny-shapes model): ``row["adherence"]`` in [0, 1].
-        cache: a cache-dit cache (``fastdit.caches.CACHES``, e.g. ``"dbcache"``): every method also
+        cache: a cache-dit cache (``fastdit.integrations.caches.CACHES``, e.g. ``"dbcache"``): every method also
             runs with it (rows ``dense+dbcache``, ``sta+dbcache``, ...), settings fitted to the model
-            (``fastdit.caches.cache_settings``) with ``cache_options`` overriding them. Speedup and
+            (``fastdit.integrations.caches.cache_settings``) with ``cache_options`` overriding them. Speedup and
             fidelity are always against the uncached dense run.
     Returns the report dict ``{"model", "device", "prompt", "seed", "call", "runs": [...]}``.
     """
@@ -210,7 +210,7 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
     runs_wanted = [(method, None) for method in methods]
     settings = None
     if cache is not None:
-        from fastdit.caches import cache_settings, check_cache
+        from fastdit.integrations.caches import cache_settings, check_cache
 
         check_cache(cache, parallel is not None)
         settings = cache_settings(cache, pipe, (call_kwargs or {}).get("num_inference_steps", 50), cache_options)

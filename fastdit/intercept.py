@@ -340,3 +340,21 @@ def check_parallelism(transformer):
     cp = getattr(parallel, "context_parallel_config", None)
     if cp is not None and getattr(cp, "ring_degree", 1) > 1:
         raise ring_refusal(f"{type(transformer).__name__} has ring_degree={cp.ring_degree}")
+
+
+def check_backend(backend, transformers):
+    """Refuse a ``backend`` that is unknown, or ``"triton"`` where Triton cannot run the models' device."""
+    from fastdit.kernels import BACKENDS, available_backends
+    from fastdit.methods.base import OptionError
+
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise OptionError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "triton":
+        return
+    if "triton" not in available_backends():
+        raise ValueError("backend='triton' needs the triton package (Linux); use backend='auto' or 'torch'")
+    for _, transformer in transformers:
+        param = next(transformer.parameters(), None)
+        if param is not None and "triton" not in available_backends(param.device):
+            raise ValueError(f"backend='triton' but the model is on {param.device.type}: Triton runs on CUDA GPUs (or on "
+                             "the CPU with TRITON_INTERPRET=1 set before fastdit is imported); use backend='auto' or 'torch'")

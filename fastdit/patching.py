@@ -36,8 +36,8 @@ from fastdit.context import (
     set_transformer_call,
     transformer_call,
 )
-from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_parallelism,
-                               register_patch, unregister_patch)
+from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_backend,
+                               check_parallelism, register_patch, unregister_patch)
 from fastdit.layout import TokenLayout, shard_order
 from fastdit.masks import key_mask_from_attn_mask
 from fastdit.methods.base import OptionError, get_method
@@ -414,22 +414,6 @@ def _targets(target):
     return found, getattr(target, "scheduler", None)
 
 
-def _check_backend(backend, transformers):
-    from fastdit.kernels import BACKENDS, available_backends
-
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise OptionError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "triton":
-        return
-    if "triton" not in available_backends():
-        raise ValueError("backend='triton' needs the triton package (Linux); use backend='auto' or 'torch'")
-    for _, transformer in transformers:
-        param = next(transformer.parameters(), None)
-        if param is not None and "triton" not in available_backends(param.device):
-            raise ValueError(f"backend='triton' but the model is on {param.device.type}: Triton runs on CUDA GPUs (or on "
-                             "the CPU with TRITON_INTERPRET=1 set before fastdit is imported); use backend='auto' or 'torch'")
-
-
 def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", plan=None, **options):
     """Replace the DiT attention of a diffusers pipeline (or transformer) with ``method``.
 
@@ -473,7 +457,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     method_cls = get_method(method)
     config = method_cls.make_config(config, **options)
     transformers, scheduler = _targets(target)
-    _check_backend(backend, transformers)
+    check_backend(backend, transformers)
     adapters = [find_adapter(t) for _, t in transformers]
     adapter = adapters[0]
     for _, transformer in transformers:

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastdit.caches import block_lists, cache_settings, check_cache
+from fastdit.integrations.caches import block_lists, cache_settings, check_cache
 from fastdit.cli import main as cli_main
 from fastdit.compare import compare, format_table, generate
 from fastdit.cli.eval import main as eval_main

@@ -28,7 +28,7 @@ LAYERS = [
     ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
      "fastdit.calibration.plan_file"),
     ("fastdit.compare", "fastdit.parallel", "fastdit.support", "fastdit.options", "fastdit.media",
-     "fastdit.calibration", "fastdit.eval", "fastdit.app", "fastdit.caches", "fastdit.integrations"),
+     "fastdit.calibration", "fastdit.eval", "fastdit.app", "fastdit.integrations"),
     ("fastdit.cli", "fastdit.eval.__main__"),
 ]
 

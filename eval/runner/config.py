@@ -59,7 +59,7 @@ class EvalConfig:
     #: Ulysses context-parallel degree (``--cp``): each sample is split over this many processes
     #: of the launcher; the groups of processes share the samples. None: one process per sample.
     cp: int | None = None
-    #: a cache-dit cache (``fastdit.caches.CACHES``): every setting also runs with it (``sta+dbcache``);
+    #: a cache-dit cache (``fastdit.integrations.caches.CACHES``): every setting also runs with it (``sta+dbcache``);
     #: ``cache_options`` override its fitted ``DBCacheConfig`` fields. None: no cache runs.
     cache: str | None = None
     cache_options: dict = field(default_factory=dict)

@@ -162,7 +162,7 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
     kwargs = call_kwargs(pipe, cfg, log, check_call)
     cache = None
     if cfg.cache is not None:
-        from fastdit.caches import cache_settings
+        from fastdit.integrations.caches import cache_settings
 
         try:
             cache = cache_settings(cfg.cache, pipe, kwargs.get("num_inference_steps", 50), cfg.cache_options)

@@ -45,7 +45,7 @@ def check_inputs(cfg):
     if len(set(cfg.seeds)) != len(cfg.seeds):
         raise EvalError(f"repeated seeds in {cfg.seeds}")
     if cfg.cache is not None:
-        from fastdit.caches import check_cache
+        from fastdit.integrations.caches import check_cache
 
         try:
             check_cache(cfg.cache, cfg.cp is not None)

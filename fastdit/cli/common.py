@@ -322,20 +322,20 @@ def check_generation_arguments(args):
 
 def add_cache_arguments(parser):
     """``--cache`` / ``--cache-set`` (compare and eval): every method also runs under cache-dit."""
-    from fastdit.caches import CACHES
+    from fastdit.integrations.caches import CACHES
 
     parser.add_argument("--cache", default=None, choices=CACHES,
                         help="also run every method with cache-dit's block cache (pip install \"fastdit[cache]\"): "
                              "rows dense, dense+CACHE, METHOD, METHOD+CACHE")
     parser.add_argument("--cache-set", action="append", metavar="FIELD=VALUE",
                         help="a cache-dit DBCacheConfig field, e.g. --cache-set residual_diff_threshold=0.12 "
-                             "(default: fitted to the model, see fastdit/caches.py; repeatable)")
+                             "(default: fitted to the model, see fastdit/integrations/caches.py; repeatable)")
 
 
 def cache_arguments(args, parallel=False):
     """``(cache name or None, {field: value})`` from ``--cache`` / ``--cache-set``; CLIError when the
     cache cannot run (cache-dit missing, with --cp) or a setting is malformed."""
-    from fastdit.caches import check_cache
+    from fastdit.integrations.caches import check_cache
 
     overrides = {}
     for setting in args.cache_set or []:

@@ -79,7 +79,7 @@ def cmd_compare(args):
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     if cache is not None:  # the fitted settings, checked before any run
-        from fastdit.caches import cache_settings
+        from fastdit.integrations.caches import cache_settings
 
         try:
             cache_settings(cache, pipe, call_kwargs.get("num_inference_steps", 50), cache_options)
