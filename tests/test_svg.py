@@ -282,9 +282,14 @@ def test_defaults_and_dense_first_layer():
     assert chosen.patterns == ("temporal", "textural")  # the CLI's text form, in canonical order
     layout = TokenLayout((2, 3, 4))
     q, k, v = randn_qkv(layout)
+    # outside a pipeline the layer-position default does not apply (issue 31): asked for, it does
     _, info = fastdit.attention(q, k, v, "svg", layout=layout, dense_steps=0, block_size=4, return_info=True)
+    assert not info["dense"]
+    _, info = fastdit.attention(q, k, v, "svg", layout=layout, dense_steps=0, dense_layers=1, block_size=4,
+                                return_info=True)
     assert info["dense"]  # layer 0
-    _, info = fastdit.attention(q, k, v, "svg", layout=layout, dense_steps=0, block_size=4, layer=1, return_info=True)
+    _, info = fastdit.attention(q, k, v, "svg", layout=layout, dense_steps=0, dense_layers=1, block_size=4, layer=1,
+                                return_info=True)
     assert not info["dense"]
 
 
