@@ -90,16 +90,13 @@ class Patch:
         self.record_masks = record_masks
         self.backend = backend
         self.stats = PatchStats(method)
-        self.layers = []
-        self._layers = []
-        self._transformers = transformers
-        self._scheduler = scheduler
+        self.layers, self._layers = [], []
+        self._transformers, self._scheduler = transformers, scheduler
         self._pipeline = target if scheduler is not None else None
         self._records = {}
         self._undo = []
         self._pinned = []  # (processor, value fastdit set, value to restore)
-        self._warned = set()
-        self._warn_lock = threading.Lock()
+        self._warned, self._warn_lock = set(), threading.Lock()
         self._worth_checked = False
         self._bare_num_steps = None
         #: transformer calls one denoising step can make (2: the two classifier-free guidance
@@ -109,6 +106,7 @@ class Patch:
         self._plan = None  # (loaded plan, its file) applied with plan=: grids checked per new grid
         self._plan_grids = set()  # grids the plan was found to fit
         self._removed = False
+        self.trainable = False  # set by patch(..., trainable=True): calls with gradients run the method
         self.id = register_patch(self)
 
     # -- installation -----------------------------------------------------------------------
@@ -414,7 +412,8 @@ def _targets(target):
     return found, getattr(target, "scheduler", None)
 
 
-def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", plan=None, **options):
+def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", plan=None, trainable=False,
+          **options):
     """Replace the DiT attention of a diffusers pipeline (or transformer) with ``method``.
 
     Args:
@@ -433,6 +432,9 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             method, model family, transformer class, layer or head count is refused, naming the
             mismatch, and so is a grid where its settings would change meaning (at the first call
             on each new grid).
+        trainable: calls that need gradients (inputs requiring grad, grad mode on) run the method
+            with gradients (the plan is a constant; ``docs/training.md``) instead of the model's own
+            attention (a counted fallback). A method that cannot is refused here (OptionError).
 
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
@@ -472,6 +474,8 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     method_obj = method_cls(config)
     for variant in method_obj.variants():  # per-layer settings (layer_settings) are checked like the base
         method_cls.check_family(adapter, variant.config)
+        if trainable and variant.trainable_refusal():
+            raise OptionError(f"method {method!r} cannot run with trainable=True: {variant.trainable_refusal()}")
     modules_per_transformer = []
     for _, transformer in transformers:
         modules = adapter.attention_modules(transformer)
@@ -486,7 +490,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     for variant in method_obj.variants():
         variant.check_layers(n_layers)
     result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
-    result._plan = plan
+    result._plan, result.trainable = plan, bool(trainable)
     try:
         result._install(modules_per_transformer)
     except BaseException:

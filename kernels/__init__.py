@@ -19,6 +19,8 @@ else:
         triton_interpreter_enabled,
     )
     from .block_sparse_varlen import block_sparse_attention_varlen
+    from . import autograd  # noqa: F401  (registers the backward of the custom ops)
+    from .autograd import transpose_plan
     from .op import (
         block_sparse_attention_op,
         block_sparse_attention_skip_op,
@@ -49,6 +51,7 @@ else:
         "check_block_plan",
         "check_varlen_plan",
         "dense_reference",
+        "transpose_plan",
         "plan_to_token_mask",
         "skip_reference",
         "skip_subtiles_walked",

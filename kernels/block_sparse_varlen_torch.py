@@ -50,16 +50,38 @@ def block_sparse_attention_varlen_torch(q, k, v, q_offsets, k_offsets, kv_indice
     ``fused``: use torch's fused CPU kernel (default: on CPU tensors when it exists). Returns
     ``(out, lse)``: out in q's dtype ``(B, H, N, D)``, lse float32 ``(B, H, N)``."""
     batch, heads, n_q, dim = q.shape
+    groups = batch * heads
+    out = torch.zeros(groups * n_q, dim, dtype=q.dtype, device=q.device)
+    lse = torch.full((groups * n_q,), float("-inf"), dtype=torch.float32, device=q.device)
+    if fused is None:
+        fused = _CPU_FLASH is not None and q.device.type == "cpu"
+    attend = _fused_cpu_block if fused else _masked_block
+    q_tab, k_tab, v_tab = (t.reshape(-1, dim) for t in (q, k, v))                  # (G * tokens, D) tables
+    for rows, row_ok, cols, ok in varlen_steps(q, k, q_offsets, k_offsets, kv_indices, kv_counts, kv_valid):
+        n_rows, n_cols = rows.shape[1], cols.numel() // groups
+        q_blk = q_tab.index_select(0, rows.reshape(-1)).view(groups, 1, n_rows, dim)
+        keys = k_tab.index_select(0, cols).view(groups, 1, n_cols, dim)
+        values = v_tab.index_select(0, cols).view(groups, 1, n_cols, dim)
+        blk_out, blk_lse = attend(q_blk, keys, values, None if ok is None else ok.unsqueeze(1), scale)
+        keep = row_ok.reshape(-1)
+        dest = rows.reshape(-1)[keep]
+        out.index_copy_(0, dest, blk_out.reshape(-1, dim)[keep])
+        lse.index_copy_(0, dest, blk_lse.reshape(-1)[keep].float())
+    return out.view(batch, heads, n_q, dim), lse.view(batch, heads, n_q)
+
+
+def varlen_steps(q, k, q_offsets, k_offsets, kv_indices, kv_counts, kv_valid):
+    """The loop of the module docstring, shared by the forward and the backward
+    (``block_sparse_bwd_torch.py``): yields ``(rows, row_ok, cols, ok)`` per step, ``rows`` int64
+    ``(G, R)`` rows of the ``(G * N, D)`` query table (padding rows: the group's row 0, with
+    ``row_ok`` False), ``cols`` int64 ``(G * L,)`` rows of the ``(G * Nk, D)`` key table (padding:
+    the group's key 0) and ``ok`` ``(G, L)`` bool (None when every key is real and valid)."""
+    batch, heads, n_q, dim = q.shape
     n_k = k.shape[2]
     device = q.device
     groups = batch * heads
-    out = torch.zeros(groups * n_q, dim, dtype=q.dtype, device=device)
-    lse = torch.full((groups * n_q,), float("-inf"), dtype=torch.float32, device=device)
     if n_k == 0 or groups * n_q == 0 or kv_indices.shape[-1] == 0:
-        return out.view(batch, heads, n_q, dim), lse.view(batch, heads, n_q)
-    if fused is None:
-        fused = _CPU_FLASH is not None and device.type == "cpu"
-    attend = _fused_cpu_block if fused else _masked_block
+        return
 
     def per_group(t):
         return t.long().expand(batch, heads, *t.shape[2:]).reshape(groups, *t.shape[2:])
@@ -90,7 +112,6 @@ def block_sparse_attention_varlen_torch(q, k, v, q_offsets, k_offsets, kv_indice
     q_start_r = by_rank(q_off[:, :-1]) + q_rows0.t()
     slot_end_r, key_shift_r = by_rank(slot_end), by_rank(key_shift)
     sizes_by_rank = torch.stack([q_size_r.amax(1), n_keys_r.amax(1), n_keys_r.amin(1)]).tolist()  # one sync
-    q_tab, k_tab, v_tab = (t.reshape(-1, dim) for t in (q, k, v))                  # (G * tokens, D) tables
     key_valid = None
     if kv_valid is not None:
         key_valid = kv_valid.to(torch.bool)[:, None, :].expand(batch, heads, n_k).reshape(-1)
@@ -113,12 +134,4 @@ def block_sparse_attention_varlen_torch(q, k, v, q_offsets, k_offsets, kv_indice
             ok = col_ok & key_valid.index_select(0, cols).view(groups, n_cols)
         elif n_cols_min != n_cols:
             ok = col_ok
-        q_blk = q_tab.index_select(0, rows.reshape(-1)).view(groups, 1, n_rows, dim)
-        keys = k_tab.index_select(0, cols).view(groups, 1, n_cols, dim)
-        values = v_tab.index_select(0, cols).view(groups, 1, n_cols, dim)
-        blk_out, blk_lse = attend(q_blk, keys, values, None if ok is None else ok.unsqueeze(1), scale)
-        keep = row_ok.reshape(-1)
-        dest = rows.reshape(-1)[keep]
-        out.index_copy_(0, dest, blk_out.reshape(-1, dim)[keep])
-        lse.index_copy_(0, dest, blk_lse.reshape(-1)[keep].float())
-    return out.view(batch, heads, n_q, dim), lse.view(batch, heads, n_q)
+        yield rows, row_ok, cols, ok

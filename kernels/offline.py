@@ -58,9 +58,11 @@ from pathlib import Path
 import torch
 import triton
 
+from . import block_sparse_bwd_triton as bwd
 from . import block_sparse_varlen_triton as bsv
 from . import triton_tuning as tuning
 from .offline_compile import (  # noqa: F401  (re-exported: the check's vocabulary)
+    BWD_KERNELS,
     CI_TARGETS,
     DTYPES,
     HEAD_DIMS,
@@ -207,6 +209,8 @@ def used_cases(names, all_cases):
             if c.kernel == "fixed" and c.config == tuning.default_config(cap, c.head_dim, c.dtype):
                 wanted.add(c)
             elif c.kernel == "skip" and c.config == skip_used(name, c.head_dim, c.dtype):
+                wanted.add(c)
+            elif c.kernel in BWD_KERNELS and c.config == bwd.bwd_config(c.kernel, c.head_dim, cap, c.dtype):
                 wanted.add(c)
             elif c.kernel == "varlen" and c.config == bsv.launch_config(_TOKENS, 100, _TOKENS, 500, c.head_dim, cap,
                                                                         c.dtype):

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import block_sparse_bwd_triton as bwd
 from . import block_sparse_triton as bst
 from . import block_sparse_varlen_triton as bsv
 from . import triton_tuning as tuning
@@ -50,7 +51,12 @@ KERNELS = {
     "fixed": bst._block_sparse_fwd_kernel,
     "skip": bst._block_sparse_fwd_kernel,
     "varlen": bsv._varlen_fwd_kernel,
+    "bwd_dq": bwd._bwd_dq_kernel,
+    "bwd_dkdv": bwd._bwd_dkdv_kernel,
+    "varlen_bwd_dq": bwd._varlen_bwd_dq_kernel,
+    "varlen_bwd_dkdv": bwd._varlen_bwd_dkdv_kernel,
 }
+BWD_KERNELS = ("bwd_dq", "bwd_dkdv", "varlen_bwd_dq", "varlen_bwd_dkdv")
 
 # the representative launch: Wan2.1-T2V-1.3B at 480p x 81 frames
 _BATCH, _HEADS, _TOKENS, _PLAN_BLOCK = 1, 12, 32760, 128
@@ -154,6 +160,9 @@ def cases(targets=tuple(TARGETS), kernels=tuple(KERNELS), head_dims=HEAD_DIMS, d
                     out += [Case("skip", t, dtype, d, cfg, "default") for cfg in skip_configs(t, d, dtype)]
                 if "varlen" in kernels:  # all of launch_config's choices; one clean one must exist
                     out += [Case("varlen", t, dtype, d, cfg, "default") for cfg in varlen_configs(d)]
+                for kernel in BWD_KERNELS:  # the backward's candidates (bwd_config takes the first clean one)
+                    if kernel in kernels:
+                        out += [Case(kernel, t, dtype, d, cfg, "default") for cfg in bwd.BWD_PREFERENCE[kernel]]
     return out
 
 
@@ -185,6 +194,26 @@ def launch(case):
                                d ** -0.5, 1.0 if skip else None, False)
         named = dict(zip(fn.arg_names, args), BLOCK_M=bm, BLOCK_N=bn)
         named.update({name: rule(named) for name, rule in bst._HEURISTICS.items()})
+    elif case.kernel in ("bwd_dq", "bwd_dkdv"):
+        m = -(-n // _PLAN_BLOCK)
+        plan_idx = _meta(1, h, m, 64 if case.kernel == "bwd_dq" else m, dtype=torch.int32)
+        plan_cnt = _meta(1, h, m, dtype=torch.int32)
+        grad = (out,) if case.kernel == "bwd_dq" else (out, out)
+        args, flags = bwd.bwd_kernel_args(q, k, v, out, lse, lse, grad, plan_idx, plan_cnt, kv_valid, _PLAN_BLOCK,
+                                          _PLAN_BLOCK, d ** -0.5)
+        named = dict(zip(fn.arg_names, args), **flags, BLOCK_M=bm, BLOCK_N=bn)
+    elif case.kernel in ("varlen_bwd_dq", "varlen_bwd_dkdv"):
+        mq, mk = 100, 500
+        q_off = _meta(1, h, mq + 1, dtype=torch.int32)
+        k_off = _meta(1, h, mk + 1, dtype=torch.int32)
+        dq = case.kernel == "varlen_bwd_dq"
+        plan_idx = _meta(1, h, mq if dq else mk, 64 if dq else mq, dtype=torch.int32)
+        plan_cnt = _meta(1, h, mq if dq else mk, dtype=torch.int32)
+        n_slots = (mq if dq else mk) + -(-n // (bm if dq else bn))
+        sched = _meta(1, h, n_slots, dtype=torch.int32)
+        args, flags = bwd.varlen_bwd_kernel_args(q, k, v, out, lse, lse, (out,) if dq else (out, out), q_off, k_off,
+                                                 plan_idx, plan_cnt, kv_valid, (sched, sched), d ** -0.5)
+        named = dict(zip(fn.arg_names, args), **flags, BLOCK_M=bm, BLOCK_N=bn)
     else:
         mq, mk = 100, 500  # svg2-like clusters
         q_off = _meta(1, h, mq + 1, dtype=torch.int32)

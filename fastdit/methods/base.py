@@ -199,6 +199,24 @@ class Method:
     #: tokens) do not, so ``fastdit.attention`` reports ``lse=None`` and refuses ``"mass"`` for them.
     reports_lse = False
 
+    #: Why gradients through this method are not defined (``patch(..., trainable=True)`` refuses
+    #: it with this reason), or None: the method is differentiable in q, k, v, with its selection
+    #: (blocks, clusters, matchings) taken as constants.
+    untrainable = None
+
+    def trainable_refusal(self):
+        """None when ``trainable=True`` can run this method with gradients, else the reason: the
+        class's ``untrainable``, or an option whose result depends on another call (a correction
+        cached at an earlier step) or whose backward is not exact (the in-kernel skip rule, whose
+        skipped sub-tiles are not saved)."""
+        if self.untrainable:
+            return self.untrainable
+        if getattr(self.config, "correction", "none") == "cached":
+            return "correction='cached' reuses a correction computed at an earlier step"
+        if getattr(self.config, "skip_threshold", None) is not None:
+            return "skip_threshold has no backward (which key sub-tiles the kernel skipped is not saved)"
+        return None
+
     def __init__(self, config=None, **options):
         self.config = self.make_config(config, **options) if (config is None or options
                                                               or not isinstance(config, self.config_cls)) else config

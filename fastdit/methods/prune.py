@@ -144,6 +144,7 @@ class PruneConfig(MethodConfig):
 class Prune(Method):
     """Query-block pruning with cached outputs (AT-EDM / ToCa); see the module docstring."""
 
+    untrainable = "it reuses each layer's output cached at earlier steps for the pruned query blocks"
     name = "prune"
     any_key_length = True  # full rows against every key; pruned rows come from its cache
     config_cls = PruneConfig

@@ -416,7 +416,8 @@ class SparseVideoGen2(BlockSparseMethod):
         q_centroids, q_labels, _ = kmeans(xq, init_q, iters, validity(ctx.query_mask))
         k_centroids, k_labels, k_sizes = kmeans(xk, init_k, iters, validity(ctx.key_mask))
         if config.warm_start:
-            ctx.state[STATE_KEY] = {"key": key, "q": q_centroids, "k": k_centroids}
+            # selection only (no gradient): kept detached, so no autograd graph outlives the call
+            ctx.state[STATE_KEY] = {"key": key, "q": q_centroids.detach(), "k": k_centroids.detach()}
         return Clusters(q_labels, k_labels, q_centroids, k_centroids, k_sizes, warm, iters)
 
     def plan_from_clusters(self, ctx, clusters, q, k=None):

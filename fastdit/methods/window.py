@@ -139,6 +139,14 @@ class Window(Method):
         super().__init__(config, **options)
         self._tiles = SlidingTile(self.config.tile_config())
 
+    def trainable_refusal(self):
+        """share_steps / share_cfg return another call's output: no gradient to this call's inputs.
+        (The residual of a full step is a constant of later steps, like a plan: it is kept detached.)"""
+        for name in ("share_steps", "share_cfg"):
+            if getattr(self.config, name):
+                return f"{name}=True reuses the output of another step or CFG branch"
+        return super().trainable_refusal()
+
     def check_heads(self, num_heads):
         if self.config.band is None:
             self._tiles.check_heads(num_heads)
@@ -166,7 +174,7 @@ class Window(Method):
             full = full_attention(ctx, q, k, v)
             window = run_window_plan(q, k, v, plan, key_mask=ctx.key_mask, query_mask=ctx.query_mask,
                                      scale=ctx.scale, backend=ctx.backend)
-            state["residual"] = full - window
+            state["residual"] = (full - window).detach()  # a constant of the later steps (no graph kept)
             if config.share_steps:
                 self.measure_change(state, full)
             self.remember(ctx, full)
