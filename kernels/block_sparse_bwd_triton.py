@@ -46,8 +46,12 @@ def _bwd_tile(q, do, k, v, lse2, delta, row_ok, col_ok, qk_scale,
 
 
 @triton.jit
-def _load_rows(base, rows, ok, offs_d, d_ok, stride_n, stride_d, EVEN_D: tl.constexpr):
-    ptrs = base + rows.to(tl.int64)[:, None] * stride_n + offs_d[None, :] * stride_d
+def _load_rows(base, rows, ok, offs_d, d_ok, stride_n, stride_d, EVEN_D: tl.constexpr, BIG_OFFSETS: tl.constexpr):
+    # int32 in-head offsets (fewer registers) unless an offset could pass 2**31 elements
+    if BIG_OFFSETS:
+        ptrs = base + rows.to(tl.int64)[:, None] * stride_n + offs_d[None, :] * stride_d
+    else:
+        ptrs = base + rows[:, None] * stride_n + offs_d[None, :] * stride_d
     if EVEN_D:
         return tl.load(ptrs, mask=ok[:, None], other=0.0)
     return tl.load(ptrs, mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -62,7 +66,8 @@ def _bwd_dq_kernel(
     stride_cb, stride_ch, stride_cm, stride_vvb,
     H, N, Nk, head_dim, block_m, block_n, qk_scale, scale,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_KV_VALID: tl.constexpr,
-    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BIG_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # q, k, v, do, dq are contiguous-like with the same strides (the launcher makes them so)
     pid_m = tl.program_id(0)
@@ -80,8 +85,8 @@ def _bwd_dq_kernel(
 
     q_off = b64 * stride_qb + h64 * stride_qh
     k_off = b64 * stride_kb + h64 * stride_kh
-    q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
-    do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
+    q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
+    do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
     l_ptr = b64 * stride_lb + h64 * stride_lh + rows
     lse = tl.load(Lse + l_ptr, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -101,8 +106,8 @@ def _bwd_dq_kernel(
         col_ok = (key_in_block < block_n) & (cols < Nk)
         if HAS_KV_VALID:
             col_ok = col_ok & (tl.load(KVValid + b64 * stride_vvb + cols, mask=col_ok, other=0) != 0)
-        k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
-        v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
+        k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
+        v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -112,7 +117,7 @@ def _bwd_dq_kernel(
         else:
             dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * scale
-    dq_ptrs = DQ + q_off + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :] * stride_qd
+    dq_ptrs = DQ + q_off + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -125,7 +130,8 @@ def _bwd_dkdv_kernel(
     stride_cb, stride_ch, stride_cm, stride_vvb,
     H, N, Nk, head_dim, block_m, block_n, qk_scale, scale,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_KV_VALID: tl.constexpr,
-    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BIG_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -145,8 +151,8 @@ def _bwd_dkdv_kernel(
 
     q_off = b64 * stride_qb + h64 * stride_qh
     k_off = b64 * stride_kb + h64 * stride_kh
-    k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
-    v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
+    k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
+    v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -161,8 +167,8 @@ def _bwd_dkdv_kernel(
         row_in_block = (it % sub_m) * BLOCK_M + offs_m
         rows = m * block_m + row_in_block
         row_ok = (row_in_block < block_m) & (rows < N)
-        q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
-        do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
+        q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
+        do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
         l_ptr = b64 * stride_lb + h64 * stride_lh + rows
         lse = tl.load(Lse + l_ptr, mask=row_ok, other=float("-inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -178,20 +184,22 @@ def _bwd_dkdv_kernel(
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     dk = dk * scale
-    out_ptrs = k_off + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    out_ptrs = k_off + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd
     store_ok = in_range[:, None] & d_ok[None, :]
     tl.store(DK + out_ptrs, dk.to(DK.dtype.element_ty), mask=store_ok)
     tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=store_ok)
 
 
 # Launch tiles per kernel, best first; the first the offline table does not mark unclean is used.
-# (64 x 64 with 4 warps spilled on sm_80 at D=128 under Triton 3.9: 8 warps first.)
+# (offline compiles, Triton 3.9: 64 x 64 tiles spill on sm_80 / sm_89 in some (kernel, head dim)
+# pairs, the variable-size kernels with their run-time loop bounds more than the fixed ones; the
+# table then picks the next.)
 BWD_PREFERENCE = {
     "bwd_dq": ((64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
     "bwd_dkdv": ((64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 1)),
+    "varlen_bwd_dq": ((64, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1)),
+    "varlen_bwd_dkdv": ((64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)),
 }
-BWD_PREFERENCE["varlen_bwd_dq"] = BWD_PREFERENCE["bwd_dq"]
-BWD_PREFERENCE["varlen_bwd_dkdv"] = BWD_PREFERENCE["bwd_dkdv"]
 
 
 def bwd_config(kernel, head_dim, capability=None, dtype=None):
@@ -231,8 +239,10 @@ def bwd_kernel_args(q, k, v, dout, lse, delta, grad, plan_idx, plan_cnt, kv_vali
         sib, sih, plan_idx.stride(2), plan_idx.stride(3), scb, sch, plan_cnt.stride(2), svb,
         heads, n_q, k.shape[2], dim, block_m, block_n, float(scale) * LOG2E, float(scale),
     )
+    n_k = k.shape[2]
     flags = dict(BLOCK_D=block_d, EVEN_D=dim == block_d, HAS_KV_VALID=has_kv_valid,
-                 IS_FP32=q.dtype == torch.float32, UPCAST=False)
+                 IS_FP32=q.dtype == torch.float32, UPCAST=False,
+                 BIG_OFFSETS=max(n_q * q.stride(2), n_k * k.stride(2), n_q * dim) >= 2**31 - 1)
     return args, flags
 
 
@@ -293,7 +303,8 @@ def _varlen_bwd_dq_kernel(
     stride_vvb, stride_sb, stride_sh,
     H, head_dim, n_qblocks, qk_scale, scale,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_KV_VALID: tl.constexpr,
-    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BIG_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(1)
     b64 = (pid_bh // H).to(tl.int64)
@@ -313,8 +324,8 @@ def _varlen_bwd_dq_kernel(
 
     q_off = b64 * stride_qb + h64 * stride_qh
     k_off = b64 * stride_kb + h64 * stride_kh
-    q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
-    do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
+    q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
+    do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
     l_ptr = b64 * stride_lb + h64 * stride_lh + rows
     lse = tl.load(Lse + l_ptr, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -333,8 +344,8 @@ def _varlen_bwd_dq_kernel(
             col_ok = cols < k_end
             if HAS_KV_VALID:
                 col_ok = col_ok & (tl.load(KVValid + b64 * stride_vvb + cols, mask=col_ok, other=0) != 0)
-            k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
-            v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
+            k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
+            v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -344,7 +355,7 @@ def _varlen_bwd_dq_kernel(
             else:
                 dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * scale
-    dq_ptrs = DQ + q_off + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :] * stride_qd
+    dq_ptrs = DQ + q_off + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -358,7 +369,8 @@ def _varlen_bwd_dkdv_kernel(
     stride_vvb, stride_sb, stride_sh,
     H, head_dim, n_kblocks, qk_scale, scale,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_KV_VALID: tl.constexpr,
-    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr, UPCAST: tl.constexpr, BIG_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(1)
     b64 = (pid_bh // H).to(tl.int64)
@@ -381,8 +393,8 @@ def _varlen_bwd_dkdv_kernel(
 
     q_off = b64 * stride_qb + h64 * stride_qh
     k_off = b64 * stride_kb + h64 * stride_kh
-    k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
-    v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D)
+    k = _load_rows(K + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
+    v = _load_rows(V + k_off, cols, col_ok, offs_d, d_ok, stride_kn, stride_kd, EVEN_D, BIG_OFFSETS)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -396,8 +408,8 @@ def _varlen_bwd_dkdv_kernel(
         for r0 in range(tl.load(qo_base + m), q_end, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             row_ok = rows < q_end
-            q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
-            do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D)
+            q = _load_rows(Q + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
+            do = _load_rows(DO + q_off, rows, row_ok, offs_d, d_ok, stride_qn, stride_qd, EVEN_D, BIG_OFFSETS)
             l_ptr = b64 * stride_lb + h64 * stride_lh + rows
             lse = tl.load(Lse + l_ptr, mask=row_ok, other=float("-inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -413,7 +425,7 @@ def _varlen_bwd_dkdv_kernel(
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     dk = dk * scale
-    out_ptrs = k_off + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    out_ptrs = k_off + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd
     store_ok = in_range[:, None] & d_ok[None, :]
     tl.store(DK + out_ptrs, dk.to(DK.dtype.element_ty), mask=store_ok)
     tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=store_ok)
@@ -441,8 +453,10 @@ def varlen_bwd_kernel_args(q, k, v, dout, lse, delta, grad, q_off, k_off, plan_i
         *_leading_strides(sched[0], batch, heads),
         heads, dim, plan_cnt.shape[2], float(scale) * LOG2E, float(scale),
     )
+    n_k = k.shape[2]
     flags = dict(BLOCK_D=block_d, EVEN_D=dim == block_d, HAS_KV_VALID=has_kv_valid,
-                 IS_FP32=q.dtype == torch.float32, UPCAST=False)
+                 IS_FP32=q.dtype == torch.float32, UPCAST=False,
+                 BIG_OFFSETS=max(n_q * q.stride(2), n_k * k.stride(2), n_q * dim) >= 2**31 - 1)
     return args, flags
 
 

@@ -8,7 +8,7 @@ Layers, bottom to top (docs/architecture.md draws them):
   3 patch and model adapters      patching, intercept, steps, functional, calibration.plan_file, pipelines.*
   4 libraries with entry points   compare, parallel, support, options, media.*, calibration.* (search,
                                   candidates), eval.* (bench, metrics, runner), app.*, caches,
-                                  integrations.* (vllm-omni plugins)
+                                  integrations.* (vllm-omni plugins), train.* (the LoRA recipe)
   5 command line                  cli.*, python -m fastdit.eval
 """
 import ast
@@ -28,7 +28,7 @@ LAYERS = [
     ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
      "fastdit.calibration.plan_file"),
     ("fastdit.compare", "fastdit.parallel", "fastdit.support", "fastdit.options", "fastdit.media",
-     "fastdit.calibration", "fastdit.eval", "fastdit.app", "fastdit.integrations"),
+     "fastdit.calibration", "fastdit.eval", "fastdit.app", "fastdit.integrations", "fastdit.train"),
     ("fastdit.cli", "fastdit.eval.__main__"),
 ]
 

@@ -40,7 +40,7 @@ def test_readme_first_screen_has_what_a_newcomer_needs():
     """Install, the main job, the one-line patch, the methods and what to expect, in the first 80 lines."""
     head = "\n".join((ROOT / "README.md").read_text().splitlines()[:80])
     for needed in ("pip install torch==2.13.0 && pip install -e . && fastdit compare",
-                   'pip install torch==2.13.0 && pip install -e ".[test,eval,app,cache]" && TRITON_INTERPRET=1 python -m pytest -q',
+                   'pip install torch==2.13.0 && pip install -e ".[test,eval,app,cache,train]" && TRITON_INTERPRET=1 python -m pytest -q',
                    'fastdit.patch(pipe, "sta")', "## Methods", "## What to expect", "BENCHMARKS.md"):
         assert needed in head, f"the README's first 80 lines lack {needed!r}"
 

@@ -1,0 +1,100 @@
+"""``python -m fastdit.train``: the LoRA recipe on a pipeline (fastdit's tiny ones built in), with
+an optional before / after measurement (``--eval``) and a dense-training timing (``--time-dense``).
+
+    python -m fastdit.train --tiny wan --method sta --options '{"tile": [2, 4, 4], "window": [1, 1, 1]}' \\
+        --steps 40 --out runs/lora-sta --eval --json runs/lora-sta/result.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+TINY_CALL = {"num_frames": 13, "height": 128, "width": 128, "num_inference_steps": 4, "guidance_scale": 5.0,
+             "max_sequence_length": 16}  # latent grid 4 x 8 x 8 = 256 tokens
+HELD_OUT = ("a city street at night in the rain", "a bird on a branch")
+
+
+def _pipeline(args):
+    if args.tiny:
+        from fastdit.pipelines.tiny import tiny
+
+        return tiny(args.tiny, seed=args.model_seed), dict(TINY_CALL)
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(args.model), {}
+
+
+def main(argv=None):
+    from .evaluate import dense_videos, layer_errors, video_fidelity
+    from .recipe import LoraTrainConfig, add_lora, make_samples, train_lora, train_steps
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tiny", help="one of fastdit's tiny pipelines (e.g. wan)")
+    source.add_argument("--model", help="a diffusers pipeline folder or hub id")
+    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--method", default="sta")
+    parser.add_argument("--options", default="{}", help="the method's options as JSON")
+    parser.add_argument("--call", default=None, help="pipeline call arguments as JSON (tiny: 256-token videos)")
+    parser.add_argument("--prompts", default=None, help="JSON list of distillation prompts")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--eval", action="store_true", help="PSNR / SSIM and per-layer errors before and after")
+    parser.add_argument("--time-dense", type=int, default=0, help="also time N dense LoRA training steps")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    options = {key: tuple(v) if isinstance(v, list) else v for key, v in json.loads(args.options).items()}
+    pipe, call = _pipeline(args)
+    pipe.set_progress_bar_config(disable=True)
+    if args.call:
+        call.update(json.loads(args.call))
+    config = LoraTrainConfig(method=args.method, options=options, steps=args.steps, samples=args.samples, lr=args.lr,
+                             rank=args.rank, checkpoint_every=args.checkpoint_every, call_kwargs=call,
+                             backend=args.backend, **({"prompts": tuple(json.loads(args.prompts))} if args.prompts else {}))
+    result = {"method": args.method, "options": args.options, "call": call}
+    eval_call = dict(call)
+    held = None
+    if args.eval:
+        dense = dense_videos(pipe, HELD_OUT, (100,), eval_call)
+        held = make_samples(pipe, LoraTrainConfig(prompts=HELD_OUT, seeds=(100,), samples=1, seed=100,
+                                                  call_kwargs=call))[0]
+        result["before"] = video_fidelity(pipe, dense, HELD_OUT, (100,), eval_call, args.method, options, args.backend)
+        result["before"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
+    trained = train_lora(pipe, config, args.out, resume=args.resume, progress=not args.no_progress)
+    times = trained["seconds_per_step"][1:] or trained["seconds_per_step"]
+    result.update(loss_first=trained["losses"][0], loss_last=trained["losses"][-1], steps=len(trained["losses"]),
+                  sparse_step_s=statistics.median(times) if times else None, stats=trained["stats"])
+    if args.eval:
+        result["after"] = video_fidelity(pipe, dense, HELD_OUT, (100,), eval_call, args.method, options, args.backend)
+        result["after"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
+    if args.time_dense:  # the same LoRA steps without the patch (a fresh adapter on a fresh model)
+        dense_pipe, _ = _pipeline(args)
+        dense_pipe.set_progress_bar_config(disable=True)
+        samples = make_samples(dense_pipe, config)
+        params = add_lora(dense_pipe.transformer, config)
+        _, dense_times, _ = train_steps(dense_pipe.transformer, params, samples,
+                                        LoraTrainConfig(**{**config.__dict__, "steps": args.time_dense}),
+                                        progress=not args.no_progress)
+        result["dense_step_s"] = statistics.median(dense_times[1:] or dense_times)
+    print(json.dumps({k: v for k, v in result.items() if k != "stats"}, indent=1, default=str))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""How close the sparse model is to the dense one: before and after ``train_lora``.
+
+* ``video_fidelity``: PSNR / SSIM (``fastdit.eval.metrics``) of the sparse pipeline's decoded
+  videos against the dense pipeline's (no adapter, no patch) on held-out prompts and seeds.
+* ``layer_errors``: per patched attention layer, ``||A_sparse - A_dense|| / ||A_dense||`` of the
+  attention modules' outputs in one transformer call on a held-out sample: the dense base model
+  (adapter off, no patch) against the sparse model (patched, adapter as it is).
+
+Density is the patch's ``stats.sparse_density`` of the same runs (reported beside, so that a
+gain cannot come from a denser mask).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+
+@contextlib.contextmanager
+def adapters_off(transformer):
+    """The base model: the LoRA adapter disabled inside the block (if there is one)."""
+    has = bool(getattr(transformer, "_hf_peft_config_loaded", False))
+    if has:
+        transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        if has:
+            transformer.enable_adapters()
+
+
+def _videos(pipe, prompts, seeds, call_kwargs):
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            for seed in seeds:
+                frames = pipe(prompt=prompt, **call_kwargs, output_type="np",
+                              generator=torch.Generator().manual_seed(seed)).frames[0]
+                out.append(np.asarray(frames, dtype=np.float32))
+    return out
+
+
+def dense_videos(pipe, prompts, seeds, call_kwargs):
+    with adapters_off(pipe.transformer):
+        return _videos(pipe, prompts, seeds, call_kwargs)
+
+
+def video_fidelity(pipe, dense, prompts, seeds, call_kwargs, method, options, backend="auto"):
+    """``{"psnr", "ssim", "density"}`` (means over the videos) of the patched pipeline against
+    ``dense`` (``dense_videos`` of the same prompts and seeds)."""
+    import fastdit
+    from fastdit.eval.metrics.fidelity import psnr, ssim
+
+    with fastdit.patch(pipe, method, backend=backend, **options) as p:
+        sparse = _videos(pipe, prompts, seeds, call_kwargs)
+        density = p.stats.sparse_density
+    return {"psnr": float(np.mean([psnr(a, b) for a, b in zip(sparse, dense)])),
+            "ssim": float(np.mean([ssim(a, b) for a, b in zip(sparse, dense)])), "density": density}
+
+
+def _attention_outputs(transformer, sample, names):
+    captured, hooks = {}, []
+    modules = dict(transformer.named_modules())
+    for name in names:
+        hooks.append(modules[name].register_forward_hook(
+            lambda m, a, o, name=name: captured.__setitem__(name, (o[0] if isinstance(o, tuple) else o).detach())))
+    try:
+        with torch.no_grad():
+            transformer(hidden_states=sample["hidden_states"], timestep=sample["timestep"],
+                        encoder_hidden_states=sample["encoder_hidden_states"], return_dict=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+def layer_errors(transformer, sample, method, options, backend="auto"):
+    """``{layer name: relative error}`` of each patched attention layer's output (module docstring)."""
+    import fastdit
+
+    with fastdit.patch(transformer, method, backend=backend, **options) as p:
+        names = list(p.layers)
+        sparse = _attention_outputs(transformer, sample, names)
+    with adapters_off(transformer):
+        dense = _attention_outputs(transformer, sample, names)
+    return {n: float((sparse[n].float() - dense[n].float()).norm() / dense[n].float().norm().clamp_min(1e-12))
+            for n in names}

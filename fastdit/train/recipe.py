@@ -1,0 +1,233 @@
+"""The LoRA recipe: sparse distillation of a diffusers DiT onto its sparse attention mask.
+
+Target (no data set): for prompts ``p`` and seeds ``s`` of the user's choice, the pipeline's own
+dense sample ``x0 = pipe(p, generator=s, output_type="latent")``; a training sample is
+``x_t = (1 - sigma) x0 + sigma eps`` (flow matching's interpolation, ``sigma ~ U(0, 1)``, timestep
+``1000 sigma``, fresh noise ``eps``) with the prompt's embeddings, and its target the **dense**
+transformer's output on exactly these inputs (computed once, before any adapter or patch). The
+student is the same transformer with a LoRA adapter (diffusers' PEFT path,
+``transformer.add_adapter(LoraConfig(...))``) patched with the sparse method
+(``fastdit.patch(..., trainable=True)``); the loss is ``mean((student - dense)^2)``. Only the
+adapter's weights train; the mask (or the method's selection) is a constant.
+
+Output directory: ``pytorch_lora_weights.safetensors`` (diffusers' LoRA format:
+``pipe.load_lora_weights(out)``), ``checkpoints/step-N.pt`` (adapter, optimizer, step, losses:
+``resume=True`` continues from the latest), ``losses.json`` and ``loss.png``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class LoraTrainConfig:
+    """Options of ``train_lora`` (see the module docstring).
+
+    Attributes:
+        method, options: the sparse method and its options (``fastdit.patch``).
+        prompts, seeds: the distillation prompts and the seeds of their dense samples.
+        samples: training samples drawn from them (each a sigma and a noise).
+        steps, lr, rank, alpha, target_modules: optimisation and adapter (AdamW on the LoRA
+            weights; ``alpha`` defaults to ``rank``).
+        checkpoint_every: save a checkpoint every N steps (0: at the end only).
+        call_kwargs: the pipeline call that makes the dense samples (size, steps, guidance).
+        backend: the kernel backend of the patch.
+        seed: sample order, sigmas and noises.
+    """
+
+    method: str = "sta"
+    options: dict = field(default_factory=dict)
+    prompts: tuple = ("a red fox running through snow", "waves on a beach at sunset")
+    seeds: tuple = (0, 1)
+    samples: int = 16
+    steps: int = 100
+    lr: float = 1e-3
+    rank: int = 8
+    alpha: float | None = None
+    target_modules: tuple = ("to_q", "to_k", "to_v", "to_out.0")
+    checkpoint_every: int = 0
+    call_kwargs: dict = field(default_factory=dict)
+    backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("samples", "steps", "rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
+        if not self.prompts or not self.seeds:
+            raise ValueError("prompts and seeds must not be empty")
+
+
+def _embed(pipe, prompt, call_kwargs):
+    embeds = pipe.encode_prompt(prompt, do_classifier_free_guidance=False,
+                                max_sequence_length=call_kwargs.get("max_sequence_length", 226))[0]
+    return embeds.detach()
+
+
+def make_samples(pipe, config):
+    """The training samples ``[{"hidden_states", "timestep", "encoder_hidden_states", "target"}]``,
+    targets from the dense transformer (call before adding the adapter or patching)."""
+    transformer = pipe.transformer
+    gen = torch.Generator().manual_seed(config.seed)
+    bases = []
+    with torch.no_grad():
+        for i, prompt in enumerate(config.prompts):
+            seed = config.seeds[i % len(config.seeds)]
+            x0 = pipe(prompt=prompt, **config.call_kwargs, output_type="latent",
+                      generator=torch.Generator().manual_seed(seed), return_dict=False)[0]
+            bases.append((x0.detach(), _embed(pipe, prompt, config.call_kwargs)))
+        samples = []
+        for i in range(config.samples):
+            x0, embeds = bases[i % len(bases)]
+            sigma = float(torch.rand((), generator=gen))
+            noise = torch.randn(x0.shape, generator=gen).to(x0)
+            x_t = (1 - sigma) * x0 + sigma * noise
+            timestep = torch.tensor([1000.0 * sigma], device=x0.device)
+            target = transformer(hidden_states=x_t, timestep=timestep, encoder_hidden_states=embeds,
+                                 return_dict=False)[0]
+            samples.append({"hidden_states": x_t, "timestep": timestep, "encoder_hidden_states": embeds,
+                            "target": target.detach()})
+    return samples
+
+
+def add_lora(transformer, config):
+    """Add the LoRA adapter (diffusers' PEFT path); returns its trainable parameters."""
+    try:
+        from peft import LoraConfig
+    except ImportError as error:  # pragma: no cover - the train extra installs it
+        raise ImportError("the LoRA recipe needs peft: pip install 'fastdit[train]'") from error
+    transformer.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):  # PEFT draws lora_A from the global generator: seed it
+        torch.manual_seed(config.seed)
+        transformer.add_adapter(LoraConfig(r=config.rank, lora_alpha=config.alpha or config.rank,
+                                           init_lora_weights=True, target_modules=list(config.target_modules)))
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def _order(config, epoch):
+    return torch.randperm(config.samples, generator=torch.Generator().manual_seed(config.seed * 7919 + epoch)).tolist()
+
+
+def _sample_at(config, step):
+    """The sample index of step ``step`` (a fresh permutation per pass: resume needs no state)."""
+    return _order(config, step // config.samples)[step % config.samples]
+
+
+def train_steps(transformer, params, samples, config, out=None, start=0, losses=None, optimizer=None,
+                progress=True):
+    """Run steps ``start .. config.steps - 1``; returns ``(losses, seconds per step)``."""
+    from tqdm.auto import tqdm
+
+    optimizer = optimizer or torch.optim.AdamW(params, lr=config.lr)
+    losses = list(losses or [])
+    times = []
+    bar = tqdm(range(start, config.steps), desc=f"LoRA ({config.method})", disable=not progress,
+               initial=start, total=config.steps)
+    for step in bar:
+        sample = samples[_sample_at(config, step)]
+        t0 = time.perf_counter()
+        pred = transformer(hidden_states=sample["hidden_states"], timestep=sample["timestep"],
+                           encoder_hidden_states=sample["encoder_hidden_states"], return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred.float(), sample["target"].float())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4g}")
+        done = step + 1
+        if out is not None and config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps:
+            save_checkpoint(out, transformer, optimizer, done, losses, config)
+    return losses, times, optimizer
+
+
+def save_checkpoint(out, transformer, optimizer, step, losses, config):
+    from peft.utils import get_peft_model_state_dict
+
+    folder = Path(out) / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"lora": get_peft_model_state_dict(transformer), "optimizer": optimizer.state_dict(), "step": step,
+                "losses": losses, "config": asdict(config)}, folder / f"step-{step:06d}.pt")
+
+
+def latest_checkpoint(out):
+    folder = Path(out) / "checkpoints"
+    found = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
+    return found[-1] if found else None
+
+
+def save_outputs(pipe, out, losses, times, config, extra=None):
+    """The LoRA in diffusers' format, the loss history (JSON) and its plot."""
+    from peft.utils import get_peft_model_state_dict
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    type(pipe).save_lora_weights(out, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer))
+    record = {"config": asdict(config), "losses": losses, "seconds_per_step": times, **(extra or {})}
+    (out / "losses.json").write_text(json.dumps(record, indent=1, default=str))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MSE to the dense output")
+    ax.set_yscale("log")
+    ax.set_title(f"sparse distillation ({config.method})")
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=80)
+    plt.close(fig)
+
+
+def load_lora(pipe, path):
+    """``pipe.load_lora_weights(path)``; diffusers' error for a file of another model is re-raised
+    naming the file."""
+    try:
+        pipe.load_lora_weights(path)
+    except Exception as error:  # noqa: BLE001 - surfaced with the file name
+        raise ValueError(f"cannot load the LoRA {path} into {type(pipe.transformer).__name__}: {error}") from error
+
+
+def train_lora(pipe, config, out, resume=False, progress=True):
+    """Sparse distillation of ``pipe.transformer`` (module docstring). Returns a dict with the
+    losses, seconds per step and the patch statistics; the pipeline is left with the adapter
+    and without the patch."""
+    import fastdit
+
+    out = Path(out)
+    samples = make_samples(pipe, config)
+    transformer = pipe.transformer
+    params = add_lora(transformer, config)
+    optimizer = torch.optim.AdamW(params, lr=config.lr)
+    start, losses = 0, []
+    checkpoint = latest_checkpoint(out) if resume else None
+    if checkpoint is not None:
+        from peft.utils import set_peft_model_state_dict
+
+        state = torch.load(checkpoint, weights_only=False)
+        set_peft_model_state_dict(transformer, state["lora"])
+        optimizer.load_state_dict(state["optimizer"])
+        start, losses = state["step"], state["losses"]
+    transformer.train()
+    with fastdit.patch(transformer, config.method, trainable=True, backend=config.backend, **config.options) as p:
+        losses, times, optimizer = train_steps(transformer, params, samples, config, out, start, losses, optimizer,
+                                               progress)
+        stats = p.stats.as_dict()
+    transformer.eval()
+    save_checkpoint(out, transformer, optimizer, config.steps, losses, config)
+    save_outputs(pipe, out, losses, times, config, {"stats": stats, "resumed_from": start})
+    return {"losses": losses, "seconds_per_step": times, "stats": stats, "resumed_from": start}
