@@ -466,10 +466,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             raise AlreadyPatchedError(
                 f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
             )
-    for _, transformer in transformers:
-        check_parallelism(transformer)
     config = method_cls.resolve(config, adapter)
     method_obj = method_cls(config)
+    for _, transformer in transformers:
+        check_parallelism(transformer, method_obj)
     for variant in method_obj.variants():  # per-layer settings (layer_settings) are checked like the base
         method_cls.check_family(adapter, variant.config)
     modules_per_transformer = []
