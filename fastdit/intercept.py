@@ -27,6 +27,7 @@ Diffusers has two attention styles, and each gets the route that costs ``torch.c
 from __future__ import annotations
 
 import contextvars
+import math
 import functools
 import itertools
 import weakref
@@ -301,8 +302,6 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     """One ring call on ``(B, H, L, D)`` local tensors (``L``: this ring rank's tokens): the method's
     plan over the whole sequence (dynamic methods select from the gathered q / k / v in model order,
     so exactly as in one process), then one ring step per key shard (``ring_attend``)."""
-    import math
-
     from fastdit.context import AttentionContext, transformer_call
     from fastdit.layout import TokenLayout
     from fastdit.masks import key_mask_from_attn_mask
@@ -445,6 +444,24 @@ def check_parallelism(transformer, method):
     cp = getattr(parallel, "context_parallel_config", None)
     if cp is not None and getattr(cp, "ring_degree", 1) > 1 and reason(method) is not None:
         raise ring_refusal(f"{type(transformer).__name__} has ring_degree={cp.ring_degree}", reason(method))
+
+
+def check_ring_split(transformer, grid, kwargs):
+    """Before a ring-parallel forward (``ring_degree > 1``): diffusers cuts each stream it splits into
+    ``ring_degree * ulysses_degree`` equal chunks (``EquipartitionSharder`` asserts it); say so
+    clearly, naming the stream, before any block runs."""
+    cp = getattr(getattr(transformer, "_parallel_config", None), "context_parallel_config", None)
+    if cp is None or getattr(cp, "ring_degree", 1) <= 1:
+        return
+    degree = cp.ring_degree * cp.ulysses_degree
+    split = {name for entry in getattr(transformer, "_cp_plan", {}).values() if isinstance(entry, dict) for name in entry}
+    text = kwargs.get("encoder_hidden_states") if "encoder_hidden_states" in split else None
+    streams = [("video", math.prod(grid))] + ([("text", text.shape[1])] if isinstance(text, torch.Tensor) else [])
+    for name, length in streams:
+        if length % degree:
+            raise ValueError(f"ring_degree={cp.ring_degree} x ulysses_degree={cp.ulysses_degree}: diffusers cuts every "
+                             f"sequence stream into {degree} equal chunks, and the {length} {name} tokens of this call "
+                             f"(grid {tuple(grid)}) do not divide by {degree}; choose degrees whose product divides it")
 
 
 def check_backend(backend, transformers):

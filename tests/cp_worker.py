@@ -16,7 +16,7 @@ def build(family, seed=0):
     """Tiny Wan (video only), Flux (text prefix) and Qwen-Image (text prefix with padded text: a key
     mask) with 4 heads, so Ulysses degree 2 gives 2 each."""
     torch.manual_seed(seed)
-    if family == "wan":
+    if family.startswith("wan"):
         from diffusers import WanTransformer3DModel
         return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=8,
                                      in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
@@ -41,8 +41,9 @@ def build(family, seed=0):
 def inputs(family, text=6):
     """The tiny model's inputs; ``text``: text tokens (Flux, Qwen-Image; Qwen's second half is padding)."""
     g = torch.Generator().manual_seed(1)
-    if family == "wan":  # latent 4 x 8 x 12 -> a 4 x 4 x 6 token grid
-        return dict(hidden_states=torch.randn(1, 4, 4, 8, 12, generator=g), timestep=torch.full((1,), 900.0),
+    if family.startswith("wan"):  # latent 4 x 8 x 12 -> a 4 x 4 x 6 token grid ("wan_odd": 3 x 3 x 5)
+        latent = (1, 4, 3, 6, 10) if family == "wan_odd" else (1, 4, 4, 8, 12)
+        return dict(hidden_states=torch.randn(*latent, generator=g), timestep=torch.full((1,), 900.0),
                     encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
     h, w = 6, 8
     if family == "qwen":  # the last 3 of 6 text tokens are padding: rank 1's text shard is all padding

@@ -99,8 +99,11 @@ def test_every_ring_method_equals_one_process_on_two_ranks():
     expected["wan", "sta", "local"] = run("wan", "sta", local)
     for method, patch_first in (("todo", True), ("svg2", False), ("prune", True)):
         jobs.append((("refused", method), "wan", method, method_options(method, "wan"), patch_first, True))
+    jobs.append((("odd",), "wan_odd", "sta", method_options("sta", "wan"), True, True))  # 45 tokens, 2 ranks
     results = run_parallel(jobs, world=2)
     _check(results, expected)
+    out, error = results["odd",]
+    assert out is None and "ValueError" in error and "2 equal chunks" in error and "45 video tokens" in error, error
     for method in ("todo", "svg2", "prune"):
         out, error = results["refused", method]
         assert out is None and "ring attention" in error and f"{method!r}" in error and "ulysses_degree" in error, error
