@@ -118,12 +118,7 @@ class SDPAIntercept(TorchFunctionMode):
         call = sdpa_arguments(args, kwargs)
         q, k, v = call["query"], call["key"], call["value"]
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            # The op has no backward: with gradients requested, the method runs outside it
-            # (trainable patches) or the model's own attention runs.
-            if _trainable(self.patch_id):
-                return _attention_with_grad(call, self.patch_id, self.layer)
-            _note_grad_fallback(self.patch_id, self.layer)
-            return func(*args, **kwargs)
+            return _with_grad(call, self.patch_id, self.layer)  # the op has no backward
         scale = call["scale"]
         return torch.ops.fastdit.patched_attention(
             q, k, v, call["attn_mask"], float(call["dropout_p"]), bool(call["is_causal"]),
@@ -134,29 +129,18 @@ class SDPAIntercept(TorchFunctionMode):
 GRAD_FALLBACK = "gradients requested (patch with trainable=True to run the method with gradients)"
 
 
-def _trainable(patch_id):
-    patch = _PATCHES.get(patch_id)
-    return patch is not None and patch.trainable
-
-
 @torch.compiler.disable
-def _attention_with_grad(call, patch_id, layer, head_offset=0, shards=1):
-    """A call that needs gradients on a trainable patch: the op's body without the op (custom ops
-    are opaque to autograd), so autograd records the method's torch ops and the engine's
-    differentiable kernels. Eager even under ``torch.compile`` (one graph break per call)."""
+def _with_grad(call, patch_id, layer, head_offset=0, shards=1):
+    """A call that needs gradients: on a trainable patch the op's body without the op (custom ops
+    are opaque to autograd; eager even under torch.compile, one graph break), else the model's own
+    attention, one counted fallback. Either way the call reached fastdit (``_SEEN``)."""
     _SEEN.set(_SEEN.get() + 1)
     patch = _PATCHES.get(patch_id)
-    if patch is None:
+    if patch is None or not patch.trainable:
+        if patch is not None:
+            patch.stats.count_fallback(GRAD_FALLBACK)
         return plain_sdpa(**call)
     return patch.handle_call(layer, call, lambda: plain_sdpa(**call), head_offset=head_offset, shards=shards)
-
-
-@torch.compiler.disable
-def _note_grad_fallback(patch_id, layer):
-    """A call with gradients on a patch that is not trainable: one fallback (the call reached
-    fastdit, so ``AttentionForward`` does not count it a second time as a call that went around)."""
-    _SEEN.set(_SEEN.get() + 1)
-    _note_fallback(patch_id, layer, GRAD_FALLBACK)
 
 
 @torch.compiler.disable
@@ -258,12 +242,8 @@ def _routed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     """``(B, S, H, D)`` tensors in, through the op (or the model's own attention with gradients)."""
     q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if _trainable(patch_id):
-            call = {"query": q, "key": k, "value": v, "attn_mask": attn_mask, "dropout_p": dropout_p,
-                    "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
-            return _attention_with_grad(call, patch_id, layer, head_offset, shards).permute(0, 2, 1, 3)
-        _note_grad_fallback(patch_id, layer)
-        out = plain_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        out = _with_grad(dict(zip(_SDPA_ARGS, (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))),
+                         patch_id, layer, head_offset, shards)
     else:
         out = torch.ops.fastdit.patched_attention(
             q, k, v, attn_mask, float(dropout_p), bool(is_causal), None if scale is None else float(scale),

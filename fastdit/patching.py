@@ -434,9 +434,8 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             method, model family, transformer class, layer or head count is refused, naming the
             mismatch, and so is a grid where its settings would change meaning (at the first call
             on each new grid).
-        trainable: calls that need gradients (inputs requiring grad, grad mode on) run the method
-            with gradients (the plan is a constant; ``docs/training.md``) instead of the model's own
-            attention (a counted fallback). A method that cannot is refused here (OptionError).
+        trainable: calls needing gradients run the method with them (plans are constants; docs/training.md),
+            not the model's attention (a counted fallback); a method that cannot is refused (OptionError).
 
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
