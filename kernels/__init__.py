@@ -20,7 +20,7 @@ else:
     )
     from .block_sparse_varlen import block_sparse_attention_varlen
     from . import autograd  # noqa: F401  (registers the backward of the custom ops)
-    from .autograd import transpose_plan
+    from .block_sparse_bwd_torch import transpose_plan
     from .op import (
         block_sparse_attention_op,
         block_sparse_attention_skip_op,

@@ -14,13 +14,15 @@
 
 The formulas are in ``block_sparse_bwd_torch.py``; the Triton kernels recompute the scores from
 the saved log-sum-exp (FlashAttention-2 style) and need the transposed plan (key block -> the
-query blocks that list it), built here on the device (``transpose_plan``; no host sync).
+query blocks that list it), built on the device (``transpose_plan`` of ``block_sparse_bwd_torch.py``;
+no host sync).
 """
 from __future__ import annotations
 
 import torch
 
-from .block_sparse_bwd_torch import block_sparse_attention_backward_torch, block_sparse_attention_varlen_backward_torch
+from .block_sparse_bwd_torch import (block_sparse_attention_backward_torch, block_sparse_attention_varlen_backward_torch,
+                                     transpose_plan)
 from .op import _BACKENDS, _triton_available, block_sparse_attention_op, block_sparse_attention_varlen_op
 
 
@@ -30,32 +32,6 @@ def _resolve(backend, device):
     if backend == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
     return backend
-
-
-def transpose_plan(kv_indices, kv_counts, n_kblocks):
-    """``(q_indices, q_counts)`` of a plan ``(B|1, H|1, Mq, W)``: for each key block ``j``, the query
-    blocks that list it, ascending: ``q_indices`` int32 ``(B|1, H|1, Mk, Mq)`` (the first
-    ``q_counts[..., j]`` entries used; the width ``Mq`` bounds any count because a row lists a
-    block at most once) and ``q_counts`` int32 ``(B|1, H|1, Mk)``. Torch ops on the plan's device,
-    no host sync: each used slot becomes the sort key ``j * Mq + m``, unused slots sort last."""
-    pb, ph, n_qblocks, width = kv_indices.shape
-    device = kv_indices.device
-    used = torch.arange(width, device=device) < kv_counts.long().unsqueeze(-1)              # (P.., Mq, W)
-    block = torch.where(used, kv_indices.long(), torch.full_like(kv_indices, n_kblocks, dtype=torch.long))
-    rows = torch.arange(n_qblocks, device=device).view(n_qblocks, 1)
-    key = (block * n_qblocks + rows).reshape(pb * ph, n_qblocks * width)
-    key, _ = torch.sort(key, dim=-1)
-    block_sorted, query_sorted = key // n_qblocks, key % n_qblocks
-    counts = torch.zeros(pb * ph, n_kblocks + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(1, block_sorted, torch.ones_like(block_sorted))
-    starts = torch.cumsum(counts, dim=-1) - counts
-    position = torch.arange(key.shape[-1], device=device) - starts.gather(1, block_sorted)
-    # unused slots (block n_kblocks) all land in one spare column past the table, dropped after
-    target = torch.where(block_sorted < n_kblocks, block_sorted * n_qblocks + position, n_kblocks * n_qblocks)
-    q_indices = torch.zeros(pb * ph, n_kblocks * n_qblocks + 1, dtype=torch.int32, device=device)
-    q_indices.scatter_(1, target, query_sorted.to(torch.int32))
-    q_indices = q_indices[:, :-1].reshape(pb, ph, n_kblocks, n_qblocks).contiguous()
-    return q_indices, counts[:, :n_kblocks].to(torch.int32).view(pb, ph, n_kblocks).contiguous()
 
 
 @torch.library.custom_op(

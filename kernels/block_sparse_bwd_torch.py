@@ -143,3 +143,29 @@ def block_sparse_attention_varlen_backward_torch(dout, dlse, q, k, v, out, lse, 
         dv.index_add_(0, cols, dvalues.reshape(-1, dim))
     return (dq.view(batch, heads, n_q, dim).to(q.dtype), dk.view(batch, heads, n_k, dim).to(k.dtype),
             dv.view(batch, heads, n_k, dim).to(v.dtype))
+
+
+def transpose_plan(kv_indices, kv_counts, n_kblocks):
+    """``(q_indices, q_counts)`` of a plan ``(B|1, H|1, Mq, W)``: for each key block ``j``, the query
+    blocks that list it, ascending: ``q_indices`` int32 ``(B|1, H|1, Mk, Mq)`` (the first
+    ``q_counts[..., j]`` entries used; the width ``Mq`` bounds any count because a row lists a
+    block at most once) and ``q_counts`` int32 ``(B|1, H|1, Mk)``. Torch ops on the plan's device,
+    no host sync: each used slot becomes the sort key ``j * Mq + m``, unused slots sort last."""
+    pb, ph, n_qblocks, width = kv_indices.shape
+    device = kv_indices.device
+    used = torch.arange(width, device=device) < kv_counts.long().unsqueeze(-1)              # (P.., Mq, W)
+    block = torch.where(used, kv_indices.long(), torch.full_like(kv_indices, n_kblocks, dtype=torch.long))
+    rows = torch.arange(n_qblocks, device=device).view(n_qblocks, 1)
+    key = (block * n_qblocks + rows).reshape(pb * ph, n_qblocks * width)
+    key, _ = torch.sort(key, dim=-1)
+    block_sorted, query_sorted = key // n_qblocks, key % n_qblocks
+    counts = torch.zeros(pb * ph, n_kblocks + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, block_sorted, torch.ones_like(block_sorted))
+    starts = torch.cumsum(counts, dim=-1) - counts
+    position = torch.arange(key.shape[-1], device=device) - starts.gather(1, block_sorted)
+    # unused slots (block n_kblocks) all land in one spare column past the table, dropped after
+    target = torch.where(block_sorted < n_kblocks, block_sorted * n_qblocks + position, n_kblocks * n_qblocks)
+    q_indices = torch.zeros(pb * ph, n_kblocks * n_qblocks + 1, dtype=torch.int32, device=device)
+    q_indices.scatter_(1, target, query_sorted.to(torch.int32))
+    q_indices = q_indices[:, :-1].reshape(pb, ph, n_kblocks, n_qblocks).contiguous()
+    return q_indices, counts[:, :n_kblocks].to(torch.int32).view(pb, ph, n_kblocks).contiguous()

@@ -8,7 +8,7 @@ program writes (no atomics, deterministic):
   key blocks its query block lists: recompute ``P`` from the saved log-sum-exp, ``dP = dout V^T``,
   ``dq += dS K``.
 * ``_bwd_dkdv_kernel``: one program per (key sub-tile, batch*head), walking the query blocks that
-  list its key block (the *transposed plan*, ``autograd.transpose_plan``, built on the device once
+  list its key block (the *transposed plan*, ``transpose_plan``, built on the device once
   per call): ``dv += P^T dout``, ``dk += dS^T Q``. Keys no query block lists get 0.
 
 Scores are float32 in the log2 domain (``log2(e)`` folded into the scale) as in the forward; a
@@ -16,7 +16,7 @@ row without a key (``lse = -inf``) uses ``+inf`` as its shift, so its ``P`` is e
 NaN appears; masked keys (past ``Nk``, outside the plan block, ``kv_valid`` False) get ``P = 0``.
 ``UPCAST`` (interpreter only) computes bfloat16 dots in float32, as in the forward.
 
-Launch tiles: ``bwd_config`` (the offline compile table: a tile that spills on the target is not
+Launch tiles: ``triton_tuning.bwd_config`` (the offline compile table: a tile that spills on the target is not
 used); the interpreter runs 16 x 16 tiles.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_triton import LOG2E, _broadcast_strides, _interpreter_enabled
-from .triton_tuning import _next_pow2, dtype_name, table_verdict
+from .triton_tuning import BWD_PREFERENCE, _next_pow2, bwd_config, dtype_name  # noqa: F401  (offline check)
 
 
 @triton.jit
@@ -191,33 +191,6 @@ def _bwd_dkdv_kernel(
 
 
 # Launch tiles per kernel, best first; the first the offline table does not mark unclean is used.
-# (offline compiles, Triton 3.9: 64 x 64 tiles spill on sm_80 / sm_89 in some (kernel, head dim)
-# pairs, the variable-size kernels with their run-time loop bounds more than the fixed ones; the
-# table then picks the next.)
-BWD_PREFERENCE = {
-    "bwd_dq": ((64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
-    "bwd_dkdv": ((64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 1)),
-    "varlen_bwd_dq": ((64, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1)),
-    "varlen_bwd_dkdv": ((64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)),
-}
-
-
-def bwd_config(kernel, head_dim, capability=None, dtype=None):
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` (``bwd_dq`` / ``bwd_dkdv``): the
-    first of ``BWD_PREFERENCE`` the offline table does not record as spilling (or over the shared
-    memory) on ``capability`` for ``dtype`` and the padded head dim; head dims over 128 take the
-    smallest tile."""
-    prefs = BWD_PREFERENCE[kernel]
-    if head_dim > 128:
-        prefs = prefs[-1:]
-    if capability is None or dtype is None:
-        return prefs[0]
-    for cfg in prefs:
-        if table_verdict(kernel, capability, dtype, head_dim, cfg) is not False:
-            return cfg
-    return prefs[-1]
-
-
 def bwd_kernel_args(q, k, v, dout, lse, delta, grad, plan_idx, plan_cnt, kv_valid, block_m, block_n, scale):
     """``(args, flags)`` shared by both kernels (``grad``: ``(dq,)`` or ``(dk, dv)``; the plan is
     the forward plan for dQ, the transposed one for dK / dV). The offline check builds its launch
@@ -250,7 +223,7 @@ def block_sparse_attention_backward_triton(dout, dlse, q, k, v, out, lse, kv_ind
                                            scale, kv_valid):
     """``(dq, dk, dv)`` (contiguous, the inputs' dtype) by the two kernels; inputs as the forward
     got them (validated plan)."""
-    from .autograd import transpose_plan
+    from .block_sparse_bwd_torch import transpose_plan
 
     batch, heads, n_q, dim = q.shape
     n_k = k.shape[2]
@@ -463,7 +436,7 @@ def varlen_bwd_kernel_args(q, k, v, dout, lse, delta, grad, q_off, k_off, plan_i
 def block_sparse_attention_varlen_backward_triton(dout, dlse, q, k, v, out, lse, q_offsets, k_offsets, kv_indices,
                                                   kv_counts, scale, kv_valid):
     """``(dq, dk, dv)`` of the variable-size engine by the two varlen kernels."""
-    from .autograd import transpose_plan
+    from .block_sparse_bwd_torch import transpose_plan
     from .block_sparse_varlen_triton import row_tile_schedule
 
     batch, heads, n_q, dim = q.shape

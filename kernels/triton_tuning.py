@@ -227,3 +227,34 @@ def prune_for_target(configs, block_m, block_n, block_d, elt, smem, capability=N
         bm, bn = min(64, cap_m), min(32, cap_n)
         kept = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=2)]
     return kept
+
+
+# --------------------------------------------------------------------------------------------------
+# The backward kernels' launch tiles (block_sparse_bwd_triton.py)
+# --------------------------------------------------------------------------------------------------
+
+# (offline compiles, Triton 3.9: 64 x 64 tiles spill on sm_80 / sm_89 in some (kernel, head dim)
+# pairs, the variable-size kernels with their run-time loop bounds more than the fixed ones; the
+# table then picks the next.)
+BWD_PREFERENCE = {
+    "bwd_dq": ((64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
+    "bwd_dkdv": ((64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 1)),
+    "varlen_bwd_dq": ((64, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1)),
+    "varlen_bwd_dkdv": ((64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)),
+}
+
+
+def bwd_config(kernel, head_dim, capability=None, dtype=None):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` (``bwd_dq`` / ``bwd_dkdv``): the
+    first of ``BWD_PREFERENCE`` the offline table does not record as spilling (or over the shared
+    memory) on ``capability`` for ``dtype`` and the padded head dim; head dims over 128 take the
+    smallest tile."""
+    prefs = BWD_PREFERENCE[kernel]
+    if head_dim > 128:
+        prefs = prefs[-1:]
+    if capability is None or dtype is None:
+        return prefs[0]
+    for cfg in prefs:
+        if table_verdict(kernel, capability, dtype, head_dim, cfg) is not False:
+            return cfg
+    return prefs[-1]
