@@ -222,8 +222,9 @@ def block_sparse_attention(
         cnt = torch.full((1, 1, n_blocks), n_blocks, dtype=torch.int32)
         out, lse = block_sparse_attention(q, k, v, idx, cnt)   # == dense attention
 
-    The computation is the custom op ``torch.ops.fastdit.block_sparse_attention`` (no autograd
-    formula: inference only).
+    The computation is the custom op ``torch.ops.fastdit.block_sparse_attention``, differentiable
+    in q, k, v (``autograd.py``: FlashAttention-2-style backward on both backends; the plan is a
+    constant). With ``skip_threshold`` set there is no gradient.
     """
     _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid)
     skip_threshold, skip_tile = check_skip_options(skip_threshold, skip_tile)

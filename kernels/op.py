@@ -7,7 +7,8 @@
   inputs that wrapper would accept; a bad plan here is undefined behaviour (wrong values, or a
   crash on the Triton backend). Returns ``(out, lse)``: ``out`` contiguous ``(B, H, N, D)`` in q's
   dtype, ``lse`` contiguous float32 ``(B, H, N)`` (the fake implementation says the same, so
-  compiled graphs get the real strides). No autograd formula is registered (inference only).
+  compiled graphs get the real strides). Differentiable in q, k, v: ``autograd.py`` registers the
+  backward (``fastdit::block_sparse_attention_backward``).
 * ``fastdit::block_sparse_attention_skip`` (``block_sparse_attention_skip_op``): the same with the
   skip rule (``skip_threshold`` in natural-log units, the rule's sub-tile sizes ``skip_m`` x
   ``skip_n``); returns ``(out, lse, skipped)``, ``skipped`` int32 ``(B, H)``. A separate op, so
@@ -15,6 +16,7 @@
 * ``fastdit::block_sparse_attention_varlen`` (``block_sparse_attention_varlen_op``): the same
   with variable-size blocks given by offsets (``block_sparse_varlen.py``); returns ``(out, lse)``.
   ``fastdit::check_varlen_plan`` (``check_varlen_plan``) is its plan check, built like the next one.
+  Differentiable like the fixed-size op (``autograd.py``); the skip op is not.
 * ``fastdit::check_block_plan`` (``check_block_plan``): ``validate_plan`` as an op; raises
   ``ValueError`` naming the first bad entry, else returns a copy of ``kv_counts`` that the wrapper
   feeds to the attention op. The data dependency keeps the check in compiled graphs (an op whose

@@ -7,8 +7,8 @@ latents and timesteps; ``load_lora(pipe, out)`` loads the result (diffusers' LoR
 Command line: ``python -m fastdit.train --help``. Needs ``peft`` (``pip install 'fastdit[train]'``).
 The gradients come from ``fastdit.patch(..., trainable=True)``; see docs/training.md.
 """
-from .evaluate import dense_videos, layer_errors, video_fidelity
+from .evaluate import dense_videos, layer_errors, output_error, video_fidelity
 from .recipe import LoraTrainConfig, add_lora, load_lora, make_samples, train_lora
 
-__all__ = ["LoraTrainConfig", "add_lora", "dense_videos", "layer_errors", "load_lora", "make_samples", "train_lora",
-           "video_fidelity"]
+__all__ = ["LoraTrainConfig", "add_lora", "dense_videos", "layer_errors", "load_lora", "make_samples", "output_error",
+           "train_lora", "video_fidelity"]

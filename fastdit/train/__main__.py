@@ -30,7 +30,7 @@ def _pipeline(args):
 
 
 def main(argv=None):
-    from .evaluate import dense_videos, layer_errors, video_fidelity
+    from .evaluate import dense_videos, layer_errors, output_error, video_fidelity
     from .recipe import LoraTrainConfig, add_lora, make_samples, train_lora, train_steps
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -69,10 +69,12 @@ def main(argv=None):
     held = None
     if args.eval:
         dense = dense_videos(pipe, HELD_OUT, (100,), eval_call)
-        held = make_samples(pipe, LoraTrainConfig(prompts=HELD_OUT, seeds=(100,), samples=1, seed=100,
-                                                  call_kwargs=call))[0]
+        held_all = make_samples(pipe, LoraTrainConfig(prompts=HELD_OUT, seeds=(100, 101), samples=8, seed=100,
+                                                      call_kwargs=call))
+        held = held_all[0]
         result["before"] = video_fidelity(pipe, dense, HELD_OUT, (100,), eval_call, args.method, options, args.backend)
         result["before"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
+        result["before"]["output_error"] = output_error(pipe.transformer, held_all, args.method, options, args.backend)
     trained = train_lora(pipe, config, args.out, resume=args.resume, progress=not args.no_progress)
     times = trained["seconds_per_step"][1:] or trained["seconds_per_step"]
     result.update(loss_first=trained["losses"][0], loss_last=trained["losses"][-1], steps=len(trained["losses"]),
@@ -80,6 +82,7 @@ def main(argv=None):
     if args.eval:
         result["after"] = video_fidelity(pipe, dense, HELD_OUT, (100,), eval_call, args.method, options, args.backend)
         result["after"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
+        result["after"]["output_error"] = output_error(pipe.transformer, held_all, args.method, options, args.backend)
     if args.time_dense:  # the same LoRA steps without the patch (a fresh adapter on a fresh model)
         dense_pipe, _ = _pipeline(args)
         dense_pipe.set_progress_bar_config(disable=True)

@@ -6,6 +6,10 @@
   attention modules' outputs in one transformer call on a held-out sample: the dense base model
   (adapter off, no patch) against the sparse model (patched, adapter as it is).
 
+* ``output_error``: ``mean ||F_sparse - F_dense||^2 / mean ||F_dense||^2`` of the transformer's
+  output (the distillation objective, relative) on held-out samples (``make_samples`` of other
+  prompts and seeds).
+
 Density is the patch's ``stats.sparse_density`` of the same runs (reported beside, so that a
 gain cannot come from a denser mask).
 """
@@ -86,3 +90,18 @@ def layer_errors(transformer, sample, method, options, backend="auto"):
         dense = _attention_outputs(transformer, sample, names)
     return {n: float((sparse[n].float() - dense[n].float()).norm() / dense[n].float().norm().clamp_min(1e-12))
             for n in names}
+
+
+def output_error(transformer, samples, method, options, backend="auto"):
+    """Relative squared error of the patched transformer's output against the dense targets of
+    ``samples`` (module docstring)."""
+    import fastdit
+
+    err = ref = 0.0
+    with fastdit.patch(transformer, method, backend=backend, **options), torch.no_grad():
+        for s in samples:
+            pred = transformer(hidden_states=s["hidden_states"], timestep=s["timestep"],
+                               encoder_hidden_states=s["encoder_hidden_states"], return_dict=False)[0]
+            err += float((pred.float() - s["target"].float()).square().mean())
+            ref += float(s["target"].float().square().mean())
+    return err / max(ref, 1e-30)

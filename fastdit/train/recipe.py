@@ -3,7 +3,8 @@
 Target (no data set): for prompts ``p`` and seeds ``s`` of the user's choice, the pipeline's own
 dense sample ``x0 = pipe(p, generator=s, output_type="latent")``; a training sample is
 ``x_t = (1 - sigma) x0 + sigma eps`` (flow matching's interpolation, ``sigma ~ U(0, 1)``, timestep
-``1000 sigma``, fresh noise ``eps``) with the prompt's embeddings, and its target the **dense**
+``1000 sigma``, fresh noise ``eps``) with the prompt's embeddings (or, for a share of the samples,
+the empty prompt's: classifier-free guidance's unconditional branch), and its target the **dense**
 transformer's output on exactly these inputs (computed once, before any adapter or patch). The
 student is the same transformer with a LoRA adapter (diffusers' PEFT path,
 ``transformer.add_adapter(LoraConfig(...))``) patched with the sparse method
@@ -38,7 +39,9 @@ class LoraTrainConfig:
         checkpoint_every: save a checkpoint every N steps (0: at the end only).
         call_kwargs: the pipeline call that makes the dense samples (size, steps, guidance).
         backend: the kernel backend of the patch.
-        seed: sample order, sigmas and noises.
+        seed: sample order, sigmas, noises and the adapter's initialisation.
+        negative_share: the share of samples conditioned on the empty prompt (what the
+            unconditional branch of classifier-free guidance sees), 0 to 1.
     """
 
     method: str = "sta"
@@ -55,6 +58,7 @@ class LoraTrainConfig:
     call_kwargs: dict = field(default_factory=dict)
     backend: str = "auto"
     seed: int = 0
+    negative_share: float = 0.5
 
     def __post_init__(self):
         for name in ("samples", "steps", "rank"):
@@ -66,6 +70,8 @@ class LoraTrainConfig:
             raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
+        if not (isinstance(self.negative_share, (int, float)) and 0 <= self.negative_share <= 1):
+            raise ValueError(f"negative_share must be a number in [0, 1], got {self.negative_share!r}")
         if not self.prompts or not self.seeds:
             raise ValueError("prompts and seeds must not be empty")
 
@@ -83,6 +89,7 @@ def make_samples(pipe, config):
     gen = torch.Generator().manual_seed(config.seed)
     bases = []
     with torch.no_grad():
+        negative = _embed(pipe, "", config.call_kwargs) if config.negative_share else None
         for i, prompt in enumerate(config.prompts):
             seed = config.seeds[i % len(config.seeds)]
             x0 = pipe(prompt=prompt, **config.call_kwargs, output_type="latent",
@@ -91,6 +98,8 @@ def make_samples(pipe, config):
         samples = []
         for i in range(config.samples):
             x0, embeds = bases[i % len(bases)]
+            if negative is not None and float(torch.rand((), generator=gen)) < config.negative_share:
+                embeds = negative  # the unconditional branch of classifier-free guidance
             sigma = float(torch.rand((), generator=gen))
             noise = torch.randn(x0.shape, generator=gen).to(x0)
             x_t = (1 - sigma) * x0 + sigma * noise
