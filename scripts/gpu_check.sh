@@ -23,6 +23,10 @@
 #            (a dense forward is ~12 PFLOP: the eager rows fit the cap, the compiled ones, three
 #            whole-model compiles of 60 blocks, do not and are skipped by the budget; run them
 #            with: GPU_CHECK_PARTS=hunyuan T_HY=580 TRANSFORMER_ARGS="--modes compiled" bash ...)
+#   backward (opt-in: GPU_CHECK_PARTS=backward) forward + backward of the engine (Triton) against
+#            dense SDPA's at 8k and 32k tokens, density 1/8, with the ideal 1 / density and peak
+#            memory (python -m fastdit.eval.bench.backward; BACKWARD_ARGS=--lora adds a tiny LoRA
+#            step, which needs diffusers and peft)                                   (T_BACKWARD=90 s)
 #   predict  last: every measured time of the parts above beside the cost model's prediction for this
 #            GPU (python -m fastdit.eval.predict --compare; fastdit/costmodel.py)   (T_PREDICT=15 s)
 #
@@ -65,6 +69,8 @@ T_PREDICT="${T_PREDICT:-15}"
 T_KERNEL="${T_KERNEL:-120}"
 T_PATCHED="${T_PATCHED:-60}"
 T_VARLEN="${T_VARLEN:-40}"
+T_BACKWARD="${T_BACKWARD:-90}"
+BACKWARD_ARGS="${BACKWARD_ARGS:-}"
 T_METHODS="${T_METHODS:-60}"
 T_WAN="${T_WAN:-130}"
 T_HY="${T_HY:-105}"
@@ -190,6 +196,10 @@ fi
 if want varlen; then
     part varlen "$T_VARLEN" "$PY" -m fastdit.eval.bench.varlen --check --out "$OUT_DIR/varlen_$STAMP.json" \
         $VARLEN_ARGS
+fi
+if want backward; then
+    part backward "$T_BACKWARD" "$PY" -m fastdit.eval.bench.backward --device cuda --tokens 8192 32768 --runs 5 \
+        --json "$OUT_DIR/backward_$STAMP.json" $BACKWARD_ARGS
 fi
 if want methods; then
     part methods "$T_METHODS" "$PY" -m fastdit.eval.bench.attention --path methods \
