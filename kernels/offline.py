@@ -19,6 +19,9 @@ What is compiled. Kernels (every ``@triton.jit`` kernel of ``kernels/``; ``KERNE
   return for head dims <= 128 (BLOCK_M 128 with 8 warps or 64 with 4, BLOCK_N 64 / 32 / 16, 2
   stages). Its scheduler (``row_tile_schedule``) is torch ops, not a Triton kernel: nothing to
   compile.
+* ``bwd_dq``, ``bwd_dkdv``, ``varlen_bwd_dq``, ``varlen_bwd_dkdv``: the backward kernels
+  (``block_sparse_bwd_triton.py``), each candidate of ``triton_tuning.BWD_PREFERENCE`` (the
+  launcher runs the first one the table records as clean on the target: ``bwd_config``).
 
 Targets ``TARGETS``: sm_80 (A100, 163 KiB of shared memory a block), sm_86 (RTX 30xx / A40,
 99 KiB), sm_89 (RTX 40xx / L40, 99 KiB), sm_90 (H100 / H200, 227 KiB), sm_100 (B200, 227 KiB),
