@@ -25,7 +25,7 @@
 #            with: GPU_CHECK_PARTS=hunyuan T_HY=580 TRANSFORMER_ARGS="--modes compiled" bash ...)
 #   backward (opt-in: GPU_CHECK_PARTS=backward) forward + backward of the engine (Triton) against
 #            dense SDPA's at 8k and 32k tokens, density 1/8, with the ideal 1 / density and peak
-#            memory (python -m fastdit.eval.bench.backward; BACKWARD_ARGS=--lora adds a tiny LoRA
+#            memory (python scripts/bench_backward.py; BACKWARD_ARGS=--lora adds a tiny LoRA
 #            step, which needs diffusers and peft)                                   (T_BACKWARD=90 s)
 #   predict  last: every measured time of the parts above beside the cost model's prediction for this
 #            GPU (python -m fastdit.eval.predict --compare; fastdit/costmodel.py)   (T_PREDICT=15 s)
@@ -198,7 +198,7 @@ if want varlen; then
         $VARLEN_ARGS
 fi
 if want backward; then
-    part backward "$T_BACKWARD" "$PY" -m fastdit.eval.bench.backward --device cuda --tokens 8192 32768 --runs 5 \
+    part backward "$T_BACKWARD" "$PY" "$REPO/scripts/bench_backward.py" --device cuda --tokens 8192 32768 --runs 5 \
         --json "$OUT_DIR/backward_$STAMP.json" $BACKWARD_ARGS
 fi
 if want methods; then

@@ -1,7 +1,7 @@
 """Forward + backward of the block-sparse engine against dense SDPA's, and a tiny LoRA step's memory.
 
-    python -m fastdit.eval.bench.backward --tokens 8192 --runs 2          # CPU, short
-    python -m fastdit.eval.bench.backward --tokens 8192 32768 --device cuda --json out.json
+    python scripts/bench_backward.py --tokens 8192 --runs 2          # CPU, short
+    python scripts/bench_backward.py --tokens 8192 32768 --device cuda --json out.json
 
 Per sequence length ``N``: q, k, v ``(1, H, N, D)`` requiring grad, a plan of 128 x 128 blocks in
 which every query block keeps its diagonal block and ``round(density * blocks) - 1`` others drawn
