@@ -223,6 +223,7 @@ def evaluate(inputs, reference, name, options, threshold, backend="torch", state
            "density": info["density"], "head_density": head_density,
            "kept": sum(info["kept_mass"]) / heads, "head_kept": info["kept_mass"],
            "predicted": float(plan.info["predicted_mass"].double().mean()),
+           "head_predicted": plan.info["predicted_mass"].double().mean(0).tolist(),
            "error": video_error(out[0].double(), reference.ref, reference.rows)}
     row["oracle"], row["oracle_density"] = reference.oracle(head_density)
     row["ratio"] = row["error"] / max(row["oracle"], 1e-12)
