@@ -60,6 +60,12 @@ def test_rowwise_averages_every_row_of_a_block():
     q[0, 0, 6:, 1] = 40.0
     got = rowwise_block_masses(q, k, None, block, 1, block, 2, 1.0)[0, 0, 0]
     torch.testing.assert_close(got, torch.tensor([0.75, 0.25]), atol=1e-6, rtol=0)
+    mean, most = rowwise_block_masses(q, k, None, block, 1, block, 2, 1.0, row_max=True)
+    torch.testing.assert_close(mean[0, 0, 0], got)
+    torch.testing.assert_close(most[0, 0, 0], torch.tensor([1.0, 1.0]), atol=1e-6, rtol=0)  # some row needs each
+    labels = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])[None, None]  # an index of query blocks: rows 6, 7 in block 1
+    _, most = rowwise_block_masses(q, k, None, labels, 2, block, 2, 1.0, row_max=True)
+    torch.testing.assert_close(most[0, 0], torch.tensor([[1.0, 0.0], [1.0, 1.0]]), atol=1e-6, rtol=0)
 
 
 #: Small sizes (4x8x16 = 512 tokens): sparge on 2x4x4 tiles (16 blocks); svg2 with query clusters
