@@ -27,6 +27,7 @@ Diffusers has two attention styles, and each gets the route that costs ``torch.c
 from __future__ import annotations
 
 import contextvars
+import math
 import functools
 import itertools
 import weakref
@@ -216,13 +217,9 @@ def _backend_registry():
     return AttentionBackendName, _AttentionBackendRegistry
 
 
-def ring_refusal(where):
-    """The error for ring attention (fastdit runs under Ulysses context parallelism only)."""
-    return ValueError(
-        f"fastdit does not run under ring attention ({where}): a ring step holds one shard of the keys, and "
-        "fastdit's block plans span the whole key range. Use Ulysses context parallelism instead: "
-        "ContextParallelConfig(ulysses_degree=N) (every fastdit method runs there, exactly as in one process)."
-    )
+def ring_refusal(where, reason):
+    """The error for a method that does not run under ring attention (``reason`` says why)."""
+    return ValueError(f"fastdit under ring attention ({where}): {reason}")
 
 
 def _routed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, patch_id, layer, head_offset=0,
@@ -250,7 +247,7 @@ def _ulysses_attention(patch_id, layer, query, key, value, attn_mask, dropout_p,
 
     cp = parallel_config.context_parallel_config
     if cp.ring_degree > 1:
-        raise ring_refusal(f"ring_degree={cp.ring_degree}")
+        return _ring_attention(patch_id, layer, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cp)
     if getattr(cp, "ulysses_anything", False):
         raise ValueError("fastdit runs under Ulysses context parallelism with heads that divide evenly "
                          "(ulysses_anything=False); ulysses_anything=True is not supported")
@@ -269,6 +266,111 @@ def _ulysses_attention(patch_id, layer, query, key, value, attn_mask, dropout_p,
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
         forward_op=forward_op, backward_op=_native_attention_backward_op, _parallel_config=parallel_config,
     )
+
+
+def _gather(tensor, group, dim):
+    """Every rank's ``tensor`` of ``group``, joined along ``dim`` in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def _ring_attention(patch_id, layer, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cp):
+    """Ring attention (``ring_degree > 1``), after diffusers' Ulysses all-to-all when
+    ``ulysses_degree > 1`` too (USP, as ``_templated_unified_attention``): fastdit's own ring
+    (``fastdit.methods.parallel.ring``) over the rank's heads, ``(B, S, H, D)`` in and out."""
+    from diffusers.models.attention_dispatch import SeqAllToAllDim
+
+    patch = _PATCHES.get(patch_id)
+    if patch is None or dropout_p or is_causal or enable_gqa:
+        raise ValueError("fastdit under ring attention runs the patched layers' own calls (no dropout, causal or GQA)")
+    local_len, ulysses = query.shape[1], cp.ulysses_degree
+    if ulysses > 1:
+        if query.shape[2] % ulysses:
+            raise ValueError(f"Ulysses degree {ulysses} does not divide the {query.shape[2]} attention heads")
+        group = cp._ulysses_mesh.get_group()
+        query, key, value = (SeqAllToAllDim.apply(group, x, 2, 1) for x in (query, key, value))
+    if attn_mask is not None and attn_mask.shape[-1] == local_len:  # each rank's mask covers its own keys
+        attn_mask = _gather(attn_mask, cp._flattened_mesh.get_group(), -1)
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    out = _ring_call(patch, layer, q, k, v, attn_mask, scale, cp._ulysses_local_rank * q.shape[1], cp)
+    out = out.permute(0, 2, 1, 3)
+    return SeqAllToAllDim.apply(group, out, 1, 2) if ulysses > 1 else out
+
+
+def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
+    """One ring call on ``(B, H, L, D)`` local tensors (``L``: this ring rank's tokens): the method's
+    plan over the whole sequence (dynamic methods select from the gathered q / k / v in model order,
+    so exactly as in one process), then one ring step per key shard (``ring_attend``)."""
+    from fastdit.context import AttentionContext, transformer_call
+    from fastdit.layout import TokenLayout
+    from fastdit.masks import key_mask_from_attn_mask
+    from fastdit.methods.base import Method
+    from fastdit.methods.parallel import ring_attend, ring_refusal as refusal, ring_shards
+
+    _SEEN.set(_SEEN.get() + 1)  # reached fastdit (not through the op: the ring's collectives run here)
+    ring, rank, ulysses = cp.ring_degree, cp._ring_local_rank, cp.ulysses_degree
+    where = f"ring_degree={ring}, ulysses_degree={ulysses}"
+    if refusal(patch._method) is not None:
+        raise ring_refusal(where, refusal(patch._method))
+    batch, heads, local, _ = q.shape
+    seq = local * ring
+    spec = patch._layers[layer]
+    transformer = spec.transformer()
+    info = None if transformer is None else transformer_call(transformer)
+    if info is None or info.grid is None:
+        raise ValueError(f"fastdit under ring attention ({where}) needs the call's token grid, and this call has none")
+    text_len = seq - math.prod(info.grid)
+    layout = TokenLayout(info.grid, text_len, patch.adapter.text_position if text_len else "none")
+    shards = ring_shards(layout, ring, ulysses)
+    if shards is None:
+        raise ValueError(f"{where}: diffusers cuts each stream into ring_degree x ulysses_degree = {ring * ulysses} equal "
+                         f"chunks, which {layout.describe()} does not allow (each stream's length must divide by "
+                         f"{ring * ulysses})")
+    key_mask, query_mask, ok = key_mask_from_attn_mask(attn_mask, batch, seq, seq)
+    if not ok or query_mask is not None:
+        raise ValueError(f"fastdit under ring attention ({where}) takes a key mask (B, 1, 1, S) only")
+    group = cp._ring_mesh.get_group()
+    k_all, v_all = _gather(k, group, 2), _gather(v, group, 2)  # call order: ring rank 0's tokens, then 1's, ...
+    shard, position = (t.to(q.device) for t in shards)
+    order = shard * local + position  # call position of each model-order token
+
+    def dense():
+        return plain_sdpa(q, k_all, v_all, None if key_mask is None else key_mask[:, None, None, :], scale=scale)
+
+    ctx = AttentionContext(
+        layer=layer, layer_name=patch.layers[layer], step=info.call.step, num_steps=info.call.num_steps,
+        branch=info.branch, layout=layout, call=info.call, local_layer=spec.local_index,
+        key_mask=None if key_mask is None else key_mask.index_select(1, order), head_offset=head_offset,
+        num_heads=heads, total_heads=heads * ulysses, scale=scale, cfg=info.cfg,
+        state=info.call.layer_state(layer, info.branch), backend=patch.backend, dense_fn=dense)
+    method = patch._method
+    variant = None if method.is_dense_call(ctx) else method.layer_method(ctx.step, ctx.layer)[1]
+    plan = None
+    if variant is not None and type(variant).select is Method.select:  # a static plan
+        plan = variant.select(ctx, q, k)
+    elif variant is not None:  # a dynamic selection: from the whole sequence, in model order
+        q_all, k_model = (t.index_select(2, order) for t in (_gather(q, group, 2), k_all))
+        ctx.info["values"] = v_all.index_select(2, order)
+        try:
+            plan = variant.select(ctx, q_all, k_model)
+        finally:
+            ctx.info.pop("values", None)
+    if plan is None:
+        ctx.info["dense"] = True
+        out = dense()
+    else:
+        ctx.record(plan=plan)
+
+        def key_shard(s):
+            part = slice(s * local, (s + 1) * local)
+            return k_all[:, :, part], v_all[:, :, part], None if key_mask is None else key_mask[:, part]
+
+        out, _, steps, skipped, _ = ring_attend(plan, q, key_shard, shard, position, rank, ring, scale, patch.backend)
+        out = out.to(q.dtype)
+        patch.stats.count_ring(steps, skipped)
+    patch.stats.count_call(ctx.info, batch * heads * local * seq)
+    return out
 
 
 def _route_function(patch_id, layer):
@@ -334,12 +436,32 @@ def backend_route_available():
     return _ROUTE_WORKS
 
 
-def check_parallelism(transformer):
-    """Refuse ring attention at patch time (fastdit runs under Ulysses context parallelism)."""
+def check_parallelism(transformer, method):
+    """Refuse, at patch time, ring attention with a method that does not run under it."""
+    from fastdit.methods.parallel import ring_refusal as reason
+
     parallel = getattr(transformer, "_parallel_config", None)
     cp = getattr(parallel, "context_parallel_config", None)
-    if cp is not None and getattr(cp, "ring_degree", 1) > 1:
-        raise ring_refusal(f"{type(transformer).__name__} has ring_degree={cp.ring_degree}")
+    if cp is not None and getattr(cp, "ring_degree", 1) > 1 and reason(method) is not None:
+        raise ring_refusal(f"{type(transformer).__name__} has ring_degree={cp.ring_degree}", reason(method))
+
+
+def check_ring_split(transformer, grid, kwargs):
+    """Before a ring-parallel forward (``ring_degree > 1``): diffusers cuts each stream it splits into
+    ``ring_degree * ulysses_degree`` equal chunks (``EquipartitionSharder`` asserts it); say so
+    clearly, naming the stream, before any block runs."""
+    cp = getattr(getattr(transformer, "_parallel_config", None), "context_parallel_config", None)
+    if cp is None or getattr(cp, "ring_degree", 1) <= 1:
+        return
+    degree = cp.ring_degree * cp.ulysses_degree
+    split = {name for entry in getattr(transformer, "_cp_plan", {}).values() if isinstance(entry, dict) for name in entry}
+    text = kwargs.get("encoder_hidden_states") if "encoder_hidden_states" in split else None
+    streams = [("video", math.prod(grid))] + ([("text", text.shape[1])] if isinstance(text, torch.Tensor) else [])
+    for name, length in streams:
+        if length % degree:
+            raise ValueError(f"ring_degree={cp.ring_degree} x ulysses_degree={cp.ulysses_degree}: diffusers cuts every "
+                             f"sequence stream into {degree} equal chunks, and the {length} {name} tokens of this call "
+                             f"(grid {tuple(grid)}) do not divide by {degree}; choose degrees whose product divides it")
 
 
 def check_backend(backend, transformers):

@@ -9,8 +9,7 @@ The processes come from a launcher::
 
 With ``world size = d * N`` processes the ranks form a ``(d, 1, N)`` mesh (data, ring, ulysses):
 each group of ``N`` consecutive ranks splits one sample; the ``d`` groups are free for other work
-(``fastdit eval`` shards prompts over them). Ring attention is not offered: fastdit refuses it
-(its block plans span the whole key range).
+(``fastdit eval`` shards prompts over them). Ring attention: see docs/context_parallel.md.
 """
 from __future__ import annotations
 

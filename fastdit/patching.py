@@ -37,7 +37,7 @@ from fastdit.context import (
     transformer_call,
 )
 from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_backend,
-                               check_parallelism, register_patch, unregister_patch)
+                               check_parallelism, check_ring_split, register_patch, unregister_patch)
 from fastdit.layout import TokenLayout, shard_order
 from fastdit.masks import key_mask_from_attn_mask
 from fastdit.methods.base import OptionError, get_method
@@ -194,6 +194,8 @@ class Patch:
         except (ValueError, TypeError, KeyError, IndexError) as error:
             self._warn_once(("grid-error",), f"could not read the latent grid ({error}); those calls run dense")
             grid = None
+        if grid is not None:
+            check_ring_split(transformer, grid, kwargs)
         if grid is not None and self._plan is not None and tuple(grid) not in self._plan_grids:
             self._check_plan_grid(tuple(grid))
         cfg = None
@@ -466,10 +468,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             raise AlreadyPatchedError(
                 f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
             )
-    for _, transformer in transformers:
-        check_parallelism(transformer)
     config = method_cls.resolve(config, adapter)
     method_obj = method_cls(config)
+    for _, transformer in transformers:
+        check_parallelism(transformer, method_obj)
     for variant in method_obj.variants():  # per-layer settings (layer_settings) are checked like the base
         method_cls.check_family(adapter, variant.config)
     modules_per_transformer = []

@@ -43,6 +43,8 @@ class PatchStats:
         self._computed = 0.0  # sum of size * density, all calls (float, or a device tensor)
         self._sparse_work = 0.0
         self._sparse_computed = 0.0
+        self.ring_steps = 0  # ring attention: (query shard, key shard) steps computed ...
+        self.ring_skipped_steps = 0  # ... and skipped (the plan keeps no block of that key shard)
 
     # -- counting ---------------------------------------------------------------------------
     def count_dense(self, size):
@@ -57,6 +59,12 @@ class PatchStats:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             self._work += size
             self._computed = self._computed + size
+
+    def count_ring(self, steps, skipped):
+        """One ring-attention call: ``steps`` key shards computed, ``skipped`` skipped."""
+        with self._lock:
+            self.ring_steps += steps
+            self.ring_skipped_steps += skipped
 
     def count_sparse(self, size, density, plan=None):
         """``density``: a float or a 0-d device tensor (dynamic plans)."""
@@ -127,6 +135,8 @@ class PatchStats:
             "fallbacks": dict(self.fallbacks),
             "plans": sorted(self.plan_names),
             "padding_fraction": self.padding_fraction,
+            "ring_steps": self.ring_steps,
+            "ring_skipped_steps": self.ring_skipped_steps,
         }
 
     def __repr__(self):

@@ -16,7 +16,7 @@ def build(family, seed=0):
     """Tiny Wan (video only), Flux (text prefix) and Qwen-Image (text prefix with padded text: a key
     mask) with 4 heads, so Ulysses degree 2 gives 2 each."""
     torch.manual_seed(seed)
-    if family == "wan":
+    if family.startswith("wan"):
         from diffusers import WanTransformer3DModel
         return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=8,
                                      in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
@@ -38,27 +38,29 @@ def build(family, seed=0):
     return model
 
 
-def inputs(family):
+def inputs(family, text=6):
+    """The tiny model's inputs; ``text``: text tokens (Flux, Qwen-Image; Qwen's second half is padding)."""
     g = torch.Generator().manual_seed(1)
-    if family == "wan":  # latent 4 x 8 x 12 -> a 4 x 4 x 6 token grid
-        return dict(hidden_states=torch.randn(1, 4, 4, 8, 12, generator=g), timestep=torch.full((1,), 900.0),
+    if family.startswith("wan"):  # latent 4 x 8 x 12 -> a 4 x 4 x 6 token grid ("wan_odd": 3 x 3 x 5)
+        latent = (1, 4, 3, 6, 10) if family == "wan_odd" else (1, 4, 4, 8, 12)
+        return dict(hidden_states=torch.randn(*latent, generator=g), timestep=torch.full((1,), 900.0),
                     encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
     h, w = 6, 8
     if family == "qwen":  # the last 3 of 6 text tokens are padding: rank 1's text shard is all padding
-        mask = torch.ones(1, 6, dtype=torch.long)
-        mask[:, 3:] = 0
-        return dict(hidden_states=torch.randn(1, h * w, 16, generator=g), encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+        mask = torch.ones(1, text, dtype=torch.long)
+        mask[:, text // 2:] = 0
+        return dict(hidden_states=torch.randn(1, h * w, 16, generator=g), encoder_hidden_states=torch.randn(1, text, 32, generator=g),
                     encoder_hidden_states_mask=mask, timestep=torch.tensor([0.5]), img_shapes=[[(1, h, w)]],
                     return_dict=False)
     ids = torch.zeros(h, w, 3)
     ids[..., 1] = torch.arange(h)[:, None]
     ids[..., 2] = torch.arange(w)[None]
     return dict(hidden_states=torch.randn(1, h * w, 16, generator=g),
-                encoder_hidden_states=torch.randn(1, 6, 32, generator=g), pooled_projections=torch.randn(1, 16, generator=g),
-                timestep=torch.tensor([0.5]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(6, 3), return_dict=False)
+                encoder_hidden_states=torch.randn(1, text, 32, generator=g), pooled_projections=torch.randn(1, 16, generator=g),
+                timestep=torch.tensor([0.5]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(text, 3), return_dict=False)
 
 
-def run(family, method, options, parallel=None, patch_first=True):
+def run(family, method, options, parallel=None, patch_first=True, text=6):
     """The transformer's output with ``method`` (None: unpatched), under ``parallel`` (a
     ContextParallelConfig) enabled before or after patching; returns (output, patch stats dict)."""
     import fastdit
@@ -73,7 +75,7 @@ def run(family, method, options, parallel=None, patch_first=True):
         model.enable_parallelism(config=parallel)
     try:
         with torch.no_grad():
-            out = model(**inputs(family))[0]
+            out = model(**inputs(family, text))[0]
         return out, (None if patch is None else patch.stats.as_dict())
     finally:
         if patch is not None:  # the private backends it registered with diffusers go with it
@@ -87,8 +89,9 @@ def free_port():
 
 
 def worker(rank, world, port, jobs, results):
-    """Run ``jobs`` (list of (key, family, method, options, patch_first, ring)) under context
-    parallelism of degree ``world``; rank 0 puts ``{key: output array or error text}``."""
+    """Run ``jobs`` (list of (key, family, method, options, patch_first, ring[, text])) under context
+    parallelism of degree ``world``: ``ring`` False (Ulysses ``world``), True (ring ``world``) or a
+    ``(ring_degree, ulysses_degree)`` pair; rank 0 puts ``{key: (output array, stats) or (None, error text)}``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.accelerator.device_count = lambda: 1
@@ -96,10 +99,11 @@ def worker(rank, world, port, jobs, results):
 
     outputs = {}
     try:
-        for key, family, method, options, patch_first, ring in jobs:
-            parallel = ContextParallelConfig(ring_degree=world) if ring else ContextParallelConfig(ulysses_degree=world)
+        for key, family, method, options, patch_first, ring, *text in jobs:
+            degrees = ring if isinstance(ring, tuple) else (world, 1) if ring else (1, world)
+            parallel = ContextParallelConfig(ring_degree=degrees[0], ulysses_degree=degrees[1])
             try:
-                out, stats = run(family, method, options, parallel, patch_first)
+                out, stats = run(family, method, options, parallel, patch_first, *text)
                 outputs[key] = (out.numpy(), stats)
             except Exception as error:  # noqa: BLE001 - the test reads the message
                 outputs[key] = (None, f"{type(error).__name__}: {error}")

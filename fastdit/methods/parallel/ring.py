@@ -1,0 +1,207 @@
+"""A block plan under ring attention: each ring step is the rank's query shard against one key shard.
+
+Diffusers' context parallelism cuts every input stream into equal chunks along the sequence; under
+ring attention (``ring_degree = R``, possibly after a Ulysses all-to-all that joins the ``U``
+chunks of a ring rank's group) ring rank ``r`` holds the queries at call positions
+``r * L .. (r + 1) * L`` and, one ring step at a time, the keys and values of one shard ``s``
+(diffusers' order: ``s = r, r + 1, ...`` modulo ``R``). ``ring_shards`` says, for every model-order
+token, which shard holds it and where (``fastdit.layout.shard_order`` over ``R * U`` chunks).
+
+A method's plan is built once per call over the whole sequence (global token positions, exactly as
+in one process); ``shard_part`` cuts out of it the part of one ring step: the plan's query blocks
+holding a token of shard ``r``, their kept key blocks holding a token of shard ``s`` (renumbered),
+and, per sub-kernel position, the token's index in the local query / key shard (-1 where the
+block's token belongs to another shard: a query row that is dropped, a key that is masked). Each
+token sits in exactly one shard, so the steps' key sets are disjoint and together every kept key:
+merging the steps' ``(out, lse)`` through the log-sum-exp (``merge_lse``, fastdit's own merge:
+diffusers' ring merge takes no step without keys, whose lse is ``-inf``) gives the single-process
+result up to rounding. A step whose part keeps no block pair is skipped without computing and
+counted. Works for plans with one kernel order (``BlockPlan.perm``) and per-head orders (svg's
+``HeadOrderPlan.head_orders``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastdit.kernels import block_sparse_attention
+from fastdit.layout import shard_order
+
+from ..corrections import merge_lse
+
+#: Block-sparse methods whose plans ``shard_part`` cuts (svg2's variable-size cluster blocks are not cut yet).
+RING_METHODS = ("sta", "radial", "sparge", "svg")
+
+
+def ring_refusal(method):
+    """None when ``method`` (a ``Method`` instance) runs under ring attention, else the reason."""
+    name = getattr(method, "name", type(method).__name__)
+    if name == "dense":
+        return None
+    if name not in RING_METHODS:
+        why = ("svg2's plan has variable-size cluster blocks, which fastdit does not cut into ring shards yet"
+               if name == "svg2" else
+               f"{name} is a token method: it attends pooled, merged or cached tokens of the whole sequence, "
+               "which one ring shard does not hold")
+        return (f"method {name!r} does not run under ring attention ({why}); ring runs {', '.join(RING_METHODS)}. "
+                "Use Ulysses context parallelism (ContextParallelConfig(ulysses_degree=N), every method) for it")
+    for variant in method.variants():
+        config = variant.config
+        if getattr(config, "correction", "none") != "none":
+            return (f"{name} with correction={config.correction!r} does not run under ring attention (the correction "
+                    "needs the dropped blocks of the whole key range); use correction='none' or Ulysses")
+        if getattr(config, "skip_threshold", None) is not None:
+            return (f"{name} with skip_threshold does not run under ring attention (the in-kernel skip rule compares "
+                    "with a running maximum over the whole key range); leave it None or use Ulysses")
+    return None
+
+
+def ring_shards(layout, ring, ulysses=1):
+    """``(shard, local)``: long ``(S,)`` ring shard holding each model-order token and its position
+    in that shard's local sequence; None when the streams do not split into ``ring * ulysses``
+    equal chunks (diffusers' rule)."""
+    order = shard_order(layout, ring * ulysses)
+    if order is None:
+        return None
+    length = layout.seq_len // ring
+    return order // length, order % length
+
+
+def _kernel_order(plan):
+    """Model token at each kernel position, ``(1|B, 1|H, L)``, -1 for padding slots."""
+    orders = getattr(plan, "head_orders", None)
+    if orders is None:
+        orders = plan.perm if plan.perm is not None else torch.arange(plan.seq_len, device=plan.kv_counts.device)
+        orders = orders.view(1, 1, -1)
+    if plan.kv_valid is not None:
+        orders = torch.where(plan.kv_valid.view(1, 1, -1).to(orders.device), orders, -1)
+    return orders
+
+
+@dataclass
+class RingParts:
+    """One ring step's part of a plan, in sub-kernel order (``(1|B, 1|H, ...)`` tensors).
+
+    ``q_index`` / ``k_index``: position in the local query / key shard of each sub-kernel row /
+    column, -1 where the token belongs to another shard; ``kv_indices`` / ``kv_counts``: the part's
+    plan over the sub-kernel's blocks; ``pairs``: its computed block pairs (all heads)."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_counts: torch.Tensor
+    block_m: int
+    block_n: int
+    pairs: int
+
+
+def _first(flags, count):
+    """Indices of the True entries of ``flags`` (last dim) first, in order, cut to ``count``."""
+    return torch.argsort((~flags).to(torch.int8), dim=-1, stable=True)[..., :count]
+
+
+def _positions(blocks, ok, size, owned, local, length):
+    """Local index of every token of the chosen blocks (``-1``: another shard's token or padding)."""
+    pos = (blocks[..., None] * size + torch.arange(size, device=blocks.device)).flatten(-2)
+    inside = (pos < length) & ok.repeat_interleave(size, -1)
+    pos = pos.clamp(max=length - 1)
+    mine = owned.expand(*pos.shape[:2], length).gather(-1, pos) & inside
+    return torch.where(mine, local.expand(*pos.shape[:2], length).gather(-1, pos), -1)
+
+
+def shard_part(plan, shard, local, q_shard, k_shard):
+    """The part of ``plan`` for queries of shard ``q_shard`` against keys of shard ``k_shard``
+    (``shard`` / ``local`` from ``ring_shards``), or None when it keeps no block pair."""
+    order = _kernel_order(plan)
+    length, bm, bn = order.shape[-1], plan.block_m, plan.block_n
+    where = torch.where(order >= 0, shard.to(order.device)[order.clamp(min=0)], -1)
+    at = torch.where(order >= 0, local.to(order.device)[order.clamp(min=0)], -1)
+    n_m, n_n = -(-length // bm), -(-length // bn)
+
+    def has(size, n, which):
+        return (F.pad(where, (0, n * size - length), value=-1).view(*where.shape[:2], n, size) == which).any(-1)
+
+    q_has, k_has = has(bm, n_m, q_shard), has(bn, n_n, k_shard)
+    index, counts = plan.kv_indices.long(), plan.kv_counts.long()
+    batch, heads = max(index.shape[0], order.shape[0]), max(index.shape[1], order.shape[1])
+    index = index.expand(batch, heads, *index.shape[2:])
+    width = index.shape[-1]
+    keep = (torch.arange(width, device=index.device) < counts[..., None]) & q_has[..., None]
+    keep &= k_has.expand(batch, heads, n_n).gather(-1, index.clamp(0, n_n - 1).flatten(-2)).view_as(index)
+    pairs = int(keep.sum())
+    if pairs == 0:
+        return None
+    n_q, n_k = q_has.sum(-1), k_has.sum(-1)
+    q_blocks, k_blocks = _first(q_has, int(n_q.max())), _first(k_has, int(n_k.max()))
+    q_ok = torch.arange(q_blocks.shape[-1], device=index.device) < n_q[..., None]
+    k_ok = torch.arange(k_blocks.shape[-1], device=index.device) < n_k[..., None]
+    renumber = k_has.long().cumsum(-1) - 1  # key block -> its index among the shard's key blocks
+    rows = q_blocks.expand(batch, heads, -1)[..., None].expand(-1, -1, -1, width)
+    keep = keep.gather(-2, rows) & q_ok.expand(batch, heads, -1)[..., None]
+    new = renumber.expand(batch, heads, n_n).gather(-1, index.gather(-2, rows).clamp(0, n_n - 1).flatten(-2))
+    new = new.view_as(keep)
+    front = _first(keep, width)  # kept entries first
+    sub_counts = keep.sum(-1)
+    used = int(sub_counts.max())
+    sub_index = torch.where(keep.gather(-1, front), new.gather(-1, front), 0)[..., :used]
+    owned_q, owned_k = where == q_shard, where == k_shard
+    return RingParts(_positions(q_blocks, q_ok, bm, owned_q, at, length),
+                     _positions(k_blocks, k_ok, bn, owned_k, at, length),
+                     sub_index.to(torch.int32).contiguous(), sub_counts.to(torch.int32).contiguous(), bm, bn, pairs)
+
+
+def _rows(tensor, index):
+    """``tensor`` ``(B, H, L, D)`` rows at ``index`` ``(1|B, 1|H, N)`` (clamped), as ``(B*H, 1, N, D)``."""
+    batch, heads, length, dim = tensor.shape
+    index = index.expand(batch, heads, -1).clamp(min=0)
+    flat = index + (torch.arange(batch * heads, device=tensor.device) * length).view(batch, heads, 1)
+    return tensor.reshape(-1, dim).index_select(0, flat.reshape(-1)).view(batch * heads, 1, -1, dim)
+
+
+def run_part(q, k, v, part, key_mask=None, scale=None, backend="auto"):
+    """``(out, lse)`` ``(B, H, Lq, D)`` float32 / ``(B, H, Lq)`` of local queries ``q`` against one
+    key shard ``k, v`` ``(B, H, Lk, D)`` under ``part``; ``key_mask`` ``(B, Lk)`` of the shard."""
+    batch, heads, length, dim = q.shape
+    k_index = part.k_index.expand(batch, heads, -1)
+    valid = k_index >= 0
+    if key_mask is not None:
+        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, -1)
+        valid = valid & keys.gather(-1, k_index.clamp(min=0))
+    n_m = part.kv_counts.shape[-1]
+    out, lse = block_sparse_attention(
+        _rows(q, part.q_index), _rows(k, part.k_index), _rows(v, part.k_index),
+        part.kv_indices.expand(batch, heads, -1, -1).reshape(batch * heads, 1, n_m, -1),
+        part.kv_counts.expand(batch, heads, -1).reshape(batch * heads, 1, n_m), part.block_m, part.block_n,
+        scale=scale, kv_valid=valid.reshape(batch * heads, -1), return_lse=True, backend=backend, validate=False)
+    q_index = part.q_index.expand(batch, heads, -1)
+    mine = (q_index >= 0).reshape(-1)
+    target = (q_index + (torch.arange(batch * heads, device=q.device) * length).view(batch, heads, 1)).reshape(-1)[mine]
+    full_out = q.new_zeros(batch * heads * length, dim, dtype=torch.float32)
+    full_lse = torch.full((batch * heads * length,), float("-inf"), device=q.device)
+    full_out[target] = out.reshape(-1, dim)[mine].float()
+    full_lse[target] = lse.reshape(-1)[mine]
+    return full_out.view(batch, heads, length, dim), full_lse.view(batch, heads, length)
+
+
+def ring_attend(plan, q, key_shard, shard, local, rank, ring, scale=None, backend="auto"):
+    """The rank's queries ``q`` ``(B, H, L, D)`` (shard ``rank``) against every key shard, one ring
+    step at a time in diffusers' order; ``key_shard(s)`` gives ``(k, v, key_mask or None)`` of
+    shard ``s``. Returns ``(out float32, lse, steps computed, steps skipped, block pairs)``."""
+    out = lse = None
+    skipped = pairs = 0
+    for step in range(ring):
+        target = (rank + step) % ring
+        part = shard_part(plan, shard, local, rank, target)
+        if part is None:  # no kept block of this key shard for these queries: nothing to compute
+            skipped += 1
+            continue
+        k, v, key_mask = key_shard(target)
+        part_out, part_lse = run_part(q, k, v, part, key_mask, scale, backend)
+        pairs += part.pairs
+        out, lse = (part_out, part_lse) if out is None else merge_lse(out, lse, part_out, part_lse)
+    if out is None:
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    return out, lse, ring - skipped, skipped, pairs

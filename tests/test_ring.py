@@ -1,0 +1,139 @@
+"""Ring attention and Ulysses x ring (USP) with the block-sparse methods.
+
+Without processes: a plan cut into (query shard, key shard) parts (``shard_part``) and merged over
+the ring steps (``ring_attend``) equals the whole plan (``run_plan``) and a float64 masked softmax
+built from the plan's token mask, for one-order plans (sta, radial) and per-head orders (svg), text
+prefix / suffix, a key mask, 2 and 4 shards, and key shards without a kept block are skipped.
+With 2 and 4 gloo processes: tiny Wan (video only), Flux (text prefix) and Qwen-Image (text prefix
+with padding: a key mask) under ring 2, ring 4 and ulysses 2 x ring 2 equal the single-process
+output within 1e-5, with no fallback and skipped steps counted; methods that do not run under ring
+refuse with one message, at patch time or at the first call.
+"""
+import numpy as np
+import pytest
+import torch
+
+from fastdit.layout import TokenLayout
+from fastdit.methods import get_method
+from fastdit.methods.parallel import ring_attend, ring_shards
+from fastdit.plan import run_plan
+
+from cp_worker import run, run_parallel
+from test_context_parallel import applicable, method_options
+
+RING = ("sta", "radial", "sparge", "svg")
+
+
+def _reference(q, k, v, plan, key_mask):
+    """float64 softmax over the plan's token mask (each head) and the key mask."""
+    b, h, s, d = q.shape
+    mask = torch.stack([plan.token_mask(head) for head in range(h)])[None]
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :]
+    scores = (q.double() @ k.double().transpose(-1, -2)) / d ** 0.5
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    return weights @ v.double()
+
+
+def _plan(method, layout, heads, q, k, v, key_mask):
+    from fastdit.context import AttentionContext
+
+    cls = get_method(method)
+    options = {"sta": dict(tile=(1, 2, 2), window=[(1, 1, 1), (3, 1, 3), (1, 3, 3)]), "radial": dict(block_size=64),
+               "svg": dict(block_size=16, density=0.25)}[method]
+    instance = cls(cls.resolve(cls.make_config(**options, dense_steps=0, dense_layers=0)))
+    ctx = AttentionContext(layer=0, layer_name="x", step=0, num_steps=1, branch=0, layout=layout, call=None,
+                           key_mask=key_mask, num_heads=heads, total_heads=heads)
+    ctx.info["values"] = v
+    return instance.select(ctx, q, k)
+
+
+@pytest.mark.parametrize("method,layout,ring,ulysses", [
+    ("sta", TokenLayout((4, 4, 6)), 4, 1), ("sta", TokenLayout((2, 4, 6), 8, "prefix"), 2, 2),
+    ("radial", TokenLayout((16, 4, 8), 8, "suffix"), 2, 1), ("svg", TokenLayout((4, 4, 8)), 2, 1),
+    ("svg", TokenLayout((4, 4, 8), 4, "prefix"), 4, 1)])
+def test_ring_parts_merge_to_the_whole_plan(method, layout, ring, ulysses):
+    torch.manual_seed(len(method) + ring)
+    heads, seq = 3, layout.seq_len
+    q, k, v = (torch.randn(1, heads, seq, 8) for _ in range(3))
+    key_mask = torch.rand(1, seq) > 0.2 if layout.text_len else None
+    plan = _plan(method, layout, heads, q, k, v, key_mask)
+    assert plan.density < 0.7
+    whole = run_plan(q, k, v, plan, key_mask=key_mask)
+    shard, position = ring_shards(layout, ring, ulysses)
+    local = seq // ring
+    order = shard * local + position  # call position of each model token
+    call = [torch.empty_like(t).index_copy_(2, order, t) for t in (q, k, v)]
+    mask_call = None if key_mask is None else torch.empty_like(key_mask).index_copy_(1, order, key_mask)
+    outs, skipped = [], 0
+    for rank in range(ring):
+        def key_shard(s):
+            part = slice(s * local, (s + 1) * local)
+            return call[1][:, :, part], call[2][:, :, part], None if mask_call is None else mask_call[:, part]
+
+        out, lse, steps, skips, pairs = ring_attend(plan, call[0][:, :, rank * local:(rank + 1) * local], key_shard,
+                                                    shard, position, rank, ring)
+        assert steps + skips == ring and pairs > 0
+        outs.append(out)
+        skipped += skips
+    merged = torch.cat(outs, 2).index_select(2, order)
+    assert torch.isfinite(merged).all()
+    assert (merged - whole.float()).abs().max() <= 1e-5
+    assert (merged.double() - _reference(q, k, v, plan, key_mask)).abs().max() <= 1e-5
+    if method == "sta" and ring == 4:  # windows of one frame keep no block of the other frames' shards
+        assert skipped > 0
+
+
+def test_every_ring_method_equals_one_process_on_two_ranks():
+    """Ring 2 on tiny Wan, Flux and Qwen-Image (padding mask): each supported method equals the
+    single-process output; token methods and svg2 refuse (patched before or after enabling)."""
+    jobs, expected = [], {}
+    for family, methods in (("wan", RING), ("flux", ("sparge",)), ("qwen", ("sta",))):
+        for method in methods:
+            if applicable(method, family):
+                options = method_options(method, family)
+                jobs.append(((family, method), family, method, options, method != "radial", True))
+                expected[family, method] = run(family, method, options)
+    local = {"tile": (1, 2, 2), "window": (1, 3, 3), "dense_steps": 0}  # one frame: rank 1's keys are never needed
+    jobs.append((("wan", "sta", "local"), "wan", "sta", local, True, True))
+    expected["wan", "sta", "local"] = run("wan", "sta", local)
+    for method, patch_first in (("todo", True), ("svg2", False), ("prune", True)):
+        jobs.append((("refused", method), "wan", method, method_options(method, "wan"), patch_first, True))
+    jobs.append((("odd",), "wan_odd", "sta", method_options("sta", "wan"), True, True))  # 45 tokens, 2 ranks
+    results = run_parallel(jobs, world=2)
+    _check(results, expected)
+    out, error = results["odd",]
+    assert out is None and "ValueError" in error and "2 equal chunks" in error and "45 video tokens" in error, error
+    for method in ("todo", "svg2", "prune"):
+        out, error = results["refused", method]
+        assert out is None and "ring attention" in error and f"{method!r}" in error and "ulysses_degree" in error, error
+
+
+def test_ring_four_and_ulysses_by_ring_equal_one_process():
+    """Ring 4 on Wan; Ulysses 2 x ring 2 on Wan and on Qwen-Image / Flux with 8 text tokens (half of
+    Qwen's padding, so two of the four text chunks are all padding)."""
+    jobs, expected = [], {}
+    for method in ("sta", "svg"):
+        options = method_options(method, "wan")
+        jobs.append((("wan", method, 4), "wan", method, options, True, (4, 1)))
+        expected["wan", method, 4] = run("wan", method, options)
+    for family, methods in (("wan", ("sparge",)), ("qwen", ("sta",)), ("flux", ("svg",))):
+        for method in methods:
+            if applicable(method, family):
+                options = method_options(method, family)
+                jobs.append(((family, method, "usp"), family, method, options, True, (2, 2), 8))
+                expected[family, method, "usp"] = run(family, method, options, text=8)
+    _check(run_parallel(jobs, world=4), expected)
+
+
+def _check(results, expected):
+    for key, (reference, stats) in expected.items():
+        out, detail = results[key]
+        assert out is not None, f"{key}: {detail}"
+        assert np.isfinite(out).all()
+        diff = float(np.abs(out - reference.numpy()).max())
+        assert diff <= 1e-5, (key, diff)
+        assert detail["fallback_calls"] == 0 and detail["sparse_calls"] == stats["sparse_calls"], (key, detail, stats)
+        assert detail["ring_steps"] > 0, (key, detail)
+        if key[1:] == ("sta", "local"):  # every layer's call skips the other shard's keys
+            assert detail["ring_skipped_steps"] == detail["ring_steps"] == detail["sparse_calls"], detail
