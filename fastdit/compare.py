@@ -257,7 +257,8 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
               "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, (int, float, str, bool))},
               "versions": {"fastdit": fastdit.__version__, "torch": torch.__version__}, "runs": runs}
     if parallel is not None:
-        report["context_parallel"] = {"ulysses_degree": parallel.degree, "world_size": parallel.world,
+        report["context_parallel"] = {"ulysses_degree": parallel.ulysses, "ring_degree": parallel.ring,
+                                      "mesh": parallel.describe(), "world_size": parallel.world,
                                       "latency": "slowest rank", "density": "mean over ranks"}
     if main:
         dump_json(os.path.join(out_dir, "report.json"), report)  # inf PSNR -> null, tuples -> lists

@@ -137,3 +137,45 @@ def _check(results, expected):
         assert detail["ring_steps"] > 0, (key, detail)
         if key[1:] == ("sta", "local"):  # every layer's call skips the other shard's keys
             assert detail["ring_skipped_steps"] == detail["ring_steps"] == detail["sparse_calls"], detail
+
+
+def test_rank_work_of_a_static_plan_and_the_balancing_orders():
+    """A band plan of one block per frame and per rank (4 ranks): rank r's block pairs are its
+    block's key count (2 at the ends, 3 inside: max/mean 3 / 2.5); every order's shares are equal,
+    and a block on two ranks is computed (in part) by both."""
+    from fastdit.eval.bench.ring_balance import main as bench_main
+    from fastdit.methods.parallel.balance import ORDERS, imbalance, rank_block_pairs, zigzag_shards
+    from fastdit.plan import BlockPlan
+
+    layout = TokenLayout((4, 4, 8))
+    band = torch.tensor([[0, 1, 0], [0, 1, 2], [1, 2, 3], [2, 3, 0]], dtype=torch.int32)
+    plan = BlockPlan(band[None, None], torch.tensor([[[2, 3, 3, 2]]], dtype=torch.int32), 32, 32, 128)
+    counts = plan.kv_counts[0, 0]
+    work = rank_block_pairs(plan, layout, 4)
+    assert work == counts.tolist() and imbalance(work) == 1.2
+    assert rank_block_pairs(plan, layout, 4, "kernel") == work
+    for order in ORDERS:
+        pairs = rank_block_pairs(plan, layout, 2, order)
+        assert sum(pairs) >= int(counts.sum())  # a block on two ranks is computed (in part) by both
+    owner = zigzag_shards(layout, 4)
+    assert torch.bincount(owner).tolist() == [32] * 4 and owner[:16].tolist() == [0] * 16
+    assert owner[-16:].tolist() == [0] * 16  # rank 0 holds the first and the last chunk
+    assert rank_block_pairs(plan, TokenLayout((1, 5, 7)), 2) is None
+    assert bench_main(["--grid", "4,4,8", "--ranks", "2", "--methods", "sta"]) == 0
+
+
+@pytest.mark.parametrize("command", ["compare", "eval"])
+def test_cp_ring_without_a_launcher_is_a_clear_error(command, monkeypatch, capsys, tmp_path):
+    from fastdit.cli import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    extra = ["--prompts", str(prompts)] if command == "eval" else []
+    with pytest.raises(SystemExit) as info:
+        main([command, "--cp", "2", "--cp-ring", "2", "--out", str(tmp_path / "out"), *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cp 2 --cp-ring 2 needs a distributed launcher" in err and "torchrun --nproc_per_node 4" in err, err
+    assert not (tmp_path / "out").exists()
