@@ -146,6 +146,9 @@ def _check(results, expected):
             assert detail["effective_density"] < 0.7 and stats["effective_density"] < 0.7, (key, detail, stats)
         if key[1:] == ("sta", "local"):  # every layer's call skips the other shard's keys
             assert detail["ring_skipped_steps"] == detail["ring_steps"] == detail["sparse_calls"], detail
+            # rank 0 holds frames 0-1 (the first half of the tiles); one plan shared by the heads; 2 layers
+            plan = get_method("sta")(tile=(1, 2, 2), window=(1, 3, 3)).prepare(TokenLayout((4, 4, 6)), 1, "cpu")
+            assert detail["ring_block_pairs"] == 2 * int(plan.kv_counts[0, 0, :plan.kv_counts.shape[-1] // 2].sum())
 
 
 def test_rank_work_of_a_static_plan_and_the_balancing_orders():
