@@ -1,6 +1,7 @@
 """Calibration evidence on the embedded tiny model: a calibrated plan against every single global setting.
 
-    python -m fastdit.eval.bench.calibration [--methods sta,sparge] [--quick] [--json FILE]
+    python -m fastdit.eval.bench.calibration [--model tiny-wan|tiny-shapes] [--methods sta,sparge] [--quick]
+                                             [--json FILE]
 
 For each method, ``fastdit.calibrate`` makes a plan on the calibration prompts at an error
 ``budget`` (per (step bucket, layer, head) for sta, per (step bucket, layer) for the others),
@@ -21,8 +22,9 @@ The comparison at equal effective density: the global settings (and dense, densi
 0) form a curve error(density); it is interpolated linearly at the plan's density (``@plan``: the
 error, and the PSNR from the interpolated mean squared error). A plan wins when its error is below
 the interpolated one. Random weights give nearly uniform attention (no head or layer is much more
-local than another), so per-layer choices have little to exploit there; the numbers are reported
-as they come.
+local than another), so per-layer choices have little to exploit there; ``--model tiny-shapes``
+(trained in this repository, learned spatial and wide-local heads; its native call and held-out
+captions of its grammar) is the model where they can. The numbers are reported as they come.
 """
 from __future__ import annotations
 
@@ -140,7 +142,7 @@ def run_method(pipe, name, setup, call, args, log):
     budget = args.budget.get(name, setup["budget"])
     candidates = setup["candidates"][: args.max_candidates] if args.max_candidates else setup["candidates"]
     base = {**setup["options"], "dense_steps": 0, "dense_layers": 0}
-    cal, held = CAL_PROMPTS[: args.cal_prompts], HELD_PROMPTS[: args.held_prompts]
+    cal, held = args.prompt_lists[0][: args.cal_prompts], args.prompt_lists[1][: args.held_prompts]
     buckets = sorted({int(i * call["num_inference_steps"] // args.buckets) for i in range(args.buckets)})
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
@@ -308,6 +310,8 @@ def _budgets(text):
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.calibration", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-wan", choices=("tiny-wan", "tiny-shapes"),
+                        help="tiny-wan (random weights) or tiny-shapes (trained; its native call, shapes captions)")
     parser.add_argument("--methods", default="sta,sparge", help=f"comma-separated, from {sorted(SETUPS)}")
     parser.add_argument("--budget", type=_budgets, default={}, help="per method, e.g. sta=0.5,sparge=0.4")
     parser.add_argument("--structured-budget", type=_budgets, default={},
@@ -336,7 +340,18 @@ def main(argv=None):
         raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(SETUPS)}")
     if args.buckets < 1 or args.cal_prompts < 1 or args.held_prompts < 1:
         raise SystemExit("--buckets, --cal-prompts and --held-prompts must be >= 1")
-    call = dict(QUICK if args.quick else FULL)
+    if args.model == "tiny-shapes":  # trained: its native size and captions of its grammar
+        from fastdit.eval.runner.prompts import load_prompts
+        from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
+
+        pipe = load_pipeline("tiny-shapes")
+        call = dict(TRAINED_DEFAULTS["tiny-shapes"], **({"num_inference_steps": 2} if args.quick else {}))
+        captions = [p.text for p in load_prompts("shapes")]
+        args.prompt_lists = (captions[:3], captions[3:5])  # held-out captions (not the training set's)
+    else:
+        pipe = tiny("wan")
+        call = dict(QUICK if args.quick else FULL)
+        args.prompt_lists = (CAL_PROMPTS, HELD_PROMPTS)
     if args.quick:
         args.cal_prompts, args.held_prompts = 1, 1
         args.max_candidates = args.max_candidates or 3
@@ -346,12 +361,18 @@ def main(argv=None):
         print(line, flush=True)
         lines.append(line)
 
-    pipe = tiny("wan")
     pipe.set_progress_bar_config(disable=True)
-    grid = ((call["num_frames"] - 1) // 4 + 1, call["height"] // 16, call["width"] // 16)
-    log(f"tiny wan (random weights), latent grid {grid}, {call['num_inference_steps']} steps, CFG; torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads")
-    results = {"meta": {"call": call, "grid": grid, "torch": torch.__version__, "args": vars(args)}, "methods": {}}
+    if args.model == "tiny-shapes":  # VAE factors 4 (space) and 2 (time), patch 1
+        grid = ((call["num_frames"] - 1) // 2 + 1, call["height"] // 4, call["width"] // 4)
+    else:
+        grid = ((call["num_frames"] - 1) // 4 + 1, call["height"] // 16, call["width"] // 16)
+    log(f"{args.model} ({'trained' if args.model == 'tiny-shapes' else 'random weights'}), latent grid {grid}, "
+        f"{call['num_inference_steps']} steps, CFG {call['guidance_scale']}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads")
+    results = {"meta": {"model": args.model, "call": call, "grid": grid, "torch": torch.__version__,
+                        "args": {k: v for k, v in vars(args).items() if k != "prompt_lists"},
+                        "prompts": {"calibration": list(args.prompt_lists[0][: args.cal_prompts]),
+                                    "held-out": list(args.prompt_lists[1][: args.held_prompts])}}, "methods": {}}
     results["structured"] = {}
     for name in methods:
         if not args.structured_only:

@@ -85,7 +85,8 @@ Verifying the attention
 ``attention_masses(q, k, layout)`` computes dense attention row by row (in chunks) and reports
 per head, averaged over video queries: ``local`` (mass on video keys with ``|dt| <= 1`` and
 ``|dh|, |dw| <= radius``, default 2), ``same_position`` (mass on keys at the query's ``(h, w)`` in
-*other* frames), ``text`` and ``entropy`` (normalised by ``log`` of the key count).
+*other* frames), ``text``, ``entropy`` (normalised by ``log`` of the key count) and ``top5``
+(mass on the row's 5% largest keys, wherever they are).
 ``check_kinds(masses, kinds, frames)`` asserts the documented structure: spatial heads put at
 least 0.8 of their mass locally; temporal heads at least ``0.6 * (T - 1) / T`` on the same
 position in other frames (a temporal head spreads its mass over the T frames alike, so the
@@ -346,9 +347,9 @@ def structured_qkv(grid=(8, 16, 24), heads=3, head_dim=64, batch=1, kinds=None, 
 def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024, objects=None):
     """Per head (a list of dicts), averaged over batch and video queries, of dense attention:
     ``local`` (video keys with ``|dt| <= 1``, ``|dh|, |dw| <= radius``), ``same_position`` (keys at
-    the query's ``(h, w)`` in other frames), ``text``, ``entropy`` (over ``log`` of the keys) and,
-    given ``objects`` (a label per video token, ``semantic_objects``), ``same_object`` (video keys
-    with the query's label)."""
+    the query's ``(h, w)`` in other frames), ``text``, ``entropy`` (over ``log`` of the keys), ``top5``
+    (mass on the row's 5% largest keys) and, given ``objects`` (a label per video token,
+    ``semantic_objects``), ``same_object`` (video keys with the query's label)."""
     batch, heads, seq, dim = q.shape
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     t_, h_, w_ = layout.grid
@@ -358,7 +359,8 @@ def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024, objects=Non
     grid_w = torch.arange(w_, device=q.device).repeat(t_ * h_)
     is_text = torch.zeros(seq, dtype=torch.bool, device=q.device)
     is_text[layout.text_positions(q.device)] = True
-    sums = torch.zeros(5, heads, dtype=torch.float64)
+    sums = torch.zeros(6, heads, dtype=torch.float64)
+    top = max(1, math.ceil(0.05 * seq))
     labels = None if objects is None else objects.to(q.device)
     keys = k.float()
     for start in range(0, layout.video_len, chunk):
@@ -375,12 +377,13 @@ def attention_masses(q, k, layout, scale=None, radius=2, chunk=1024, objects=Non
         sums[2] += (probs * is_text).sum((-1, -2)).sum(0).double().cpu()
         entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(seq)
         sums[3] += entropy.sum(-1).sum(0).double().cpu()
+        sums[5] += probs.topk(top, dim=-1).values.sum(-1).sum(-1).sum(0).double().cpu()
         if labels is not None:
             same_object = labels[rows, None] == labels[None]
             sums[4] += (video_probs * same_object).sum((-1, -2)).sum(0).double().cpu()
     sums /= batch * layout.video_len
     masses = [{"local": float(sums[0, h]), "same_position": float(sums[1, h]), "text": float(sums[2, h]),
-               "entropy": float(sums[3, h])} for h in range(heads)]
+               "entropy": float(sums[3, h]), "top5": float(sums[5, h])} for h in range(heads)]
     if labels is not None:
         for h, mass in enumerate(masses):
             mass["same_object"] = float(sums[4, h])
