@@ -155,7 +155,7 @@ def test_rank_work_of_a_static_plan_and_the_balancing_orders():
     """A band plan of one block per frame and per rank (4 ranks): rank r's block pairs are its
     block's key count (2 at the ends, 3 inside: max/mean 3 / 2.5); every order's shares are equal,
     and a block on two ranks is computed (in part) by both."""
-    from fastdit.eval.bench.ring_balance import main as bench_main
+    from fastdit.eval.ring_balance import main as bench_main
     from fastdit.methods.parallel.balance import ORDERS, imbalance, rank_block_pairs, zigzag_shards
     from fastdit.plan import BlockPlan
 

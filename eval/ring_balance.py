@@ -1,8 +1,8 @@
 """Work per rank of static plans under ring attention: max / mean before (diffusers' contiguous
 chunks) and after (zigzag order), pure plan arithmetic (no model, no timing).
 
-    python -m fastdit.eval.bench.ring_balance                     # Wan 480p and HunyuanVideo 720p, 2/4/8 ranks
-    python -m fastdit.eval.bench.ring_balance --grid 21,30,52 --ranks 2,4 --json out.json
+    python -m fastdit.eval.ring_balance                     # Wan 480p and HunyuanVideo 720p, 2/4/8 ranks
+    python -m fastdit.eval.ring_balance --grid 21,30,52 --ranks 2,4 --json out.json
 
 Work of a rank in one layer: the block pairs its ring steps compute
 (``fastdit.methods.parallel.balance.rank_block_pairs``), over the plan's heads (the defaults share
@@ -64,7 +64,7 @@ def format_table(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.ring_balance", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.ring_balance", description=__doc__.split("\n")[0])
     parser.add_argument("--grid", help="T,H,W video tokens (default: Wan 480p and HunyuanVideo 720p)")
     parser.add_argument("--family", default="wan", help="model family for the defaults with --grid")
     parser.add_argument("--ranks", default="2,4,8")
