@@ -1,7 +1,8 @@
 """Dense against accelerated generation with the same seed: latency, speedup, PSNR and SSIM.
 
 ``fastdit compare`` (the CLI) and the Gradio app both call ``generate`` and ``compare`` here.
-The dense run is the unpatched pipeline; every other method patches it, generates, and removes
+The dense run is the unpatched pipeline (under ring attention: fastdit's exact ``dense`` method,
+diffusers' native attention cannot run there); every other method patches it, generates, and removes
 the patch again, so runs never see each other's state.
 """
 from __future__ import annotations
@@ -68,6 +69,15 @@ def pipeline_device(pipe):
     return torch.device("cpu")
 
 
+def _under_ring(pipe):
+    """Whether a transformer of ``pipe`` runs under ring attention (``ring_degree > 1``)."""
+    for name in ("transformer", "transformer_2"):
+        config = getattr(getattr(pipe, name, None), "_parallel_config", None)
+        if getattr(getattr(config, "context_parallel_config", None), "ring_degree", 1) > 1:
+            return True
+    return False
+
+
 def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=None, backend="auto",
              record_masks=False, keep_patch=False, cache=None, **pipe_kwargs):
     """Run ``pipe`` once with ``method`` (``"dense"`` = unpatched) and the given seed.
@@ -86,7 +96,9 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
     device = pipeline_device(pipe)
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     patch = None
-    if method != "dense":
+    if method != "dense" or _under_ring(pipe):
+        # Under ring attention the unpatched baseline cannot run on diffusers' native attention (it
+        # returns no log-sum-exp); it runs fastdit's exact dense attention (method "dense") instead.
         patch = fastdit.patch(pipe, method, backend=backend, record_masks=record_masks, **options)
     cached = CacheRun(pipe, cache) if cache is not None else None
     try:
@@ -257,7 +269,8 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
               "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, (int, float, str, bool))},
               "versions": {"fastdit": fastdit.__version__, "torch": torch.__version__}, "runs": runs}
     if parallel is not None:
-        report["context_parallel"] = {"ulysses_degree": parallel.degree, "world_size": parallel.world,
+        report["context_parallel"] = {"ulysses_degree": parallel.ulysses, "ring_degree": parallel.ring,
+                                      "mesh": parallel.describe(), "world_size": parallel.world,
                                       "latency": "slowest rank", "density": "mean over ranks"}
     if main:
         dump_json(os.path.join(out_dir, "report.json"), report)  # inf PSNR -> null, tuples -> lists

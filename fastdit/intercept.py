@@ -381,9 +381,9 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
             part = slice(s * local, (s + 1) * local)
             return k_all[:, :, part], v_all[:, :, part], None if key_mask is None else key_mask[:, part]
 
-        out, _, steps, skipped, _ = ring_attend(plan, q, key_shard, shard, position, rank, ring, scale, patch.backend)
+        out, _, steps, skipped, pairs = ring_attend(plan, q, key_shard, shard, position, rank, ring, scale, patch.backend)
         out = out.to(q.dtype)
-        patch.stats.count_ring(steps, skipped)
+        patch.stats.count_ring(steps, skipped, pairs)
     patch.stats.count_call(ctx.info, batch * heads * local * seq)
     return out
 

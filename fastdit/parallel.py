@@ -7,9 +7,10 @@ The processes come from a launcher::
 
     torchrun --nproc_per_node 2 -m fastdit.cli compare --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --cp 2
 
-With ``world size = d * N`` processes the ranks form a ``(d, 1, N)`` mesh (data, ring, ulysses):
-each group of ``N`` consecutive ranks splits one sample; the ``d`` groups are free for other work
-(``fastdit eval`` shards prompts over them). Ring attention: see docs/context_parallel.md.
+``--cp-ring M`` adds ring attention (alone, or Ulysses x ring, diffusers' unified sequence
+parallelism): with ``world size = d * M * N`` processes the ranks form a ``(d, M, N)`` mesh (data,
+ring, ulysses): each group of ``M * N`` consecutive ranks splits one sample; the ``d`` groups are
+free for other work (``fastdit eval`` shards prompts over them). Ring attention: see docs/context_parallel.md.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import torch
 
 @dataclass
 class ParallelSetup:
-    """This process's place: ``rank`` of ``world``; ``degree`` ranks split each sample;
-    ``group`` is the index of this rank's context-parallel group; ``config`` the diffusers config."""
+    """This process's place: ``rank`` of ``world``; ``degree`` ranks (``ring * ulysses``) split each
+    sample; ``group`` is the index of this rank's context-parallel group; ``config`` the diffusers config."""
 
     rank: int
     world: int
@@ -31,6 +32,15 @@ class ParallelSetup:
     group: int
     device: torch.device
     config: object
+    ring: int = 1
+
+    @property
+    def ulysses(self):
+        return self.degree // self.ring
+
+    def describe(self):
+        """The mesh in words, e.g. ``data 1 x ring 2 x ulysses 2 (4 processes)``."""
+        return f"data {self.groups} x ring {self.ring} x ulysses {self.ulysses} ({self.world} processes)"
 
     @property
     def is_main(self):
@@ -53,17 +63,21 @@ def launched_world():
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def check_degree(degree, command="compare"):
-    """Raise ValueError unless ``degree`` can run here (before any model is loaded)."""
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ValueError(f"--cp must be a positive int (the Ulysses degree), got {degree!r}")
+def check_degree(degree, command="compare", ring=1):
+    """Raise ValueError unless Ulysses ``degree`` x ring ``ring`` can run here (before any model is loaded)."""
+    for name, value in (("--cp", degree), ("--cp-ring", ring)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int (the {'Ulysses' if name == '--cp' else 'ring'} degree), "
+                             f"got {value!r}")
+    total = degree * ring
+    flags = f"--cp {degree}" + (f" --cp-ring {ring}" if ring > 1 else "")
     world = launched_world()
-    if degree > 1 and world is None:
-        raise ValueError(f"--cp {degree} needs a distributed launcher, e.g. "
-                         f"torchrun --nproc_per_node {degree} -m fastdit.cli {command} ... --cp {degree}")
-    if world is not None and (degree > world[1] or world[1] % degree):
-        raise ValueError(f"--cp {degree} does not fit the launcher's {world[1]} processes: the degree must divide "
-                         "the world size")
+    if total > 1 and world is None:
+        raise ValueError(f"{flags} needs a distributed launcher, e.g. "
+                         f"torchrun --nproc_per_node {total} -m fastdit.cli {command} ... {flags}")
+    if world is not None and (total > world[1] or world[1] % total):
+        raise ValueError(f"{flags} does not fit the launcher's {world[1]} processes: ulysses x ring = {total} must "
+                         "divide the world size")
 
 
 @contextlib.contextmanager
@@ -85,12 +99,13 @@ def _cpu_accelerator_count():
         accelerator.device_count = original
 
 
-def setup(degree):
-    """Initialise the process group (NCCL on CUDA, gloo on the CPU) and the Ulysses mesh."""
+def setup(degree, ring=1):
+    """Initialise the process group (NCCL on CUDA, gloo on the CPU) and the (data, ring, ulysses)
+    mesh of Ulysses ``degree`` x ring ``ring``; rank 0 prints the mesh."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    check_degree(degree)
+    check_degree(degree, ring=ring)
     rank, world, local_rank = launched_world()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -98,9 +113,13 @@ def setup(degree):
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (world // degree, 1, degree), mesh_dim_names=("data", "ring", "ulysses"))
-    config = ContextParallelConfig(ulysses_degree=degree, mesh=mesh["ring", "ulysses"])
-    return ParallelSetup(rank, world, degree, rank // degree, device, config)
+    total = degree * ring
+    mesh = init_device_mesh(device.type, (world // total, ring, degree), mesh_dim_names=("data", "ring", "ulysses"))
+    config = ContextParallelConfig(ulysses_degree=degree, ring_degree=ring, mesh=mesh["ring", "ulysses"])
+    parallel = ParallelSetup(rank, world, total, rank // total, device, config, ring)
+    if parallel.is_main:
+        print(f"context parallel mesh: {parallel.describe()}", flush=True)
+    return parallel
 
 
 def enable(pipe, parallel):
@@ -118,7 +137,7 @@ def reduce(value, op="max", parallel=None):
     rank of the group must call it (a None value on one rank and not on another is an error)."""
     if value is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return value
-    group = None if parallel is None else parallel.config._ulysses_mesh.get_group()
+    group = None if parallel is None else parallel.config._flattened_mesh.get_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM,

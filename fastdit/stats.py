@@ -45,6 +45,7 @@ class PatchStats:
         self._sparse_computed = 0.0
         self.ring_steps = 0  # ring attention: (query shard, key shard) steps computed ...
         self.ring_skipped_steps = 0  # ... and skipped (the plan keeps no block of that key shard)
+        self.ring_block_pairs = 0  # block pairs this rank's ring steps computed (all heads, all calls)
 
     # -- counting ---------------------------------------------------------------------------
     def count_dense(self, size):
@@ -60,11 +61,13 @@ class PatchStats:
             self._work += size
             self._computed = self._computed + size
 
-    def count_ring(self, steps, skipped):
-        """One ring-attention call: ``steps`` key shards computed, ``skipped`` skipped."""
+    def count_ring(self, steps, skipped, pairs=0):
+        """One ring-attention call: ``steps`` key shards computed, ``skipped`` skipped, ``pairs``
+        block pairs computed by this rank."""
         with self._lock:
             self.ring_steps += steps
             self.ring_skipped_steps += skipped
+            self.ring_block_pairs += pairs
 
     def count_sparse(self, size, density, plan=None):
         """``density``: a float or a 0-d device tensor (dynamic plans)."""
@@ -137,6 +140,7 @@ class PatchStats:
             "padding_fraction": self.padding_fraction,
             "ring_steps": self.ring_steps,
             "ring_skipped_steps": self.ring_skipped_steps,
+            "ring_block_pairs": self.ring_block_pairs,
         }
 
     def __repr__(self):

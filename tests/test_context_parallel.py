@@ -125,9 +125,11 @@ def test_cp_without_a_launcher_is_a_clear_error(command, monkeypatch, capsys, tm
     assert not (tmp_path / "out").exists()
 
 
-def test_compare_under_torchrun_writes_one_report(tmp_path):
-    """``torchrun --nproc_per_node 2 -m fastdit.cli compare --cp 2`` on the tiny model: one report by
-    rank 0, latency of the slowest rank, the method ran on both ranks without fallbacks."""
+@pytest.mark.parametrize("flag", ["--cp", "--cp-ring"])
+def test_compare_under_torchrun_writes_one_report(tmp_path, flag):
+    """``torchrun --nproc_per_node 2 -m fastdit.cli compare --cp 2`` (Ulysses) or ``--cp-ring 2`` (ring)
+    on the tiny model: one report by rank 0 with the mesh, latency of the slowest rank, the method ran
+    on both ranks without fallbacks (under ring: skipping no step it needs, see tests/test_ring.py)."""
     import json
     import os
     import signal
@@ -139,7 +141,7 @@ def test_compare_under_torchrun_writes_one_report(tmp_path):
     from cp_worker import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
-           "fastdit.cli", "compare", "--cp", "2", "--steps", "2", "--frames", "5", "--height", "64", "--width", "96",
+           "fastdit.cli", "compare", flag, "2", "--steps", "2", "--frames", "5", "--height", "64", "--width", "96",
            "--methods", "dense,sta", "--set", "sta.tile=1,2,2", "--set", "sta.window=1,1,1", "--set", "sta.dense_steps=0", "--no-warmup",
            "--out", str(out)]
     # A new session, so that a hung worker is killed with the launcher (not left behind) on timeout.
@@ -153,7 +155,10 @@ def test_compare_under_torchrun_writes_one_report(tmp_path):
     done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["context_parallel"]["ulysses_degree"] == 2
+    degrees = (report["context_parallel"]["ulysses_degree"], report["context_parallel"]["ring_degree"])
+    assert degrees == ((2, 1) if flag == "--cp" else (1, 2))
+    mesh = f"data 1 x ring {degrees[1]} x ulysses {degrees[0]} (2 processes)"
+    assert report["context_parallel"]["mesh"] == mesh and done.stdout.count(f"context parallel mesh: {mesh}") == 1
     rows = {row["method"]: row for row in report["runs"]}
     assert rows["sta"]["fallback_calls"] == 0 and rows["sta"]["density"] < 1.0
     assert rows["sta"]["psnr_db"] is not None and rows["sta"]["latency_s"] > 0

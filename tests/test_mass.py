@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import fastdit
+from fastdit.eval.bench import selection
 from fastdit.eval.bench.structured import KINDS, structured_qkv
 from fastdit.methods.mass import row_block_masses, rowwise_block_masses
 
@@ -60,23 +60,40 @@ def test_rowwise_averages_every_row_of_a_block():
     q[0, 0, 6:, 1] = 40.0
     got = rowwise_block_masses(q, k, None, block, 1, block, 2, 1.0)[0, 0, 0]
     torch.testing.assert_close(got, torch.tensor([0.75, 0.25]), atol=1e-6, rtol=0)
+    mean, most = rowwise_block_masses(q, k, None, block, 1, block, 2, 1.0, row_max=True)
+    torch.testing.assert_close(mean[0, 0, 0], got)
+    torch.testing.assert_close(most[0, 0, 0], torch.tensor([1.0, 1.0]), atol=1e-6, rtol=0)  # some row needs each
+    labels = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])[None, None]  # an index of query blocks: rows 6, 7 in block 1
+    _, most = rowwise_block_masses(q, k, None, labels, 2, block, 2, 1.0, row_max=True)
+    torch.testing.assert_close(most[0, 0], torch.tensor([[1.0, 0.0], [1.0, 1.0]]), atol=1e-6, rtol=0)
 
 
-CASES = [("sparge", "cdf"), ("svg2", "top_p")]
-SMALL = {"sparge": {"tile": (2, 4, 4)}, "svg2": {"q_clusters": 16, "k_clusters": 48}}
+#: Small sizes (4x8x16 = 512 tokens): sparge on 2x4x4 tiles (16 blocks); svg2 with query clusters
+#: finer than the oracle's 32-token tiles (16 tokens), as its defaults' ~41-token clusters are finer
+#: than the 128-token tiles at 4096 tokens (with 16 / 48 clusters, query clusters as large as the
+#: tiles, its error on spatial heads is about 3x the tile oracle's: BENCHMARKS.md, "Selection vs oracle").
+SMALL = {"sparge": {"tile": (2, 4, 4)}, "svg2": {"q_clusters": 32, "k_clusters": 96}}
+ORACLE_TILE = (2, 4, 4)
 
 
-@pytest.mark.parametrize("name,option", CASES)
+@pytest.mark.parametrize("name", ["sparge", "svg2"])
 @pytest.mark.parametrize("seed", [0, None])
-def test_threshold_keeps_the_promised_mass_on_every_kind(name, option, seed):
+def test_threshold_keeps_the_promised_mass_on_every_kind(name, seed):
+    """Issue 23's claims on every head kind at ``cdf`` / ``top_p`` 0.9 and 0.95: true kept mass
+    (float64 dense softmax) of every head >= threshold - 0.05; the relative error at most 2x the
+    best block mask's at the call's own density (or within 0.01 of it where that is below 0.005),
+    the oracle built from the exact float64 block masses (``eval.bench.selection``); the predicted
+    kept mass within 0.1 of the true one."""
     seed = int(torch.randint(1 << 30, ())) if seed is None else seed
     for kind in KINDS:
         x = structured_qkv((4, 8, 16), heads=2, head_dim=32, kinds=(kind, kind), seed=seed, objects=6)
+        reference = selection.Reference(x, tile=ORACLE_TILE)
         for threshold in (0.9, 0.95):
-            _, info = fastdit.attention(x.q, x.k, x.v, name, layout=x.layout, backend="torch", return_info="mass",
-                                        dense_steps=0, dense_layers=0, **SMALL[name], **{option: threshold})
-            kept = info["kept_mass"]
-            assert all(math.isfinite(m) for m in kept)
-            assert min(kept) >= threshold - 0.05, (name, kind, threshold, seed, kept, info["density"])
-            predicted = info["plan"].info["predicted_mass"].mean(0)
-            assert (predicted - torch.tensor(kept)).abs().max() < 0.1, (name, kind, predicted, kept)
+            row = selection.evaluate(x, reference, name, SMALL[name], threshold)
+            where = (name, kind, threshold, seed, row["head_kept"], row["density"], row["error"], row["oracle"])
+            assert all(math.isfinite(m) for m in row["head_kept"] + [row["error"], row["oracle"]]), where
+            assert row["density"] < 0.9, where  # really sparse
+            assert min(row["head_kept"]) >= threshold - 0.05, where
+            assert (torch.tensor(row["head_predicted"]) - torch.tensor(row["head_kept"])).abs().max() < 0.1, where
+            claim = selection.check(row)
+            assert claim["mass_claim"] == claim["error_claim"] == "holds", (where, claim)

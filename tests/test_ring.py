@@ -24,6 +24,13 @@ from test_context_parallel import applicable, method_options
 RING = ("sta", "radial", "sparge", "svg")
 
 
+def ring_options(method, family):
+    """Options that make the plans really sparse on the tiny models (radial's 64-token blocks cannot
+    be on 96 tokens: its sparse parts are checked by ``test_ring_parts_merge_to_the_whole_plan``)."""
+    sparse = {"sparge": dict(tile=(1, 2, 2), cdf=0.5), "svg": dict(block_size=16, density=0.25)}
+    return {**method_options(method, family), **sparse.get(method, {})}
+
+
 def _reference(q, k, v, plan, key_mask):
     """float64 softmax over the plan's token mask (each head) and the key mask."""
     b, h, s, d = q.shape
@@ -91,7 +98,7 @@ def test_every_ring_method_equals_one_process_on_two_ranks():
     for family, methods in (("wan", RING), ("flux", ("sparge",)), ("qwen", ("sta",))):
         for method in methods:
             if applicable(method, family):
-                options = method_options(method, family)
+                options = ring_options(method, family)
                 jobs.append(((family, method), family, method, options, method != "radial", True))
                 expected[family, method] = run(family, method, options)
     local = {"tile": (1, 2, 2), "window": (1, 3, 3), "dense_steps": 0}  # one frame: rank 1's keys are never needed
@@ -114,13 +121,13 @@ def test_ring_four_and_ulysses_by_ring_equal_one_process():
     Qwen's padding, so two of the four text chunks are all padding)."""
     jobs, expected = [], {}
     for method in ("sta", "svg"):
-        options = method_options(method, "wan")
+        options = ring_options(method, "wan")
         jobs.append((("wan", method, 4), "wan", method, options, True, (4, 1)))
         expected["wan", method, 4] = run("wan", method, options)
     for family, methods in (("wan", ("sparge",)), ("qwen", ("sta",)), ("flux", ("svg",))):
         for method in methods:
             if applicable(method, family):
-                options = method_options(method, family)
+                options = ring_options(method, family)
                 jobs.append(((family, method, "usp"), family, method, options, True, (2, 2), 8))
                 expected[family, method, "usp"] = run(family, method, options, text=8)
     _check(run_parallel(jobs, world=4), expected)
@@ -135,5 +142,52 @@ def _check(results, expected):
         assert diff <= 1e-5, (key, diff)
         assert detail["fallback_calls"] == 0 and detail["sparse_calls"] == stats["sparse_calls"], (key, detail, stats)
         assert detail["ring_steps"] > 0, (key, detail)
+        if key[1] != "radial":
+            assert detail["effective_density"] < 0.7 and stats["effective_density"] < 0.7, (key, detail, stats)
         if key[1:] == ("sta", "local"):  # every layer's call skips the other shard's keys
             assert detail["ring_skipped_steps"] == detail["ring_steps"] == detail["sparse_calls"], detail
+            # rank 0 holds frames 0-1 (the first half of the tiles); one plan shared by the heads; 2 layers
+            plan = get_method("sta")(tile=(1, 2, 2), window=(1, 3, 3)).prepare(TokenLayout((4, 4, 6)), 1, "cpu")
+            assert detail["ring_block_pairs"] == 2 * int(plan.kv_counts[0, 0, :plan.kv_counts.shape[-1] // 2].sum())
+
+
+def test_rank_work_of_a_static_plan_and_the_balancing_orders():
+    """A band plan of one block per frame and per rank (4 ranks): rank r's block pairs are its
+    block's key count (2 at the ends, 3 inside: max/mean 3 / 2.5); every order's shares are equal,
+    and a block on two ranks is computed (in part) by both."""
+    from fastdit.eval.ring_balance import main as bench_main
+    from fastdit.methods.parallel.balance import ORDERS, imbalance, rank_block_pairs, zigzag_shards
+    from fastdit.plan import BlockPlan
+
+    layout = TokenLayout((4, 4, 8))
+    band = torch.tensor([[0, 1, 0], [0, 1, 2], [1, 2, 3], [2, 3, 0]], dtype=torch.int32)
+    plan = BlockPlan(band[None, None], torch.tensor([[[2, 3, 3, 2]]], dtype=torch.int32), 32, 32, 128)
+    counts = plan.kv_counts[0, 0]
+    work = rank_block_pairs(plan, layout, 4)
+    assert work == counts.tolist() and imbalance(work) == 1.2
+    assert rank_block_pairs(plan, layout, 4, "kernel") == work
+    for order in ORDERS:
+        pairs = rank_block_pairs(plan, layout, 2, order)
+        assert sum(pairs) >= int(counts.sum())  # a block on two ranks is computed (in part) by both
+    owner = zigzag_shards(layout, 4)
+    assert torch.bincount(owner).tolist() == [32] * 4 and owner[:16].tolist() == [0] * 16
+    assert owner[-16:].tolist() == [0] * 16  # rank 0 holds the first and the last chunk
+    assert rank_block_pairs(plan, TokenLayout((1, 5, 7)), 2) is None
+    assert bench_main(["--grid", "4,4,8", "--ranks", "2", "--methods", "sta"]) == 0
+
+
+@pytest.mark.parametrize("command", ["compare", "eval"])
+def test_cp_ring_without_a_launcher_is_a_clear_error(command, monkeypatch, capsys, tmp_path):
+    from fastdit.cli import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    extra = ["--prompts", str(prompts)] if command == "eval" else []
+    with pytest.raises(SystemExit) as info:
+        main([command, "--cp", "2", "--cp-ring", "2", "--out", str(tmp_path / "out"), *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cp 2 --cp-ring 2 needs a distributed launcher" in err and "torchrun --nproc_per_node 4" in err, err
+    assert not (tmp_path / "out").exists()

@@ -158,6 +158,37 @@ def test_scores_and_selection_follow_the_formula():
     assert bool((floor_counts > counts).any()), "the floor must matter somewhere in this test"
 
 
+def test_forced_clusters_rank_first_and_count_toward_top_p():
+    probs = torch.tensor([[[0.90, 0.06, 0.03, 0.01], [0.50, 0.30, 0.15, 0.05]]])
+    forced = torch.tensor([[[False, False, False, True], [False, False, False, False]]])
+    order, counts = svg2.select_clusters(probs, 0.95, forced=forced)
+    # row 0: cluster 3 first (0.01), then 0 (0.91), 1 (0.97 >= 0.95): three kept; row 1 unchanged
+    assert order[0, 0, :3].tolist() == [3, 0, 1] and counts.tolist() == [[3, 3]]
+    _, counts = svg2.select_clusters(probs, 0.5, forced=torch.ones_like(forced))
+    assert counts.tolist() == [[4, 4]]  # every forced cluster is kept, whatever top_p
+
+
+def test_row_guard_keeps_the_key_cluster_a_few_rows_need():
+    """Two far-apart groups of keys (A, B), one query cluster: 124 rows attend to A, 4 to B. By the
+    cluster's mean, B carries 3% of the mass, under 1 - top_p, so the cumulative rule alone drops
+    it and those 4 rows lose everything; the row guard keeps it."""
+    g = torch.Generator().manual_seed(0)
+    dim, n = 16, 64
+    a, b = torch.zeros(dim), torch.zeros(dim)
+    a[0], b[1] = 6.0, 6.0
+    k = torch.cat([a + 0.05 * torch.randn(n, dim, generator=g), b + 0.05 * torch.randn(n, dim, generator=g)])
+    q = a.expand(2 * n, dim).clone()
+    q[::32] = b  # 4 rows of 128
+    v = torch.randn(1, 1, 2 * n, dim, generator=g)
+    kept = {}
+    for guard in (False, True):
+        _, info = fastdit.attention(q[None, None], k[None, None], v, "svg2", layout=TokenLayout((1, 8, 16)),
+                                    backend="torch", return_info="mass", q_clusters=1, k_clusters=2, top_p=0.95,
+                                    row_guard=guard, dense_steps=0, dense_layers=0)
+        kept[guard] = info["kept_mass"][0]
+    assert kept[False] < 0.98 and kept[True] > 0.999, kept
+
+
 # -- warm start ------------------------------------------------------------------------------------
 
 def test_warm_start_reuses_centroids_only_while_the_layout_is_unchanged():
@@ -225,7 +256,7 @@ def tiny_wan():
 
 @pytest.mark.parametrize("option,value", [("q_clusters", 0), ("k_clusters", 0), ("k_clusters", 2.5),
                                           ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
-                                          ("kmeans_iters", 0), ("init_iters", 0), ("warm_start", "yes"),
+                                          ("kmeans_iters", 0), ("init_iters", 0), ("warm_start", "yes"), ("row_guard", 1),
                                           ("min_kc_ratio", -0.1), ("min_kc_ratio", 1.5),
                                           ("correction", "blocks"), ("skip_threshold", 2.0)])
 def test_bad_options_raise_at_patch_time_naming_the_option(option, value, tiny_wan):

@@ -37,7 +37,8 @@ plotted per kind in a PNG beside the JSON (``--json``; matplotlib). The claims (
 default-estimator entries at thresholds 0.9 and 0.95 on every kind: ``kept >= threshold - 0.05``
 and ``error <= 2 * oracle`` (or ``error <= oracle + 0.01`` where ``oracle < 0.005``), the oracle
 being the tile oracle unless its floor (one key block per query block) is above the method's
-density, then svg2's own-block oracle (``claim_oracle``).
+density, then svg2's own-block oracle (``claim_oracle``); ``error_claim_best`` checks the error
+against the lower of the two oracles as well (the strictest reading).
 
 Default size: 4x32x32 = 4096 video tokens, 2 heads per kind, D = 64 (a CPU run of a few minutes).
 """
@@ -189,6 +190,49 @@ def selection_ms(name, options, inputs, args):
     return times
 
 
+class Reference:
+    """Dense float64 reference of one input set (batch element 0): softmax ``probs`` ``(H, S, S)``,
+    ``v64``, the dense output ``ref``, the video ``rows`` and the oracle's tile blocks per head."""
+
+    def __init__(self, inputs, tile=None):
+        q, k, v, layout = inputs[:4]
+        self.probs = dense_probs(q, k, 1.0 / math.sqrt(q.shape[-1]))
+        self.v64 = v[0].double()
+        self.ref = self.probs @ self.v64
+        self.rows = layout.video_positions()
+        tiles = tile_blocks(layout, tile)
+        self.tile_heads = [(tiles[0], tiles[1], tiles[0], tiles[1])] * q.shape[1]
+
+    def oracle(self, densities, blocks_per_head=None):
+        return oracle_error(self.probs, self.v64, self.ref, self.rows, blocks_per_head or self.tile_heads,
+                            densities)
+
+
+def evaluate(inputs, reference, name, options, threshold, backend="torch", state=None):
+    """One call of method ``name`` at ``threshold`` (every call sparse) on ``inputs``: the row of
+    the module docstring (density, kept, predicted, error, oracle, ratio, oracle_own), without
+    timings."""
+    q, k, v, layout = inputs[:4]
+    heads = q.shape[1]
+    opts = {"dense_steps": 0, "dense_layers": 0, **options, THRESHOLD[name]: threshold}
+    with torch.no_grad():
+        out, info = fastdit.attention(q, k, v, name, layout=layout, backend=backend,
+                                      state={} if state is None else state, return_info="mass", **opts)
+    plan = info["plan"]
+    head_density = info["head_density"]
+    row = {"name": name, "threshold": threshold, "estimator": build_method(name, options).config.estimator,
+           "density": info["density"], "head_density": head_density,
+           "kept": sum(info["kept_mass"]) / heads, "head_kept": info["kept_mass"],
+           "predicted": float(plan.info["predicted_mass"].double().mean()),
+           "head_predicted": plan.info["predicted_mass"].double().mean(0).tolist(),
+           "error": video_error(out[0].double(), reference.ref, reference.rows)}
+    row["oracle"], row["oracle_density"] = reference.oracle(head_density)
+    row["ratio"] = row["error"] / max(row["oracle"], 1e-12)
+    if hasattr(plan, "q_blocks"):
+        row["oracle_own"], _ = reference.oracle(head_density, [own_blocks(plan, h) for h in range(heads)])
+    return row
+
+
 def run_benchmark(args):
     device = common.pick_device("cpu", args.threads)
     specs = parse_methods(args.methods)
@@ -199,49 +243,31 @@ def run_benchmark(args):
             "text": args.text, "runs": args.runs, "warmup": args.warmup, "thresholds": thresholds,
             "seed": args.seed, "load_average": os.getloadavg()}
     results = {"meta": meta, "rows": [], "oracle_curve": [], "claims": []}
+    for label, name, options in specs:
+        if name not in THRESHOLD:
+            raise SystemExit(f"--methods: {name!r} does not select by a mass threshold; use one of "
+                             f"{sorted(THRESHOLD)}")
     for kind in split_top_level(args.kinds):
         if kind not in KINDS:
             raise SystemExit(f"--kinds: unknown head kind {kind!r}; kinds: {', '.join(KINDS)}")
         inputs = structured_qkv(grid, heads=args.heads, head_dim=args.head_dim, kinds=(kind,) * args.heads,
                                 text_len=args.text, seed=args.seed)
-        q, k, v, layout = inputs[:4]
-        scale = 1.0 / math.sqrt(args.head_dim)
-        probs = dense_probs(q, k, scale)
-        v64 = v[0].double()
-        ref = probs @ v64
-        rows = layout.video_positions()
-        tiles = tile_blocks(layout)
-        tile_heads = [(tiles[0], tiles[1], tiles[0], tiles[1])] * args.heads
+        q, k, v = inputs[:3]
+        reference = Reference(inputs)
         with torch.no_grad():
             dense_ms = common.time_fn(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
                                       args.runs, args.warmup, False)
         for density in [float(d) for d in split_top_level(args.oracle_densities)]:
-            error, real = oracle_error(probs, v64, ref, rows, tile_heads, [density] * args.heads)
+            error, real = reference.oracle([density] * args.heads)
             results["oracle_curve"].append({"kind": kind, "density": real, "error": error})
         for label, name, options in specs:
-            if name not in THRESHOLD:
-                raise SystemExit(f"--methods: {name!r} does not select by a mass threshold; use one of "
-                                 f"{sorted(THRESHOLD)}")
             state = {}  # svg2: later thresholds warm-start from the clustering before, as a pipeline's steps do
             for threshold in thresholds:
-                opts = {"dense_steps": 0, "dense_layers": 0, **options, THRESHOLD[name]: threshold}
-                with torch.no_grad():
-                    out, info = fastdit.attention(q, k, v, name, layout=layout, backend=args.backend, state=state,
-                                                  return_info="mass", **opts)
-                plan = info["plan"]
-                head_density = info["head_density"]
-                row = {"kind": kind, "method": label, "name": name, "threshold": threshold,
-                       "estimator": build_method(name, options).config.estimator,
-                       "density": info["density"], "head_density": head_density,
-                       "kept": sum(info["kept_mass"]) / args.heads, "head_kept": info["kept_mass"],
-                       "predicted": float(plan.info["predicted_mass"].double().mean()),
-                       "error": video_error(out[0].double(), ref, rows), "dense_ms": dense_ms}
-                row["oracle"], row["oracle_density"] = oracle_error(probs, v64, ref, rows, tile_heads, head_density)
-                row["ratio"] = row["error"] / max(row["oracle"], 1e-12)
-                if hasattr(plan, "q_blocks"):
-                    own = [own_blocks(plan, h) for h in range(args.heads)]
-                    row["oracle_own"], _ = oracle_error(probs, v64, ref, rows, own, head_density)
+                row = {"kind": kind, "method": label,
+                       **evaluate(inputs, reference, name, options, threshold, args.backend, state),
+                       "dense_ms": dense_ms}
                 if args.time and threshold == timed_threshold:  # the cost barely depends on the threshold
+                    opts = {"dense_steps": 0, "dense_layers": 0, **options, THRESHOLD[name]: threshold}
                     with torch.no_grad():
                         row.update(selection_ms(name, opts, inputs, args))
                     row["select_over_dense"] = row["select_ms"] / dense_ms
@@ -257,16 +283,25 @@ def claims(rows, specs):
     for row in rows:
         if row["threshold"] not in CLAIM_THRESHOLDS or row["estimator"] != build_method(row["name"], {}).config.estimator:
             continue
-        mass_ok = row["kept"] >= row["threshold"] - MASS_SLACK
-        oracle = claim_oracle(row)
-        if oracle < SMALL_ORACLE:
-            error_ok = row["error"] <= oracle + SMALL_SLACK
-        else:
-            error_ok = row["error"] <= ERROR_FACTOR * oracle
-        out.append({"kind": row["kind"], "method": row["method"], "threshold": row["threshold"],
-                    "kept": row["kept"], "density": row["density"], "error": row["error"], "oracle": oracle,
-                    "mass_claim": "holds" if mass_ok else "fails", "error_claim": "holds" if error_ok else "fails"})
+        out.append({"kind": row["kind"], "method": row["method"], **check(row)})
     return out
+
+
+def check(row):
+    """Issue 23's two claims on one row: ``kept >= threshold - 0.05`` (``mass_claim``) and ``error
+    <= 2 * oracle``, or ``<= oracle + 0.01`` where ``oracle < 0.005`` (``error_claim``), the oracle
+    from ``claim_oracle``; ``error_claim_best``: the same against the lower of the tile oracle
+    (where it fits the density) and the method's own-block oracle (the strictest reading)."""
+    def within(oracle):
+        limit = oracle + SMALL_SLACK if oracle < SMALL_ORACLE else ERROR_FACTOR * oracle
+        return "holds" if row["error"] <= limit else "fails"
+
+    oracle = claim_oracle(row)
+    best = min(oracle, row.get("oracle_own", oracle))
+    return {"threshold": row["threshold"], "kept": row["kept"], "density": row["density"], "error": row["error"],
+            "oracle": oracle, "oracle_best": best,
+            "mass_claim": "holds" if row["kept"] >= row["threshold"] - MASS_SLACK else "fails",
+            "error_claim": within(oracle), "error_claim_best": within(best)}
 
 
 def claim_oracle(row):
@@ -306,7 +341,11 @@ def plot(results, path):
         for method in dict.fromkeys(r["method"] for r in results["rows"]):
             points = sorted((r["density"], r["error"]) for r in results["rows"]
                             if r["kind"] == kind and r["method"] == method)
-            ax.plot(*zip(*points), "o-", label=method, markersize=3)
+            line, = ax.plot(*zip(*points), "o-", label=method, markersize=3)
+            own = sorted((r["density"], r["oracle_own"]) for r in results["rows"]
+                         if r["kind"] == kind and r["method"] == method and "oracle_own" in r)
+            if own:
+                ax.plot(*zip(*own), "x:", color=line.get_color(), label=f"oracle in {method}'s own blocks")
         ax.set_title(kind)
         ax.set_xlabel("density")
         ax.set_ylabel("rel. L2 error")
@@ -348,7 +387,8 @@ def main(argv=None):
     for claim in results["claims"]:
         print(f"claim {claim['kind']:9s} {claim['method']:10s} {claim['threshold']}: kept {claim['kept']:.3f} "
               f"({claim['mass_claim']}), density {claim['density']:.3f}, error {claim['error']:.4f} vs oracle "
-              f"{claim['oracle']:.4f} ({claim['error_claim']})")
+              f"{claim['oracle']:.4f} ({claim['error_claim']}; against the best of tile and own blocks "
+              f"{claim['oracle_best']:.4f}: {claim['error_claim_best']})")
     if args.json:
         dump_json(args.json, results)
         png = os.path.splitext(args.json)[0] + ".png"

@@ -59,6 +59,8 @@ class EvalConfig:
     #: Ulysses context-parallel degree (``--cp``): each sample is split over this many processes
     #: of the launcher; the groups of processes share the samples. None: one process per sample.
     cp: int | None = None
+    #: ring degree (``--cp-ring``): with ``cp``, Ulysses x ring; groups of ``cp * cp_ring`` processes.
+    cp_ring: int | None = None
     #: a cache-dit cache (``fastdit.integrations.caches.CACHES``): every setting also runs with it (``sta+dbcache``);
     #: ``cache_options`` override its fitted ``DBCacheConfig`` fields. None: no cache runs.
     cache: str | None = None

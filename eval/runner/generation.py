@@ -138,10 +138,10 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
 
     log = log or Log(state)
     parallel = None
-    if cfg.cp is not None:  # groups of cfg.cp processes split each sample; the groups share the samples
+    if cfg.cp is not None or cfg.cp_ring is not None:  # groups of cp x ring processes split each sample
         from fastdit import parallel as cp
 
-        parallel = cp.setup(cfg.cp)
+        parallel = cp.setup(cfg.cp or 1, cfg.cp_ring or 1)
     by_setting = {}
     for sample in samples:
         by_setting.setdefault(sample.setting.name, []).append(sample)

@@ -48,7 +48,7 @@ def check_inputs(cfg):
         from fastdit.integrations.caches import check_cache
 
         try:
-            check_cache(cfg.cache, cfg.cp is not None)
+            check_cache(cfg.cache, cfg.cp is not None or cfg.cp_ring is not None)
         except ValueError as error:
             raise EvalError(f"cache {cfg.cache!r}: {error}") from None
     settings = build_settings(cfg)

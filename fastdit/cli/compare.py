@@ -53,18 +53,21 @@ def cmd_compare(args):
             parse_caption(args.prompt)
         except ValueError as error:
             raise CLIError(f"argument --prompt: tiny-shapes takes captions like {SHAPES_PROMPT!r}: {error}") from None
-    cache, cache_options = cache_arguments(args, args.cp is not None)
+    split = args.cp is not None or args.cp_ring is not None
+    cache, cache_options = cache_arguments(args, split)
     parallel = None
-    if args.cp is not None:
+    if split:
         from fastdit import parallel as cp
 
-        if cp.launched_world() is not None and cp.launched_world()[1] != args.cp:
-            raise CLIError(f"argument --cp: compare splits one sample over all {cp.launched_world()[1]} processes; "
-                           f"launch {args.cp} (torchrun --nproc_per_node {args.cp})")
+        ulysses, ring = args.cp or 1, args.cp_ring or 1
+        if cp.launched_world() is not None and cp.launched_world()[1] != ulysses * ring:
+            raise CLIError(f"argument --cp/--cp-ring: compare splits one sample over all {cp.launched_world()[1]} "
+                           f"processes; launch ulysses x ring = {ulysses * ring} (torchrun --nproc_per_node "
+                           f"{ulysses * ring})")
         try:
-            parallel = cp.setup(args.cp)
+            parallel = cp.setup(ulysses, ring)
         except ValueError as error:
-            raise CLIError(f"argument --cp: {error}") from None
+            raise CLIError(f"argument --cp/--cp-ring: {error}") from None
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         pipe = load_pipeline(args.model, args.device or (parallel and str(parallel.device)), dtype)
@@ -134,6 +137,9 @@ def add_compare_parser(sub):
     compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
                          help="Ulysses context parallelism over N processes of a launcher "
                               "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")
+    compare.add_argument("--cp-ring", type=positive_int, default=None, metavar="M",
+                         help="ring attention over M processes, alone or with --cp N (Ulysses x ring: N * M "
+                              "processes); block-sparse methods sta, radial, sparge, svg")
     add_cache_arguments(compare)
     compare.set_defaults(func=cmd_compare)
     return compare

@@ -46,6 +46,9 @@ def add_eval_arguments(parser):
     parser.add_argument("--cp", type=positive_int, default=None, metavar="N",
                         help="split each sample over N processes (Ulysses context parallelism); the launcher's "
                              "processes form groups of N that share the samples")
+    parser.add_argument("--cp-ring", type=positive_int, default=None, metavar="M",
+                        help="ring attention over M processes per sample, alone or with --cp N (groups of N * M); "
+                             "block-sparse methods sta, radial, sparge, svg")
     from fastdit.cli.common import add_cache_arguments
 
     add_cache_arguments(parser)
@@ -144,7 +147,7 @@ def config_from_args(args):
         prompts = load_prompts(args.prompts)
     except EvalError as error:
         raise CLIError(f"argument --prompts: {error}") from None
-    cache, cache_options = cache_arguments(args, args.cp is not None)
+    cache, cache_options = cache_arguments(args, args.cp is not None or args.cp_ring is not None)
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
     return EvalConfig(
@@ -158,7 +161,7 @@ def config_from_args(args):
         fid_frames=args.fid_frames, clip_model=args.clip_model,
         vbench_python=args.vbench_python or os.environ.get("FASTDIT_VBENCH_PYTHON") or None,
         vbench_dimensions=[d.strip() for d in args.vbench_dimensions.split(",") if d.strip()] if args.vbench_dimensions else None,
-        plots=not args.no_plots, cp=args.cp, cache=cache, cache_options=cache_options,
+        plots=not args.no_plots, cp=args.cp, cp_ring=args.cp_ring, cache=cache, cache_options=cache_options,
     )
 
 
@@ -177,13 +180,13 @@ def cmd_eval(args):
     from fastdit.eval.runner.run import run_eval
 
     cfg = config_from_args(args)
-    if cfg.cp is not None:
+    if cfg.cp is not None or cfg.cp_ring is not None:
         from fastdit.parallel import check_degree
 
         try:
-            check_degree(cfg.cp, "eval")
+            check_degree(cfg.cp or 1, "eval", ring=cfg.cp_ring or 1)
         except ValueError as error:
-            raise CLIError(f"argument --cp: {error}") from None
+            raise CLIError(f"argument --cp/--cp-ring: {error}") from None
     try:
         run_eval(cfg, make_state(args.device), check_call=size_check(cfg))
     except EvalError as error:

@@ -97,7 +97,17 @@ def block_moments(k, key_valid, blocks, n_blocks):
     return mean, var, count
 
 
-def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, query_valid=None, spread=True):
+def _segment_max(x, blocks, n_blocks):
+    """Maximum of ``x`` ``(B, H, L, n)`` (non-negative) over the rows of each block: ``(B, H,
+    n_blocks, n)`` (0 for an empty block); ``blocks`` as in ``_segment_sum``."""
+    if isinstance(blocks, int):
+        return x.view(*x.shape[:2], n_blocks, blocks, *x.shape[3:]).amax(3)
+    out = x.new_zeros(*x.shape[:2], n_blocks, *x.shape[3:])
+    return out.scatter_reduce_(2, blocks[..., None].expand_as(x), x, reduce="amax", include_self=True)
+
+
+def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, query_valid=None, spread=True,
+                         row_max=False):
     """Predicted mass of every query row on every key block, averaged per query block: float32
     ``(B, H, n_q, n_k)`` (rows summing to 1; 0 for a query block without a valid row).
 
@@ -111,7 +121,9 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
     block whose rows attend to different key blocks gets all of them (its mean is exact in the
     rows; only the within-key-block spread is modelled). ``q_blocks`` / ``k_blocks``: an int
     (contiguous blocks of that size) or a long ``(B, H, L)`` block index; ``query_valid``
-    ``(B|1, S)``: rows left out of the mean."""
+    ``(B|1, S)``: rows left out of the mean. ``row_max=True`` also returns the largest predicted
+    mass any single valid row of the query block puts on each key block (same shape): what
+    dropping that key block would cost the row that needs it most."""
     batch, heads, seq, dim = q.shape
     mean, var, count = block_moments(k, key_valid, k_blocks, n_k)
     log_count = torch.where(count > 0, count.clamp_min(1.0).log(), torch.full_like(count, float("-inf")))
@@ -120,6 +132,7 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
     if not isinstance(q_blocks, int):
         weight = weight.expand(q_blocks.shape).contiguous()
     out = torch.zeros(batch, heads, n_q, n_k, dtype=torch.float32, device=q.device)
+    most = torch.zeros_like(out) if row_max else None
     chunk = max(1, SCORE_BUDGET // max(1, batch * seq * n_k))
     for h0 in range(0, heads, chunk):
         h1 = min(heads, h0 + chunk)
@@ -132,8 +145,11 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
         w = weight if weight.shape[1] == 1 else weight[:, h0:h1]
         qb = q_blocks if isinstance(q_blocks, int) else q_blocks[:, h0:h1]
         out[:, h0:h1] = _segment_sum(probs * w[..., None], qb, n_q)
+        if row_max:
+            most[:, h0:h1] = _segment_max(probs * w[..., None], qb, n_q)
     rows = _segment_sum(weight[..., None], q_blocks, n_q)  # (B|1, 1|H, n_q, 1)
-    return out / rows.clamp_min(1.0)
+    mean = out / rows.clamp_min(1.0)
+    return (mean, most) if row_max else mean
 
 
 def representative_rows(x, valid, samples):

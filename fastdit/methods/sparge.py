@@ -44,7 +44,7 @@ attention. Everything runs on the tensors' device with no host synchronisation (
 on the device; the plan's width is the number of key blocks).
 
 Defaults: SpargeAttn publishes thresholds tuned per model; with none for a given model fastdit
-uses ``cdf = 0.95``, ``estimator = "sampled"`` with ``mass_rows = 4`` (``4 / 128`` of dense's
+uses ``cdf = 0.95``, ``estimator = "sampled"`` with ``mass_rows = 8`` (``8 / 128`` of dense's
 scores), ``simthresh`` by estimator (0.6 for ``"pooled"``, SpargeAttn's; off for the measured
 estimators), ``min_blocks = 1``, no sink, 128-token blocks (tile target 2x8x8 for video, 1x8x16
 for images; the paper's query blocks are 128 tokens) and, as for sliding tile, the first quarter
@@ -58,7 +58,7 @@ heads and 88% of smooth heads fall below 0.6, and sparge ran dense there (densit
 0.96); with the ``"sampled"`` estimator and the rule off, the same heads run at 0.06 / 0.86 / 0.75
 with true kept mass 1.00 / 0.95 / 0.95, identical to the heads with a shared mean (which passes
 every block: the rule changes nothing there). The guard protected the pooled estimate; measured
-masses need none (BENCHMARKS.md, "Dynamic selection that keeps its promise").
+masses need none (BENCHMARKS.md, "Selection vs oracle").
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class SpargeConfig(BlockSparseConfig):
                             "representative rows per block), 'rowwise' (every query row against each key block's mean "
                             "and spread) or 'pooled' (softmax of mean-pooled scores, SpargeAttn's)",
                             choices=ESTIMATORS, widget="dropdown", advanced=True)
-    mass_rows: int = option(4, "estimator='sampled': representative query rows per query block", range=(1, None),
+    mass_rows: int = option(8, "estimator='sampled': representative query rows per query block", range=(1, None),
                             widget="number", advanced=True)
 
     def validate(self):

@@ -143,6 +143,8 @@ class SVG2Config(BlockSparseConfig):
                             choices=ESTIMATORS, widget="dropdown", advanced=True)
     mass_rows: int = option(4, "estimator='sampled': query rows sampled per query cluster", range=(1, None),
                             widget="number", advanced=True)
+    row_guard: bool = option(True, "estimator='rowwise': also keep every key cluster on which a single query row "
+                             "puts more than 1 - top_p of its predicted mass", widget="checkbox", advanced=True)
 
     def validate(self):
         super().validate()
@@ -162,8 +164,9 @@ class SVG2Config(BlockSparseConfig):
         self.min_kc_ratio = float(value)
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if not isinstance(self.warm_start, bool):
-            raise ValueError(f"warm_start must be True or False, got {self.warm_start!r}")
+        for name in ("warm_start", "row_guard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.skip_threshold is not None:
             raise ValueError("skip_threshold is not supported by svg2 (its variable-size cluster blocks run on an "
                              "engine without the skip rule): leave it None")
@@ -180,19 +183,26 @@ def cluster_scores(q_centroids, k_centroids, k_sizes, scale):
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def select_clusters(probs, top_p, min_kc_ratio=0.0, kept_before=None):
+def select_clusters(probs, top_p, min_kc_ratio=0.0, kept_before=None, forced=None):
     """``(order, counts)``: key clusters of each query cluster in descending ``p`` (long
     ``(G, Cq, Ck)``) and how many of them are kept (long ``(G, Cq)``, >= 1 and >=
     ``ceil(min_kc_ratio * Ck)``). ``kept_before`` ``(G, Cq)``: predicted mass already kept
-    whatever the selection (the text keys, with ``estimator="rows"``), counted toward ``top_p``."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    whatever the selection (the text keys, with ``estimator="rows"``), counted toward ``top_p``.
+    ``forced`` bool ``(G, Cq, Ck)``: key clusters kept whatever their ``p`` (ranked first, their
+    mass counted toward ``top_p``)."""
     clusters = probs.shape[-1]
+    rank = probs if forced is None else probs + 2.0 * forced  # p <= 1: forced clusters rank first
+    order = rank.argsort(dim=-1, descending=True)
+    sorted_probs = probs.gather(-1, order)
     if top_p >= 1.0:  # every cluster, whatever the float rounding of the cumulative sum
         return order, torch.full(probs.shape[:-1], clusters, dtype=torch.long, device=probs.device)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the higher-ranked clusters
     if kept_before is not None:
         before = before + kept_before[..., None]
-    return order, (before < top_p).sum(-1).clamp(min=max(1, math.ceil(min_kc_ratio * clusters - 1e-9)))
+    counts = (before < top_p).sum(-1)
+    if forced is not None:
+        counts = torch.maximum(counts, forced.sum(-1))
+    return order, counts.clamp(min=max(1, math.ceil(min_kc_ratio * clusters - 1e-9)))
 
 
 def predicted_kept(probs, order, counts, kept_before=None):
@@ -434,7 +444,7 @@ class SparseVideoGen2(BlockSparseMethod):
         def per_head(t):
             return t.view(batch, heads, *t.shape[1:])
 
-        text_mass = None
+        text_mass = forced = None
         if self.config.estimator != "centroids":
             if k is None:
                 raise ValueError(f"svg2 with estimator={self.config.estimator!r} scores query rows against the keys: "
@@ -442,12 +452,14 @@ class SparseVideoGen2(BlockSparseMethod):
             if self.config.estimator == "sampled":
                 probs, text_mass = self.row_estimate(ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale)
             else:
-                probs = rowwise_block_masses(q, k, ctx.key_mask, per_head(q_blocks), cq + 1, per_head(k_blocks),
-                                             ck + 1, scale, ctx.query_mask).view(batch * heads, cq + 1, ck + 1)
-                probs, text_mass = probs[:, :cq, :ck], probs[:, :cq, ck]
+                probs, most = rowwise_block_masses(q, k, ctx.key_mask, per_head(q_blocks), cq + 1, per_head(k_blocks),
+                                                   ck + 1, scale, ctx.query_mask, row_max=True)
+                probs, text_mass = probs.view(-1, cq + 1, ck + 1)[:, :cq, :ck], probs.view(-1, cq + 1, ck + 1)[:, :cq, ck]
+                if self.config.row_guard and self.config.top_p < 1.0:
+                    forced = most.view(-1, cq + 1, ck + 1)[:, :cq, :ck] > 1.0 - self.config.top_p
         else:
             probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
-        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio, text_mass)
+        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio, text_mass, forced)
         q_sizes = q_offsets.diff(dim=-1)[:, :cq].double()
         predicted = (predicted_kept(probs, order, counts, text_mass).double() * q_sizes).sum(-1)
         predicted = (predicted + layout.text_len) / seq  # per (batch, head), over all rows (text rows keep all)
