@@ -8,7 +8,7 @@ import torch
 
 import fastdit.methods.base as patch_module  # where methods call run_plan
 from fastdit.kernels import dense_reference
-from fastdit.methods.token_attention import TokenSplit
+from fastdit.methods.tokens.token_attention import TokenSplit
 
 
 class LayerCapture:

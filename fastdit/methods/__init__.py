@@ -16,8 +16,7 @@ from .sparge import SpargeConfig
 from .sta import STAConfig
 from .svg import SVGConfig
 from .svg2 import SVG2Config
-from .todo import ToDoConfig
-from .tome import ToMeConfig
+from .tokens import ToDoConfig, ToMeConfig
 from .window import WindowConfig
 
 for _module in pkgutil.iter_modules(__path__):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Method, MethodConfig, option, register_method
+from ..base import Method, MethodConfig, option, register_method
 from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, check_positive_int, grid_groups,
                               log_size_bias, record_token_call)
 
