@@ -31,7 +31,7 @@ sum; without the bias the pruned keys would simply vanish and the text keys woul
 in dense attention. On tokens duplicated within each window this is exact (``n`` identical keys
 contribute ``n exp(s)``). Recovery: every pruned token gets the output row of ``a(i)`` (a gather).
 
-The random draw: a generator seeded from ``(seed, layer, step, branch)``, so a run reproduces
+The random draw: a generator seeded from ``(seed, step, CFG branch)``, so a run reproduces
 whatever order the calls happen in. ``refresh_every``: the base choice and assignment of a step
 are reused for the next ``refresh_every - 1`` steps of the same layer and CFG branch.
 
@@ -65,7 +65,7 @@ class OptiPruneConfig(MethodConfig):
         sx, sy, st: window size in columns, rows and frames.
         randomness: weight of the random perturbation of the base choice, in [0, 1] (0: deterministic).
         refresh_every: recompute the base choice every N denoising steps of a layer (1: every step).
-        seed: seed of the random draw (with the layer, step and CFG branch).
+        seed: seed of the random draw (with the step and CFG branch).
         dense_steps, dense_layers: see ``MethodConfig`` (default 0: prunes at every step).
     """
 
@@ -174,7 +174,9 @@ class OptiPrune(Method):
         return max(1, size - int(self.config.ratio * size)), size
 
     def generator(self, ctx):
-        key = f"{self.config.seed}/{ctx.layer}/{ctx.step}/{ctx.branch}".encode()
+        # (seed, step, branch): the same draw whatever order the calls run in; every layer of a step
+        # shares it (a layer's result depends on its inputs and options only, as fastdit.attention's)
+        key = f"{self.config.seed}/{ctx.step}/{ctx.branch}".encode()
         return torch.Generator().manual_seed(zlib.crc32(key))
 
     def selection(self, ctx, split):
