@@ -368,14 +368,16 @@ def head_times(gpu, info, batch, heads, n_q, n_k, head_dim, elt=2, dtype="bf16",
     dynamic selection, launches); a token method (``performed / total``) at its per-head density
     of the dense head time plus ``token_outside_ms`` of ``method`` (its matching or pooling, given
     its ``options``); a dense call (or a method that reported nothing) the dense head time
-    ``dense_call(gpu, B, 1, N, Nk, D)``. A head's time is what it adds to a call of many heads,
-    so methods compare per head on equal terms."""
-    dense_head = dense_call(gpu, batch, 1, n_q, n_k, head_dim, elt).total_ms
+    ``dense_call(gpu, B, H, N, Nk, D) / H``. Launches are shared by the call's heads (``launch_us /
+    H`` each; a token method's two extra launches, its reduction and its attention, likewise). A
+    head's time is what it adds to a call of ``H`` heads, so methods compare per head on equal
+    terms; ``auto``'s grouping pays one launch per group besides, which this leaves out."""
+    dense_head = dense_call(gpu, batch, heads, n_q, n_k, head_dim, elt).total_ms / heads  # one launch, shared
     plan = info.get("plan")
     if info.get("dense") or (plan is None and "head_density" not in info):
         return [dense_head] * heads
     if plan is None or not hasattr(plan, "kv_counts"):  # a token method: its per-head density, and its own work
-        extra = token_outside_ms(gpu, method, options, batch, n_q, head_dim, elt)
+        extra = token_outside_ms(gpu, method, options, batch, n_q, head_dim, elt) + 1e-3 * LAUNCH_US * 2 / heads
         return [float(d) * dense_head + extra for d in info["head_density"]]
     tile = kernel_tile(gpu, head_dim, dtype)
     bm, bn = tile
@@ -385,5 +387,6 @@ def head_times(gpu, info, batch, heads, n_q, n_k, head_dim, elt=2, dtype="bf16",
     per_head = counts.expand(batch, heads).sum(0) * rows * cols  # computed score entries, tile-rounded
     nbytes = 4.0 * batch * plan.kernel_len * head_dim * elt
     outside = plan_call(gpu, plan, batch, heads, head_dim, elt, dtype).outside_ms / heads
+    launch = 1e-3 * LAUNCH_US / heads  # the kernel's launch, shared by the call's heads
     return [_seconds_ms(4.0 * head_dim * float(p), gpu.peak_tflops, gpu.kernel_eff, nbytes, gpu.bandwidth_gbs)
-            + outside for p in per_head]
+            + outside + launch for p in per_head]
