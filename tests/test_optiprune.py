@@ -48,7 +48,7 @@ def reference_bases(kv, grid, window, ratio):
 
 def reference(q, k, v, layout, ratio, window, scale=None):
     """The rule per (batch, head) in float64 with loops: bases as above; each pruned token copies
-    its most cosine-similar base; base queries attend [base keys + log(tokens copied) | text keys];
+    the most cosine-similar base of its window; base queries attend [base keys + log(tokens copied) | text keys];
     text query rows are dense."""
     batch, heads, seq, dim = q.shape
     scale = 1 / math.sqrt(dim) if scale is None else scale
@@ -60,7 +60,9 @@ def reference(q, k, v, layout, ratio, window, scale=None):
             kv = k[b, head, video]
             cos = lambda i, j: float(kv[i] @ kv[j] / (kv[i].norm() * kv[j].norm()))  # noqa: E731
             bases = reference_bases(kv, layout.grid, window, ratio)
-            owner = {i: (i if i in bases else max(bases, key=lambda j: cos(i, j))) for i in range(len(video))}
+            window_of = {i: n for n, members in enumerate(windows_of(layout.grid, window)) for i in members}
+            owner = {i: (i if i in bases else max((j for j in bases if window_of[j] == window_of[i]),
+                                                  key=lambda j: cos(i, j))) for i in range(len(video))}
             sizes = [sum(1 for i in owner if owner[i] == j) for j in bases]
             keys = torch.stack([k[b, head, video[j]] for j in bases] + [k[b, head, p] for p in text])
             values = torch.stack([v[b, head, video[j]] for j in bases] + [v[b, head, p] for p in text])

@@ -20,9 +20,10 @@ perturbed by ``randomness`` ``rho`` in [0, 1] with ``u_i ~ U(-1, 1)`` (seeded)::
 
 ``rho = 0`` is deterministic (the most representative tokens), ``rho = 1`` a uniform random choice.
 Each window of ``w`` tokens keeps its ``w - floor(ratio * w)`` highest-scoring tokens as bases (at
-least one), the rest are pruned. Recovery assignment: every pruned token ``i`` is assigned to its
-most similar base ``a(i) = argmax_b c(i, b)`` over all bases (the same cosine nearest-destination
-rule as ``tome``'s matching, shared code).
+least one), the rest are pruned. Recovery assignment: every pruned token ``i`` is assigned to the
+most similar base of its own window, ``a(i) = argmax_{b in W, b base} c(i, b)`` (the window's
+similarities are already computed for the choice: no N x N matching as in ``tome``, whose global
+nearest-destination rule cost as much as the attention itself at 12k tokens on the CPU).
 
 Attention: base queries attend ``[base keys | text keys]`` with the score bias ``log n_b``, ``n_b``
 the number of valid tokens assigned to base ``b`` (itself included). Why the bias: a pruned key is
@@ -38,8 +39,8 @@ are reused for the next ``refresh_every - 1`` steps of the same layer and CFG br
 Text / conditioning tokens are never pruned: their keys are attended unchanged and their query
 rows attend every key densely. ``ratio=0`` (or windows of one token) runs the model's own attention.
 
-Cost: ``N_b = N - pruned`` queries against ``N_b + L`` keys, plus ``w x w`` similarities per window
-and the ``(N - N_b) x N_b`` cosine scores of the assignment.
+Cost: ``N_b = N - pruned`` queries against ``N_b + L`` keys, plus ``w x w`` key similarities per window
+(choice and assignment) and gathers of ``(B, H, N, D)``.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 
 from ..base import Method, MethodConfig, option, register_method
 from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, check_positive_int, check_ratio,
-                              grid_groups, log_size_bias, nearest_destination, record_token_call)
+                              grid_groups, log_size_bias, record_token_call)
 
 
 @dataclass
@@ -106,8 +107,9 @@ def window_index(grid, window, device):
 
 
 def base_scores(keys, index, key_valid=None):
-    """Representativeness ``rep(i)`` (mean cosine to the window's valid tokens) per slot: float
-    ``(B, H, G, w)`` in float32 (float64 for float64 keys); -inf for padding slots."""
+    """Per window: the cosine similarities ``sim`` ``(B, H, G, w, w)`` of the slots' keys, the
+    representativeness ``rep(i)`` (mean cosine to the window's valid tokens) ``(B, H, G, w)`` (-inf
+    for padding slots) and the validity of each slot ``(B, 1, G, w)``; float32 (float64 for float64 keys)."""
     present = index >= 0
     metric = F.normalize(keys.to(accumulation_dtype(keys.dtype)), dim=-1)
     windows = metric[:, :, index.clamp(min=0)]  # (B, H, G, w, D)
@@ -117,7 +119,7 @@ def base_scores(keys, index, key_valid=None):
         valid = valid & key_valid[:, index.clamp(min=0)]
     weight = valid[:, None, :, None, :].to(sim.dtype)  # (B, 1, G, 1, w): over the window's valid j
     rep = (sim * weight).sum(-1) / weight.sum(-1).clamp(min=1)
-    return rep.masked_fill(~present, float("-inf")), valid[:, None]
+    return sim, rep.masked_fill(~present, float("-inf")), valid[:, None]
 
 
 #: Score of a token whose key is masked out: below every valid score (cosines and their
@@ -128,9 +130,11 @@ INVALID_SCORE = -3.0
 def choose_bases(keys, index, keep, randomness, generator, key_valid=None):
     """Base tokens and the slot of every token: ``(base, slot)``, ``base`` long ``(B, H, G * keep)``
     token indices (-1 where a partial window has fewer than ``keep`` tokens), ``slot`` long
-    ``(B, H, N)``: the position in ``base`` of the base each token copies (its own for a base)."""
+    ``(B, H, N)``: the position in ``base`` of the base each token copies (its own for a base; for
+    a pruned token the base of its window with the highest key cosine)."""
     batch, heads, n_tokens, _ = keys.shape
-    rep, valid = base_scores(keys, index, key_valid)
+    n_windows, size = index.shape
+    sim, rep, valid = base_scores(keys, index, key_valid)
     score = rep
     if randomness > 0:
         u = torch.rand(rep.shape, generator=generator, dtype=rep.dtype).to(rep.device) * 2 - 1
@@ -138,23 +142,21 @@ def choose_bases(keys, index, keep, randomness, generator, key_valid=None):
     score = score.masked_fill(~valid, INVALID_SCORE).masked_fill(index < 0, float("-inf"))
     # stable order: ties (randomness 0, duplicated tokens) keep the window's first slots
     top = score.argsort(dim=-1, descending=True, stable=True)[..., :keep]  # (B, H, G, keep)
-    windows = torch.arange(index.shape[0], device=keys.device)[:, None]
-    base = index[windows, top].reshape(batch, heads, -1)
-    real = base >= 0
-    # One extra column takes the writes of padding entries; it is dropped after.
-    target = base.masked_fill(~real, n_tokens)
-    is_base = torch.zeros(batch, heads, n_tokens + 1, dtype=torch.bool, device=keys.device)
-    is_base.scatter_(-1, target, True)
-    n_pruned = n_tokens - int(real[0, 0].sum())
-    pruned = (~is_base[..., :n_tokens]).nonzero()[:, 2].reshape(batch, heads, n_pruned)
-    base_valid = real
-    if key_valid is not None:
-        base_valid = real & key_valid[:, None].expand(-1, heads, -1).gather(-1, base.clamp(min=0))
-    _, best = nearest_destination(keys, base.clamp(min=0), pruned, base_valid)
+    windows = torch.arange(n_windows, device=keys.device)[:, None]
+    base = index[windows, top]  # (B, H, G, keep)
+    # Max-similarity copy inside the window: each slot's most similar base (padding and masked
+    # bases last); a base copies itself.
+    to_base = sim.gather(-1, top[..., None, :].expand(-1, -1, -1, size, -1))  # (B, H, G, w, keep)
+    base_valid = valid.expand(-1, heads, -1, -1).gather(-1, top) & (base >= 0)
+    to_base = to_base.masked_fill(~base_valid[..., None, :], -2.0).masked_fill((base < 0)[..., None, :], -3.0)
+    choice = to_base.argmax(dim=-1)  # (B, H, G, w)
+    own = torch.arange(keep, device=keys.device).expand(batch, heads, n_windows, -1)
+    choice = choice.scatter(-1, top, own)
+    slot_of = choice + windows * keep  # position in the flattened base list
+    target = index.masked_fill(index < 0, n_tokens).reshape(-1).expand(batch, heads, -1)
     slot = torch.empty(batch, heads, n_tokens + 1, dtype=torch.long, device=keys.device)
-    slot.scatter_(-1, pruned, best)
-    slot.scatter_(-1, target, torch.arange(base.shape[-1], device=keys.device).expand(batch, heads, -1))
-    return base, slot[..., :n_tokens]
+    slot.scatter_(-1, target, slot_of.reshape(batch, heads, -1))
+    return base.reshape(batch, heads, -1), slot[..., :n_tokens]
 
 
 @register_method
@@ -212,6 +214,9 @@ class OptiPrune(Method):
         if split.video_key_valid is not None:
             weight = weight * split.video_key_valid[:, None].to(weight.dtype)
         sizes = weight.new_zeros(base.shape).scatter_add_(-1, slot, weight).masked_fill(~real, 0)
+        if split.video_key_valid is not None:  # a masked key is never attended, whatever it stands for
+            base_key_valid = split.video_key_valid[:, None].expand(-1, q.shape[1], -1).gather(-1, base.clamp(min=0))
+            sizes = sizes.masked_fill(~base_key_valid, 0)
         keys = torch.cat([k_b, split.text_k], dim=2)
         values = torch.cat([v_b, split.text_v], dim=2)
         text_bias = split.text_bias(weight.dtype).expand(-1, q.shape[1], -1)

@@ -118,7 +118,7 @@ def accumulation_dtype(dtype):
 
 
 def nearest_destination(keys, dst, src, dst_valid=None):
-    """Each source's most cosine-similar destination (``tome``'s matching, ``optiprune``'s recovery).
+    """Each source's most cosine-similar destination (``tome``'s matching).
 
     ``keys``: ``(B, H, N, D)``; ``dst``/``src``: token indices, 1-D (the same for every batch element
     and head) or ``(B, H, n)``; ``dst_valid``: bool broadcastable to ``(B, H, Nd)`` (invalid
