@@ -329,20 +329,20 @@ class ClusterPlan(BlockPlan):
         return self
 
     def run(self, q, k, v, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
-            skip_threshold=None, skip_tile=(64, 64), return_skipped=False):
+            skip_threshold=None, skip_tile=(64, 64), return_skipped=False, quant=None):
         """``fastdit.run_plan`` of this plan (same arguments and results; no skip rule)."""
         if skip_threshold is not None:
             raise ValueError("svg2 plans run on the variable-size engine, which has no skip rule: "
                              "skip_threshold must be None")
         out, lse = run_cluster_plan(q, k, v, self, key_mask=key_mask, query_mask=query_mask, scale=scale,
-                                    backend=backend)
+                                    backend=backend, quant=quant)
         result = (out, lse) if return_lse else (out,)
         if return_skipped:
             result = result + (torch.zeros(q.shape[:2], dtype=torch.int32, device=q.device),)
         return result if len(result) > 1 else out
 
 
-def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto"):
+def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto", quant=None):
     """Attention of model-order ``(B, H, S, D)`` tensors under a ``ClusterPlan``: one engine call
     for all heads; returns ``(out, lse)`` in model order."""
     batch, heads, seq, dim = q.shape
@@ -361,7 +361,7 @@ def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, 
     out, lse = block_sparse_attention_varlen(
         q_k, k_k, v_k, plan.q_offsets.reshape(groups, 1, -1), plan.k_offsets.reshape(groups, 1, -1),
         plan.kv_indices.reshape(groups, 1, mq, width), plan.kv_counts.reshape(groups, 1, mq), scale=scale,
-        kv_valid=valid, return_lse=True, backend=backend, validate=False)  # valid by construction (tests check)
+        kv_valid=valid, return_lse=True, backend=backend, validate=False, quant=quant)  # plan valid by construction
     back = (plan.q_inverse + base).reshape(-1)
     out = out.reshape(groups * seq, dim).index_select(0, back).view(batch, heads, seq, dim)
     lse = lse.reshape(-1).index_select(0, back).view(batch, heads, seq)
