@@ -23,7 +23,7 @@ from .emulation import allowed_blocks, fixed_blocks, quant_attention_emulated, q
 QUANT_MODES = (None, "int8", "int8-fp8")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: Engines with a Triton quantised kernel; the others run the emulation on the Triton backend too.
-TRITON_KERNELS = ()
+TRITON_KERNELS = ("fixed", "varlen")
 
 
 def fp8_supported(device):
