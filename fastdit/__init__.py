@@ -13,7 +13,7 @@ from .context import AttentionContext
 from .calibration.search import calibrate
 from .functional import attention
 from .layout import TokenLayout
-from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, PruneConfig, RadialConfig, SpargeConfig,
+from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, OptiPruneConfig, PruneConfig, RadialConfig, SpargeConfig,
                       STAConfig, SVG2Config, SVGConfig, ToDoConfig, ToMeConfig, WindowConfig, method_names)
 from .patching import AlreadyPatchedError, Patch, patch
 from .stats import PatchStats
@@ -22,6 +22,6 @@ from .plan import BlockPlan, run_plan
 __version__ = "0.1.0"
 
 __all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "BlockSparseConfig", "DenseConfig", "Method",
-           "MethodConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
+           "MethodConfig", "OptiPruneConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
            "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "calibrate", "method_names", "methods", "patch",
            "run_plan"]

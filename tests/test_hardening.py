@@ -39,6 +39,9 @@ _CHILD = textwrap.dedent("""
     import signal
     import numpy as np, torch, torch.nn.functional as F, fastdit
     from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
+    # a shell without job control starts background jobs with SIGINT ignored, and Python then keeps
+    # it ignored: the suite run as `... &` (CI, nohup) would wait here forever. Take Ctrl-C as Python does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     pipe = tiny("wan")
     kwargs = {**TINY_TEST_DEFAULTS["wan"], "num_inference_steps": 4}
     def run(**extra):

@@ -2,7 +2,8 @@
 
 Without processes: a plan cut into (query shard, key shard) parts (``shard_part``) and merged over
 the ring steps (``ring_attend``) equals the whole plan (``run_plan``) and a float64 masked softmax
-built from the plan's token mask, for one-order plans (sta, radial) and per-head orders (svg), text
+built from the plan's token mask, for one-order plans (sta, radial), per-head orders (svg) and
+variable-size cluster blocks (svg2), text
 prefix / suffix, a key mask, 2 and 4 shards, and key shards without a kept block are skipped.
 With 2 and 4 gloo processes: tiny Wan (video only), Flux (text prefix) and Qwen-Image (text prefix
 with padding: a key mask) under ring 2, ring 4 and ulysses 2 x ring 2 equal the single-process
@@ -21,7 +22,7 @@ from fastdit.plan import run_plan
 from cp_worker import run, run_parallel
 from test_context_parallel import applicable, method_options
 
-RING = ("sta", "radial", "sparge", "svg")
+RING = ("sta", "radial", "sparge", "svg", "svg2")
 
 
 def ring_options(method, family):
@@ -47,7 +48,8 @@ def _plan(method, layout, heads, q, k, v, key_mask):
 
     cls = get_method(method)
     options = {"sta": dict(tile=(1, 2, 2), window=[(1, 1, 1), (3, 1, 3), (1, 3, 3)]), "radial": dict(block_size=64),
-               "svg": dict(block_size=16, density=0.25)}[method]
+               "svg": dict(block_size=16, density=0.25),
+               "svg2": dict(q_clusters=6, k_clusters=10, top_p=0.3, init_iters=4)}[method]
     instance = cls(cls.resolve(cls.make_config(**options, dense_steps=0, dense_layers=0)))
     ctx = AttentionContext(layer=0, layer_name="x", step=0, num_steps=1, branch=0, layout=layout, call=None,
                            key_mask=key_mask, num_heads=heads, total_heads=heads)
@@ -58,7 +60,8 @@ def _plan(method, layout, heads, q, k, v, key_mask):
 @pytest.mark.parametrize("method,layout,ring,ulysses", [
     ("sta", TokenLayout((4, 4, 6)), 4, 1), ("sta", TokenLayout((2, 4, 6), 8, "prefix"), 2, 2),
     ("radial", TokenLayout((16, 4, 8), 8, "suffix"), 2, 1), ("svg", TokenLayout((4, 4, 8)), 2, 1),
-    ("svg", TokenLayout((4, 4, 8), 4, "prefix"), 4, 1)])
+    ("svg", TokenLayout((4, 4, 8), 4, "prefix"), 4, 1), ("svg2", TokenLayout((4, 4, 6)), 4, 1),
+    ("svg2", TokenLayout((2, 4, 6), 8, "suffix"), 2, 2)])
 def test_ring_parts_merge_to_the_whole_plan(method, layout, ring, ulysses):
     torch.manual_seed(len(method) + ring)
     heads, seq = 3, layout.seq_len
@@ -93,7 +96,7 @@ def test_ring_parts_merge_to_the_whole_plan(method, layout, ring, ulysses):
 
 def test_every_ring_method_equals_one_process_on_two_ranks():
     """Ring 2 on tiny Wan, Flux and Qwen-Image (padding mask): each supported method equals the
-    single-process output; token methods and svg2 refuse (patched before or after enabling)."""
+    single-process output; token methods refuse (patched before or after enabling)."""
     jobs, expected = [], {}
     for family, methods in (("wan", RING), ("flux", ("sparge",)), ("qwen", ("sta",))):
         for method in methods:
@@ -104,14 +107,14 @@ def test_every_ring_method_equals_one_process_on_two_ranks():
     local = {"tile": (1, 2, 2), "window": (1, 3, 3), "dense_steps": 0}  # one frame: rank 1's keys are never needed
     jobs.append((("wan", "sta", "local"), "wan", "sta", local, True, True))
     expected["wan", "sta", "local"] = run("wan", "sta", local)
-    for method, patch_first in (("todo", True), ("svg2", False), ("prune", True)):
+    for method, patch_first in (("todo", True), ("tome", False), ("prune", True)):
         jobs.append((("refused", method), "wan", method, method_options(method, "wan"), patch_first, True))
     jobs.append((("odd",), "wan_odd", "sta", method_options("sta", "wan"), True, True))  # 45 tokens, 2 ranks
     results = run_parallel(jobs, world=2)
     _check(results, expected)
     out, error = results["odd",]
     assert out is None and "ValueError" in error and "2 equal chunks" in error and "45 video tokens" in error, error
-    for method in ("todo", "svg2", "prune"):
+    for method in ("todo", "tome", "prune"):
         out, error = results["refused", method]
         assert out is None and "ring attention" in error and f"{method!r}" in error and "ulysses_degree" in error, error
 
@@ -120,7 +123,7 @@ def test_ring_four_and_ulysses_by_ring_equal_one_process():
     """Ring 4 on Wan; Ulysses 2 x ring 2 on Wan and on Qwen-Image / Flux with 8 text tokens (half of
     Qwen's padding, so two of the four text chunks are all padding)."""
     jobs, expected = [], {}
-    for method in ("sta", "svg"):
+    for method in ("sta", "svg", "svg2"):
         options = ring_options(method, "wan")
         jobs.append((("wan", method, 4), "wan", method, options, True, (4, 1)))
         expected["wan", method, 4] = run("wan", method, options)

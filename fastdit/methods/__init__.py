@@ -16,13 +16,13 @@ from .sparge import SpargeConfig
 from .sta import STAConfig
 from .svg import SVGConfig
 from .svg2 import SVG2Config
-from .tokens import ToDoConfig, ToMeConfig
+from .tokens import OptiPruneConfig, ToDoConfig, ToMeConfig
 from .window import WindowConfig
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 del _module
 
-__all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
+__all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError", "OptiPruneConfig",
            "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig", "ToDoConfig", "ToMeConfig",
            "WindowConfig", "get_method", "method_names", "option", "register_method", "tiny_presets"]

@@ -16,8 +16,11 @@ token sits in exactly one shard, so the steps' key sets are disjoint and togethe
 merging the steps' ``(out, lse)`` through the log-sum-exp (``merge_lse``, fastdit's own merge:
 diffusers' ring merge takes no step without keys, whose lse is ``-inf``) gives the single-process
 result up to rounding. A step whose part keeps no block pair is skipped without computing and
-counted. Works for plans with one kernel order (``BlockPlan.perm``) and per-head orders (svg's
-``HeadOrderPlan.head_orders``).
+counted. Works for plans with one kernel order (``BlockPlan.perm``), per-head orders (svg's
+``HeadOrderPlan.head_orders``) and variable-size cluster blocks (svg2's ``ClusterPlan``: its
+kernel orders restricted to one shard's tokens keep every cluster contiguous, so the part is the
+same cluster-pair list over the clusters' shard-local sizes, ``cluster_part``; empty blocks are
+allowed by the variable-size engine).
 """
 from __future__ import annotations
 
@@ -26,13 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastdit.kernels import block_sparse_attention
+from fastdit.kernels import block_sparse_attention, block_sparse_attention_varlen
 from fastdit.layout import shard_order
 
 from ..corrections import merge_lse
 
-#: Block-sparse methods whose plans ``shard_part`` cuts (svg2's variable-size cluster blocks are not cut yet).
-RING_METHODS = ("sta", "radial", "sparge", "svg")
+#: Block-sparse methods whose plans ``shard_part`` / ``cluster_part`` cut.
+RING_METHODS = ("sta", "radial", "sparge", "svg", "svg2")
 
 
 def ring_refusal(method):
@@ -41,9 +44,7 @@ def ring_refusal(method):
     if name == "dense":
         return None
     if name not in RING_METHODS:
-        why = ("svg2's plan has variable-size cluster blocks, which fastdit does not cut into ring shards yet"
-               if name == "svg2" else
-               f"{name} is a token method: it attends pooled, merged or cached tokens of the whole sequence, "
+        why = (f"{name} is a token method: it attends pooled, merged or cached tokens of the whole sequence, "
                "which one ring shard does not hold")
         return (f"method {name!r} does not run under ring attention ({why}); ring runs {', '.join(RING_METHODS)}. "
                 "Use Ulysses context parallelism (ContextParallelConfig(ulysses_degree=N), every method) for it")
@@ -185,20 +186,94 @@ def run_part(q, k, v, part, key_mask=None, scale=None, backend="auto"):
     return full_out.view(batch, heads, length, dim), full_lse.view(batch, heads, length)
 
 
+@dataclass
+class ClusterPart:
+    """One ring step's part of a variable-size cluster plan (svg2), ``(B, H, ...)`` tensors.
+
+    ``q_index`` / ``k_index`` ``(B, H, L)``: local query / key shard position at each sub-kernel
+    row / column (every shard token once, clusters contiguous); ``q_offsets`` / ``k_offsets``: the
+    clusters' boundaries over the shard's tokens (empty clusters allowed); ``kv_indices`` /
+    ``kv_counts``: the plan's own cluster pairs; ``pairs``: kept cluster pairs with tokens on both sides."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    q_offsets: torch.Tensor
+    k_offsets: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_counts: torch.Tensor
+    pairs: int
+
+
+def _shard_clusters(order, offsets, shard, local, which, length):
+    """Kernel order ``order`` ``(B, H, S)`` (clusters at ``offsets``) cut to the tokens of shard
+    ``which``: their local positions ``(B, H, length)`` in kernel order, the cut clusters' offsets
+    (int32) and sizes."""
+    owned = shard.to(order.device)[order] == which
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order).contiguous()
+    cluster = torch.searchsorted(offsets.long().contiguous(), positions, right=True) - 1
+    sizes = torch.zeros(*order.shape[:2], offsets.shape[-1] - 1, dtype=torch.long, device=order.device)
+    sizes.scatter_add_(-1, cluster, owned.long())
+    tokens = order.gather(-1, _first(owned, length))  # stable: each cluster's tokens stay together, in order
+    return local.to(order.device)[tokens], F.pad(sizes.cumsum(-1), (1, 0)).to(torch.int32), sizes
+
+
+def cluster_part(plan, shard, local, q_shard, k_shard):
+    """The part of a ``ClusterPlan`` for queries of shard ``q_shard`` against keys of shard
+    ``k_shard``, or None when no kept cluster pair has tokens of both shards."""
+    length = int((shard == q_shard).sum())
+    q_index, q_offsets, q_sizes = _shard_clusters(plan.q_order, plan.q_offsets, shard, local, q_shard, length)
+    k_index, k_offsets, k_sizes = _shard_clusters(plan.k_order, plan.k_offsets, shard, local, k_shard, length)
+    kept = plan.kept_pairs() & (q_sizes > 0)[..., :, None] & (k_sizes > 0)[..., None, :]
+    pairs = int(kept.sum())
+    if pairs == 0:
+        return None
+    return ClusterPart(q_index, k_index, q_offsets, k_offsets, plan.kv_indices, plan.kv_counts, pairs)
+
+
+def run_cluster_part(q, k, v, part, key_mask=None, scale=None, backend="auto"):
+    """``(out, lse)`` of local queries ``q`` against one key shard under a ``ClusterPart``
+    (the arguments and results of ``run_part``)."""
+    batch, heads, length, dim = q.shape
+    groups = batch * heads
+    k_index = part.k_index.expand(batch, heads, -1)
+    valid = None
+    if key_mask is not None:
+        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, -1)
+        valid = keys.gather(-1, k_index).reshape(groups, -1)
+    n_m, width = part.kv_indices.shape[-2:]
+
+    def flat(t, last):
+        return t.expand(batch, heads, *t.shape[2:]).reshape(groups, 1, *last)
+
+    out, lse = block_sparse_attention_varlen(
+        _rows(q, part.q_index), _rows(k, part.k_index), _rows(v, part.k_index), flat(part.q_offsets, (-1,)),
+        flat(part.k_offsets, (-1,)), flat(part.kv_indices, (n_m, width)), flat(part.kv_counts, (n_m,)),
+        scale=scale, kv_valid=valid, return_lse=True, backend=backend, validate=False)
+    target = (part.q_index.expand(batch, heads, -1) + (torch.arange(groups, device=q.device) * length).view(
+        batch, heads, 1)).reshape(-1)  # every local query exactly once
+    full_out = q.new_empty(groups * length, dim, dtype=torch.float32)
+    full_lse = torch.empty(groups * length, device=q.device)
+    full_out[target] = out.reshape(-1, dim).float()
+    full_lse[target] = lse.reshape(-1)
+    return full_out.view(batch, heads, length, dim), full_lse.view(batch, heads, length)
+
+
 def ring_attend(plan, q, key_shard, shard, local, rank, ring, scale=None, backend="auto"):
     """The rank's queries ``q`` ``(B, H, L, D)`` (shard ``rank``) against every key shard, one ring
     step at a time in diffusers' order; ``key_shard(s)`` gives ``(k, v, key_mask or None)`` of
     shard ``s``. Returns ``(out float32, lse, steps computed, steps skipped, block pairs)``."""
     out = lse = None
     skipped = pairs = 0
+    clusters = getattr(plan, "q_offsets", None) is not None  # svg2's variable-size cluster blocks
+    cut, run = (cluster_part, run_cluster_part) if clusters else (shard_part, run_part)
     for step in range(ring):
         target = (rank + step) % ring
-        part = shard_part(plan, shard, local, rank, target)
+        part = cut(plan, shard, local, rank, target)
         if part is None:  # no kept block of this key shard for these queries: nothing to compute
             skipped += 1
             continue
         k, v, key_mask = key_shard(target)
-        part_out, part_lse = run_part(q, k, v, part, key_mask, scale, backend)
+        part_out, part_lse = run(q, k, v, part, key_mask, scale, backend)
         pairs += part.pairs
         out, lse = (part_out, part_lse) if out is None else merge_lse(out, lse, part_out, part_lse)
     if out is None:

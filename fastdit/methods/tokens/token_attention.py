@@ -1,4 +1,4 @@
-"""What the token methods (``todo``, ``tome``) share: splitting a call into video and text tokens,
+"""What the token methods (``todo``, ``tome``, ``optiprune``) share: splitting a call into video and text tokens,
 attention with a float score bias, and dense text rows.
 
 A token method reduces the video tokens of a call (pools or merges them) and runs one attention
@@ -115,6 +115,29 @@ def record_token_call(ctx, split, queries, keys):
 def accumulation_dtype(dtype):
     """Sums and means run in float32 (float64 for float64 inputs, e.g. references)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def nearest_destination(keys, dst, src, dst_valid=None):
+    """Each source's most cosine-similar destination (``tome``'s matching, ``optiprune``'s recovery).
+
+    ``keys``: ``(B, H, N, D)``; ``dst``/``src``: token indices, 1-D (the same for every batch element
+    and head) or ``(B, H, n)``; ``dst_valid``: bool broadcastable to ``(B, H, Nd)`` (invalid
+    destinations are never chosen while a valid one exists). With ``c(i, j) = k_i . k_j / (|k_i| |k_j|)``
+    returns ``(best, which)``: ``max_j c(i, dst_j)`` and ``argmax_j`` (a position in ``dst``), ``(B, H, Ns)``.
+    """
+    # Cosine similarity in float32 on the CPU; in the inputs' dtype on a GPU (a plain matmul).
+    work = accumulation_dtype(keys.dtype) if keys.device.type == "cpu" else keys.dtype
+    metric = F.normalize(keys.to(accumulation_dtype(keys.dtype)), dim=-1).to(work)
+
+    def pick(index):
+        if index.dim() == 1:
+            return metric.index_select(2, index)
+        return metric.gather(2, index[..., None].expand(-1, -1, -1, metric.shape[-1]))
+
+    scores = pick(src) @ pick(dst).transpose(-1, -2)  # (B, H, Ns, Nd)
+    if dst_valid is not None:
+        scores = scores.masked_fill(~dst_valid[..., None, :], float("-inf"))
+    return scores.max(dim=-1)
 
 
 def ceil_div(a, b):

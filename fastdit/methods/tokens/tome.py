@@ -38,11 +38,10 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..base import Method, MethodConfig, option, register_method
 from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, check_positive_int, check_ratio,
-                              grid_groups, log_size_bias, record_token_call)
+                              grid_groups, log_size_bias, nearest_destination, record_token_call)
 
 
 @dataclass
@@ -91,14 +90,9 @@ def match(keys, dst, src, merged, key_valid=None):
     """
     batch, heads, n_tokens, _ = keys.shape
     n_dst, n_src = dst.numel(), src.numel()
-    # Cosine similarity in float32 on the CPU; in the inputs' dtype on a GPU (a plain matmul).
-    work = accumulation_dtype(keys.dtype) if keys.device.type == "cpu" else keys.dtype
-    metric = F.normalize(keys.to(accumulation_dtype(keys.dtype)), dim=-1).to(work)
-    scores = metric.index_select(2, src) @ metric.index_select(2, dst).transpose(-1, -2)  # (B, H, Ns, Nd)
-    if key_valid is not None:
-        # Valid sources prefer valid destinations; invalid sources merge last (they add nothing).
-        scores = scores.masked_fill(~key_valid[:, None, None, dst], float("-inf"))
-    best, best_dst = scores.max(dim=-1)  # (B, H, Ns)
+    # Valid sources prefer valid destinations; invalid sources merge last (they add nothing).
+    dst_valid = None if key_valid is None else key_valid[:, None, dst]
+    best, best_dst = nearest_destination(keys, dst, src, dst_valid)  # (B, H, Ns)
     if key_valid is not None:
         best = best.masked_fill(~key_valid[:, None, src], float("-inf"))
     # stable: ties (e.g. invalid sources, all -inf) merge in token order, deterministically
