@@ -17,7 +17,16 @@ L1 ``sum |o' - o| / sum |o|`` of the quantised against the unquantised output). 
 dense plan of 64 x 64 blocks, i.e. quantisation alone. ``int8-fp8`` needs FP8 tensor cores, so off
 an sm_89+ GPU it is measured on the dense row only, through the PyTorch emulation
 (``fastdit.kernels.quant.quant_attention_emulated``, the same formulas). Errors are deterministic
-(seeded inputs); no timing here (``scripts/gpu_check.sh`` times the modes on a GPU).
+(seeded inputs).
+
+``--speed`` (a GPU; ``scripts/gpu_check.sh``'s opt-in ``quant`` part): bf16, D=64, 24 heads; the
+engine at N=32768 on a random plan of 128 x 128 blocks (each query block keeps its diagonal block
+and others at random, density ``--density``) and sta through ``fastdit.attention`` at Wan 480p's
+21x30x52 grid, each with ``quant`` None / int8 / int8-fp8 (sm_89+), beside dense SDPA (flash) on
+the same q, k, v: one warm-up, then the median of ``--runs`` CUDA-event timed calls, and
+``torch.cuda.max_memory_allocated`` per row. With the ``sageattention`` package importable, its
+``sageattn`` on the dense inputs is timed too and its error against float64 dense attention (on
+2048 rows) printed beside ours.
 """
 from __future__ import annotations
 
@@ -101,6 +110,71 @@ def table(rows):
     return "\n".join(lines)
 
 
+def _timed(fn, runs):
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+
+
+def speed(args):
+    """Times of each quant mode against quant=None and dense SDPA (see the module docstring)."""
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    modes = [None, "int8"] + (["int8-fp8"] if fp8_supported(dev) else [])
+    rows = []
+    n, heads, dim, block = 32768, 24, 64, 128
+    q, k, v = (torch.randn(1, heads, n, dim, generator=gen).to(dev, torch.bfloat16) for _ in range(3))
+    blocks = n // block
+    keep = max(1, round(args.density * blocks))
+    idx = torch.stack([torch.cat([torch.tensor([m]), torch.tensor([j for j in torch.randperm(blocks, generator=gen)
+                                                                   .tolist() if j != m][:keep - 1])])
+                       for m in range(blocks)]).int().view(1, 1, blocks, keep).to(dev)
+    cnt = torch.full((1, 1, blocks), keep, dtype=torch.int32, device=dev)
+    ms, gib = _timed(lambda: F.scaled_dot_product_attention(q, k, v), args.runs)
+    rows.append(dict(case=f"engine N={n}", mode="dense SDPA", ms=ms, peak_gib=gib))
+    for mode in modes:
+        ms, gib = _timed(lambda: block_sparse_attention(q, k, v, idx, cnt, block, block, quant=mode,
+                                                        validate=False), args.runs)
+        rows.append(dict(case=f"engine N={n} density {keep / blocks:.3f}", mode=str(mode), ms=ms, peak_gib=gib))
+    try:
+        from sageattention import sageattn
+    except Exception as error:  # not installed on the device image
+        print(f"sageattention not importable ({type(error).__name__}): its rows are skipped")
+    else:
+        ms, gib = _timed(lambda: sageattn(q, k, v, tensor_layout="HND"), args.runs)
+        rows.append(dict(case=f"engine N={n}", mode="sageattn (dense)", ms=ms, peak_gib=gib))
+        rows_ref = slice(0, 2048)
+        ref = dense_reference(q[:, :1, rows_ref], k[:, :1], v[:, :1], 1 / math.sqrt(dim))  # head 0
+        full = torch.arange(blocks, dtype=torch.int32, device=dev).expand(1, 1, blocks, blocks).contiguous()
+        full_cnt = torch.full((1, 1, blocks), blocks, dtype=torch.int32, device=dev)
+        ours = block_sparse_attention(q, k, v, full, full_cnt, block, block, quant="int8", return_lse=False)
+        theirs = sageattn(q, k, v, tensor_layout="HND")
+        print(f"dense int8 against float64 (head 0, rows 0-2047): fastdit rel. L2 "
+              f"{rel_l2(ours[:, :1, rows_ref], ref, ref):.4f}, sageattn {rel_l2(theirs[:, :1, rows_ref], ref, ref):.4f}")
+    layout = fastdit.TokenLayout(grid=(21, 30, 52))
+    q, k, v = (torch.randn(1, 12, layout.seq_len, dim, generator=gen).to(dev, torch.bfloat16) for _ in range(3))
+    ms, gib = _timed(lambda: F.scaled_dot_product_attention(q, k, v), args.runs)
+    rows.append(dict(case="Wan 480p 21x30x52", mode="dense SDPA", ms=ms, peak_gib=gib))
+    for mode in modes:
+        ms, gib = _timed(lambda: fastdit.attention(q, k, v, method="sta", layout=layout, quant=mode), args.runs)
+        rows.append(dict(case="Wan 480p 21x30x52 sta", mode=str(mode), ms=ms, peak_gib=gib))
+    print("| case | mode | ms (median) | peak GiB |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['mode']} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grid", type=int, nargs=3, default=(4, 12, 16), help="video token grid (T, H, W)")
@@ -110,9 +184,17 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--speed", action="store_true", help="time the modes on a GPU instead")
+    parser.add_argument("--density", type=float, default=0.15, help="--speed: plan density")
+    parser.add_argument("--runs", type=int, default=5, help="--speed: timed runs per row")
     args = parser.parse_args(argv)
-    rows = run(args)
-    print(table(rows))
+    if args.speed:
+        if not torch.cuda.is_available():
+            parser.error("--speed needs a CUDA GPU")
+        rows = speed(args)
+    else:
+        rows = run(args)
+        print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args={k: v for k, v in vars(args).items()}, rows=rows), f, indent=1)
