@@ -26,7 +26,7 @@ and others at random, density ``--density``) and sta through ``fastdit.attention
 the same q, k, v: one warm-up, then the median of ``--runs`` CUDA-event timed calls, and
 ``torch.cuda.max_memory_allocated`` per row. With the ``sageattention`` package importable, its
 ``sageattn`` on the dense inputs is timed too and its error against float64 dense attention (on
-2048 rows) printed beside ours.
+head 0's first 2048 rows) printed beside ours.
 """
 from __future__ import annotations
 
