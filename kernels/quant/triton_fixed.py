@@ -29,7 +29,7 @@ import triton.language as tl
 from ..triton_tuning import _next_pow2
 
 LOG2E = 1.4426950408889634
-RNE = 12582912.0  # 1.5 * 2**23: (y + RNE) - RNE rounds a float32 |y| < 2**22 to the nearest integer, ties to even
+RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + RNE) - RNE rounds a float32 |y| < 2**22 to the nearest integer, ties to even
 
 
 @triton.jit
@@ -104,15 +104,26 @@ def quantize_triton(x, blocks, mean=None, q_for_shift=None, shift_scale=0.0, off
         off_args = (offsets, osb, osh, offsets.stride(2))
     else:
         off_args = (scales, 0, 0, 0)  # never read
-    mean_arg = mean.reshape(batch * heads, dim).contiguous() if mean is not None else scales
+    mean_arg = mean.reshape(batch * heads, dim) if mean is not None else scales
     if n_blocks and batch * heads:
-        _quantize_kernel[(n_blocks, batch * heads)](
-            x, mean_arg, x8, scales, shift, off_args[0], *x.stride(), *off_args[1:],
-            heads, length, dim, blocks or 1, n_blocks, float(shift_scale),
-            BLOCK_R=32, BLOCK_D=max(16, _next_pow2(dim)), SMOOTH=mean is not None and not q_for_shift,
-            SHIFT=bool(q_for_shift), VARLEN=offsets is not None,
-        )
+        args, flags = quantize_kernel_args(x, mean_arg, x8, scales, shift, off_args, blocks, n_blocks, shift_scale,
+                                           mean is not None and not q_for_shift, bool(q_for_shift), offsets is not None)
+        _quantize_kernel[(n_blocks, batch * heads)](*args, **flags)
     return (x8, scales, shift) if q_for_shift else (x8, scales)
+
+
+QUANTIZE_ROWS = 32  # rows a step of the quantiser (BLOCK_R)
+
+
+def quantize_kernel_args(x, mean, x8, scales, shift, off_args, blocks, n_blocks, shift_scale, smooth, with_shift,
+                         varlen):
+    """``(args, flags)`` of ``_quantize_kernel`` (shared with the offline compile check)."""
+    _, heads, length, dim = x.shape
+    args = (x, mean, x8, scales, shift, off_args[0], *x.stride(), *off_args[1:], heads, length, dim, blocks or 1,
+            n_blocks, float(shift_scale))
+    flags = dict(BLOCK_R=QUANTIZE_ROWS, BLOCK_D=max(16, _next_pow2(dim)), SMOOTH=smooth, SHIFT=with_shift,
+                 VARLEN=varlen)
+    return args, flags
 
 
 @triton.jit
@@ -251,19 +262,27 @@ def quant_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block_n, sca
         return out.zero_(), lse.fill_(float("-inf"))
     q8, q_scales, shift, k8, k_scales, v_used, v_scale = prepare_quant(q, k, v, scale, quant, block_m, block_n)
     interpreted = _interpreted(q.device)
-    bm, bn = tiles(block_m, block_n, interpreted)
-    n_qblocks, n_kblocks = -(-n_q // block_m), -(-n_k // block_n)
-    kvv, svb, svn = kv_valid_args(kv_valid, batch, kv_counts)
-    grid = (n_qblocks * -(-block_m // bm), batch * heads)
-    fp8 = quant == "int8-fp8"
+    args, flags = quant_kernel_args(q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, kv_indices, kv_counts,
+                                    kv_valid, block_m, block_n, scale, quant, interpreted)
+    grid = (-(-n_q // block_m) * -(-block_m // flags["BLOCK_M"]), batch * heads)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _quant_attn_kernel[grid](
-            q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, kv_indices, kv_counts, kvv,
+        _quant_attn_kernel[grid](*args, **flags)
+    return out, lse + shift
+
+
+def quant_kernel_args(q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, kv_indices, kv_counts, kv_valid,
+                      block_m, block_n, scale, quant, interpreted):
+    """``(args, flags)`` of ``_quant_attn_kernel``: positional arguments, tiles, flags, warps and
+    stages (shared by the launcher and the offline compile check)."""
+    batch, heads, n_q, dim = q8.shape
+    n_k = k8.shape[2]
+    bm, bn = tiles(block_m, block_n, interpreted)
+    kvv, svb, svn = kv_valid_args(kv_valid, batch, kv_counts)
+    args = (q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, kv_indices, kv_counts, kvv,
             *v_used.stride(), *out.stride(), *plan_strides(kv_indices, batch, heads),
             *plan_strides(kv_counts, batch, heads), svb, svn,
-            heads, n_q, n_k, dim, block_m, block_n, n_qblocks, n_kblocks, float(scale) * LOG2E,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(32, _next_pow2(dim)), HAS_KV_VALID=kv_valid is not None,
-            FP8=fp8, UPCAST=interpreted and q.dtype == torch.bfloat16, num_warps=4 if bm <= 64 else 8,
-            num_stages=1 if interpreted else 2,
-        )
-    return out, lse + shift
+            heads, n_q, n_k, dim, block_m, block_n, -(-n_q // block_m), -(-n_k // block_n), float(scale) * LOG2E)
+    flags = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(32, _next_pow2(dim)), HAS_KV_VALID=kv_valid is not None,
+                 FP8=quant == "int8-fp8", UPCAST=interpreted and out.dtype == torch.bfloat16,
+                 num_warps=4 if bm <= 64 else 8, num_stages=1 if interpreted else 2)
+    return args, flags

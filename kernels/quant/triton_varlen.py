@@ -102,20 +102,36 @@ def quant_attention_varlen_triton(q, k, v, q_offsets, k_offsets, kv_indices, kv_
     q8, q_scales, shift, k8, k_scales, v_used, v_scale = prepare_quant(q, k, v, scale, quant, None, None,
                                                                        q_offsets, k_offsets)
     interpreted = _interpreted(q.device)
-    block_m, block_n = (16, 32) if interpreted else (64, 64)
+    block_m = varlen_tiles(interpreted)[0]
     n_slots = n_qblocks + -(-n_q // block_m)
     sched_block, sched_tile = row_tile_schedule(q_offsets, block_m, n_slots)
-    kvv, svb, svn = kv_valid_args(kv_valid, batch, kv_counts)
+    args, flags = quant_varlen_kernel_args(q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, q_offsets,
+                                           k_offsets, kv_indices, kv_counts, kv_valid, sched_block, sched_tile, scale,
+                                           quant, interpreted)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _quant_varlen_kernel[(n_slots, batch * heads)](
-            q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, q_offsets, k_offsets, kv_indices, kv_counts, kvv,
+        _quant_varlen_kernel[(n_slots, batch * heads)](*args, **flags)
+    return out, lse + shift
+
+
+def varlen_tiles(interpreted):
+    """``(BLOCK_M, BLOCK_N)`` of the quantised variable-size kernel."""
+    return (16, 32) if interpreted else (64, 64)
+
+
+def quant_varlen_kernel_args(q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, q_offsets, k_offsets, kv_indices,
+                             kv_counts, kv_valid, sched_block, sched_tile, scale, quant, interpreted):
+    """``(args, flags)`` of ``_quant_varlen_kernel`` (shared by the launcher and the offline check)."""
+    batch, heads, n_q, dim = q8.shape
+    block_m, block_n = varlen_tiles(interpreted)
+    kvv, svb, svn = kv_valid_args(kv_valid, batch, kv_counts)
+    args = (q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, q_offsets, k_offsets, kv_indices, kv_counts, kvv,
             sched_block, sched_tile,
             *v_used.stride(), *out.stride(), *plan_strides(q_offsets, batch, heads),
             *plan_strides(k_offsets, batch, heads), *plan_strides(kv_indices, batch, heads),
             *plan_strides(kv_counts, batch, heads), svb, svn, *plan_strides(sched_block, batch, heads),
-            heads, n_q, n_k, dim, n_qblocks, n_kblocks, float(scale) * LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(32, _next_pow2(dim)), HAS_KV_VALID=kv_valid is not None,
-            FP8=quant == "int8-fp8", UPCAST=interpreted and q.dtype == torch.bfloat16,
-            num_warps=4, num_stages=1 if interpreted else 2,
-        )
-    return out, lse + shift
+            heads, n_q, k8.shape[2], dim, q_offsets.shape[-1] - 1, k_offsets.shape[-1] - 1, float(scale) * LOG2E)
+    flags = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(32, _next_pow2(dim)),
+                 HAS_KV_VALID=kv_valid is not None, FP8=quant == "int8-fp8",
+                 UPCAST=interpreted and out.dtype == torch.bfloat16, num_warps=4 if interpreted else 8,
+                 num_stages=1 if interpreted else 2)  # 4 warps spill at 64 x 64 (offline check, sm_89)
+    return args, flags
