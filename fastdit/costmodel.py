@@ -321,3 +321,72 @@ def worth_warning(method, q, k, info, threshold=MIN_GAIN):
             f"{call.total_ms:.3f} ms (kernel {call.kernel_ms:.3f} + outside {call.outside_ms:.3f}, computed "
             f"fraction {call.density:.2f} with padding and tile rounding) vs dense {dense.total_ms:.3f} ms "
             f"(fastdit.costmodel; below {threshold:.0%}: sparse attention may not pay off at this size)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Per head (method="auto": the cheapest method per head within an error budget)
+# --------------------------------------------------------------------------------------------------
+
+DEFAULT_GPU = "H100"
+
+
+def gpu_named(name):
+    """The ``GPU`` of ``GPUS`` called ``name`` (case and spaces ignored: ``h100``, ``rtx4090``,
+    ``4090``); ValueError naming the known GPUs otherwise (no silent default)."""
+    if isinstance(name, GPU):
+        return name
+    key = str(name).upper().replace(" ", "").replace("RTX", "")
+    for known, gpu in GPUS.items():
+        if known.upper().replace(" ", "").replace("RTX", "") == key:
+            return gpu
+    raise ValueError(f"unknown gpu {name!r} for the cost model; known: {sorted(GPUS)} (fastdit/costmodel.py)")
+
+
+def token_outside_ms(gpu, method, options, batch, n, head_dim, elt=2):
+    """Per head, what a token method does besides attention (milliseconds): ToMe's matching
+    (``(N - N/w) x N/w`` cosine scores, ``w = sx sy st`` tokens a window: ``2 B (N - N/w)(N/w) D``
+    FLOPs at ``gemm_eff``) and its merge / unmerge (two scatter-adds and a gather: ``8 B N D e``
+    bytes); ToDo's pooling (read K, V, write the pooled ones: ``4 B N D e`` bytes). 0 for others."""
+    options = options or {}
+    if method == "tome":
+        w = max(1, int(options.get("sx", 2)) * int(options.get("sy", 2)) * int(options.get("st", 1)))
+        flops = 2.0 * batch * (n - n / w) * (n / w) * head_dim
+        return _seconds_ms(flops, gpu.peak_tflops, gpu.gemm_eff, 8.0 * batch * n * head_dim * elt, gpu.bandwidth_gbs)
+    if method == "todo":
+        return _seconds_ms(0.0, gpu.peak_tflops, gpu.gemm_eff, 4.0 * batch * n * head_dim * elt, gpu.bandwidth_gbs)
+    return 0.0
+
+
+def head_times(gpu, info, batch, heads, n_q, n_k, head_dim, elt=2, dtype="bf16", method=None, options=None):
+    """Predicted milliseconds per head of one call of a method (a list of ``heads`` floats), from
+    the call's ``info`` (``fastdit.attention(..., return_info=True)``).
+
+    Per head ``h``, the kernel time of its own work and an equal share of what the call does
+    outside the kernel: a block plan's computed pairs of head ``h`` rounded to whole kernel tiles
+    (``plan_pairs`` on that head) at ``kernel_eff``, memory ``4 B L D e`` of its padded length at
+    ``mem_eff`` (the larger of the two), plus ``outside_ms / heads`` of ``plan_call`` (permutation,
+    dynamic selection, launches); a token method (``performed / total``) at its per-head density
+    of the dense head time plus ``token_outside_ms`` of ``method`` (its matching or pooling, given
+    its ``options``); a dense call (or a method that reported nothing) the dense head time
+    ``dense_call(gpu, B, H, N, Nk, D) / H``. Launches are shared by the call's heads (``launch_us /
+    H`` each; a token method's two extra launches, its reduction and its attention, likewise). A
+    head's time is what it adds to a call of ``H`` heads, so methods compare per head on equal
+    terms; ``auto``'s grouping pays one launch per group besides, which this leaves out."""
+    dense_head = dense_call(gpu, batch, heads, n_q, n_k, head_dim, elt).total_ms / heads  # one launch, shared
+    plan = info.get("plan")
+    if info.get("dense") or (plan is None and "head_density" not in info):
+        return [dense_head] * heads
+    if plan is None or not hasattr(plan, "kv_counts"):  # a token method: its per-head density, and its own work
+        extra = token_outside_ms(gpu, method, options, batch, n_q, head_dim, elt) + 1e-3 * LAUNCH_US * 2 / heads
+        return [float(d) * dense_head + extra for d in info["head_density"]]
+    tile = kernel_tile(gpu, head_dim, dtype)
+    bm, bn = tile
+    rows = -(-plan.block_m // bm) * bm
+    cols = -(-plan.block_n // bn) * bn
+    counts = plan.kv_counts.double().sum(-1)  # (1|B, 1|H)
+    per_head = counts.expand(batch, heads).sum(0) * rows * cols  # computed score entries, tile-rounded
+    nbytes = 4.0 * batch * plan.kernel_len * head_dim * elt
+    outside = plan_call(gpu, plan, batch, heads, head_dim, elt, dtype).outside_ms / heads
+    launch = 1e-3 * LAUNCH_US / heads  # the kernel's launch, shared by the call's heads
+    return [_seconds_ms(4.0 * head_dim * float(p), gpu.peak_tflops, gpu.kernel_eff, nbytes, gpu.bandwidth_gbs)
+            + outside + launch for p in per_head]

@@ -81,7 +81,7 @@ def test_other_grid_applies_with_a_fixed_tile_and_is_refused_with_a_fitted_one()
 
 
 @pytest.mark.parametrize("mutate, needle", [
-    (lambda p: p.update(version=2), "'version'"),
+    (lambda p: p.update(version=3), "'version'"),
     (lambda p: p.update(format="other"), "'format'"),
     (lambda p: p.update(method="nope"), "'method'"),
     (lambda p: p["model"].update(layers=0), "'model.layers'"),

@@ -61,7 +61,7 @@ def test_import_reproduces_fastvideo_rule_with_grid(tmp_path):
     windows = {"0_0_0": [5, 2, 3], "0_0_1": [1, 1, 1], "0_1_0": [2, 1, 3], "0_1_1": [4, 2, 1],
                "1_0_0": [3, 1, 1], "1_0_1": [5, 2, 3], "1_1_0": [1, 2, 1], "1_1_1": [3, 1, 3]}
     plan = load_strategy(write_strategy(tmp_path, windows), grid=GRID, tile=TILE)
-    assert plan["version"] == 1 and plan["method"] == "sta" and plan["step_buckets"] == [0, 1]
+    assert plan["version"] == 2 and plan["method"] == "sta" and plan["step_buckets"] == [0, 1]
     method = SlidingTile(**{k: tuple(v) if isinstance(v, list) else v for k, v in plan["options"].items()},
                          strategy={k: tuple(v) for k, v in plan["strategy"].items()})
     layout = TokenLayout(GRID, TEXT, "suffix")

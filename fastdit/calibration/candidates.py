@@ -19,7 +19,8 @@ import torch
 
 from fastdit.methods.base import get_method
 
-__all__ = ["candidates_for", "has_candidates", "register_candidates", "select_plan", "sta_candidates"]
+__all__ = ["AUTO_METHODS", "auto_candidates", "candidates_for", "has_candidates", "register_candidates", "select_auto",
+           "select_plan", "sta_candidates"]
 
 _CANDIDATES = {}
 
@@ -79,6 +80,43 @@ def _register_defaults():
 
 _register_defaults()
 
+#: The methods ``auto`` chooses from (dense is always a choice; prune and window reuse results across
+#: steps, so their error on one call says little of a run: left out).
+AUTO_METHODS = ("sta", "radial", "sparge", "svg", "svg2", "todo", "tome")
+
+
+def auto_candidates(layout=None, options=None, methods=AUTO_METHODS):
+    """The candidates of ``method="auto"``: ``{"method": name, **options}`` for each method of
+    ``methods`` and each of its default candidates, with the method's base ``options[name]``.
+    sta gets a compact set of windows (its full set is 4 widths per axis): per axis 1 and 3 tiles
+    (those below the axis' tile count) and the whole axis (the smallest odd width >= its tile
+    count), the whole volume (dense) left out; none without a layout;
+    radial its ``decay`` 0.95, 0.5, 0.25."""
+    import itertools
+
+    from fastdit.methods.sta import SlidingTile
+
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(AUTO_METHODS))
+    if unknown:
+        raise ValueError(f"auto: options given for {unknown}, which auto does not choose from; its methods: "
+                         f"{list(AUTO_METHODS)}")
+    out = []
+    for name in methods:
+        base = dict(options.get(name, {}))
+        if name == "sta":
+            if layout is None:
+                continue  # windows count tiles of the layout's grid
+            tiles = [-(-g // t) for g, t in zip(layout.grid, SlidingTile(**base).tile_for(layout))]
+            per_axis = [[w for w in (1, 3) if w < n] + [n | 1] for n in tiles]  # n | 1: odd, >= n: the whole axis
+            found = [{"window": w} for w in itertools.product(*per_axis) if w != tuple(n | 1 for n in tiles)]
+        elif name == "radial":
+            found = [{"decay": d} for d in (0.95, 0.5, 0.25)]
+        else:
+            found = candidates_for(name, layout)
+        out += [{"method": name, **base, **c} for c in found]
+    return out
+
 
 # -- choosing ---------------------------------------------------------------------------------
 def _errors(prompt_results, key):
@@ -127,3 +165,32 @@ def select_plan(prompt_results, candidates, budget, per_head=True):
     return choice, measured
 
 
+
+
+def select_auto(prompt_results, candidates, budget, allowed=None):
+    """``method="auto"``'s choice per (bucket, layer, head): of the candidates (of the methods in
+    ``allowed``, default all) whose worst relative error over the prompts is within ``budget``, the
+    one of least predicted time (mean over the prompts of the per-head times the probe recorded);
+    None (dense) when none is, or when dense is predicted as fast. Ties go to the smaller error.
+    Returns ``(choice, measured)`` as ``select_plan``, ``measured`` with ``head_time`` and
+    ``dense_time`` per head (ms) besides the chosen error and density."""
+    keys = sorted({k for result in prompt_results for k in result}, key=lambda k: tuple(map(int, k.split("_"))))
+    usable = [c for c, candidate in enumerate(candidates) if allowed is None or candidate["method"] in allowed]
+    choice, measured = {}, {}
+    for key in keys:
+        errors, density = _errors(prompt_results, key)
+        entries = [r[key] for r in prompt_results if key in r]
+        time = sum(torch.tensor(e["time"], dtype=torch.float64) for e in entries) / len(entries)
+        dense_time = sum(torch.tensor(e["dense_time"], dtype=torch.float64) for e in entries) / len(entries)
+        head_error, head_density, head_time = [], [], []
+        for head in range(errors.shape[0]):
+            ok = [c for c in usable if errors[head, c] <= budget and time[head, c] < dense_time[head]]
+            best = min(ok, key=lambda c: (float(time[head, c]), float(errors[head, c])), default=None)
+            choice[f"{key}_{head}"] = best
+            head_error.append(0.0 if best is None else float(errors[head, best]))
+            head_density.append(1.0 if best is None else float(density[head, best]))
+            head_time.append(float(dense_time[head] if best is None else time[head, best]))
+        measured[key] = {"error": max(head_error), "density": sum(head_density) / len(head_density),
+                         "head_error": head_error, "head_density": head_density, "head_time": head_time,
+                         "dense_time": dense_time.tolist()}
+    return choice, measured

@@ -1,7 +1,8 @@
 """Plan files: per (step bucket, layer, head) method settings, saved as versioned JSON and applied.
 
 ``fastdit.calibrate`` writes them and ``fastdit.methods.sta.load_strategy`` imports FastVideo's STA
-mask strategies as them. A plan (``"format": "fastdit-plan"``, ``"version": 1``) holds
+mask strategies as them. A plan (``"format": "fastdit-plan"``, ``"version": 2``; version 1, which
+had no ``auto``, still loads) holds
 
 * ``method``: the method it configures;
 * ``model``: ``family``, ``transformer`` (class name), ``layers`` (patched attention layers) and
@@ -14,7 +15,10 @@ mask strategies as them. A plan (``"format": "fastdit-plan"``, ``"version": 1``)
 * ``strategy`` (``sta``): ``"s_l_h" -> [wt, wh, ww]`` per (bucket start, layer, head), 0 = the
   whole axis; or ``settings`` (other methods): ``"s_l" -> {options}`` per (bucket start, layer),
   null for a (bucket, layer) that runs dense; applied as the method's ``layer_settings`` option
-  (``fastdit/methods/base.py``);
+  (``fastdit/methods/base.py``); or (``auto``, version 2) ``candidates``, ``[{"method": name,
+  option: value}, ...]``, and ``choices``: ``"s_l_h" -> candidate index`` or null (dense) per
+  (bucket start, layer, head), every head of a named (bucket, layer) given, and ``gpu``, the cost
+  model's GPU the choice minimised the predicted time on;
 * ``budget``, ``prompts``, ``measured`` (error and density per layer), ``candidates``.
 
 ``plan_options(plan, method, family=..., transformer=..., layers=..., heads=..., grids=...)``
@@ -28,6 +32,9 @@ import os
 
 from fastdit.methods.base import get_method
 from fastdit.methods.sta import PLAN_FORMAT, PLAN_VERSION, choose_tile, normalize_strategy
+
+#: Plan versions this fastdit reads (2 added method ``auto``; a version 1 plan means what it meant).
+READABLE_VERSIONS = (1, 2)
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "load_plan", "options_set_by", "plan_options",
            "plan_options_for", "with_plan",
@@ -80,9 +87,9 @@ def check_plan(plan, source=""):
         raise PlanError(f"{where}: a plan is a JSON object, got {type(plan).__name__}")
     if plan.get("format") != PLAN_FORMAT:
         raise PlanError(f"{where}: entry 'format' must be {PLAN_FORMAT!r}, got {plan.get('format')!r}")
-    if plan.get("version") != PLAN_VERSION:
-        raise PlanError(f"{where}: entry 'version' is {plan.get('version')!r}; this fastdit reads version "
-                        f"{PLAN_VERSION}")
+    if plan.get("version") not in READABLE_VERSIONS or isinstance(plan.get("version"), bool):
+        raise PlanError(f"{where}: entry 'version' is {plan.get('version')!r}; this fastdit reads versions "
+                        f"{list(READABLE_VERSIONS)}")
     method = plan.get("method")
     try:
         method_cls = get_method(method)
@@ -108,7 +115,9 @@ def check_plan(plan, source=""):
     if not isinstance(buckets, list) or not buckets or not all(_int(b) for b in buckets) or buckets != sorted(set(buckets)):
         raise PlanError(f"{where}: entry 'step_buckets' must be a non-empty increasing list of step indices, "
                         f"got {buckets!r}")
-    if method_cls.name == "sta":
+    if method_cls.name == "auto":
+        _check_auto(plan, where, buckets, model)
+    elif method_cls.name == "sta":
         strategy = plan.get("strategy")
         if not isinstance(strategy, dict) or not strategy:
             raise PlanError(f"{where}: entry 'strategy' must be a non-empty object {{'step_layer_head': [wt, wh, ww]}}")
@@ -154,12 +163,41 @@ def check_plan(plan, source=""):
     return plan
 
 
+def _check_auto(plan, where, buckets, model):
+    """An auto plan: version 2, ``candidates`` a list, ``choices`` per (bucket, layer, head) inside the
+    model with every head of a named (bucket, layer) given (a missing head would run dense silently)."""
+    if plan.get("version") < 2:
+        raise PlanError(f"{where}: method 'auto' needs plan version 2, got version {plan.get('version')}")
+    candidates, choices = plan.get("candidates"), plan.get("choices")
+    if not isinstance(candidates, list) or not candidates:
+        raise PlanError(f"{where}: entry 'candidates' must be a non-empty list of {{'method': name, option: value}}")
+    if not isinstance(choices, dict) or not choices:
+        raise PlanError(f"{where}: entry 'choices' must be a non-empty object {{'step_layer_head': index or null}}")
+    named = {}
+    for key in choices:
+        parts = key.split("_")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise PlanError(f"{where}: choices entry {key!r}: keys are 'step_layer_head' (three ints)")
+        step, layer, head = map(int, parts)
+        if step not in buckets or layer >= model["layers"] or head >= model["heads"]:
+            raise PlanError(f"{where}: choices entry {key!r} is outside the plan's step buckets {buckets}, "
+                            f"{model['layers']} layers or {model['heads']} heads")
+        named.setdefault((step, layer), set()).add(head)
+    for (step, layer), heads in sorted(named.items()):
+        missing = sorted(set(range(model["heads"])) - heads)
+        if missing:
+            raise PlanError(f"{where}: choices has no entry for head(s) {missing} of step bucket {step}, layer {layer}")
+
+
 def _decoded(options, plan):
     """Plan options (JSON lists) as method options: triples as tuples, plus the per-head strategy
     (sta) or the per-(bucket, layer) ``layer_settings`` (other methods)."""
     decoded = {k: tuple(v) if isinstance(v, list) and all(isinstance(x, int) for x in v) else v
                for k, v in options.items()}
-    if plan.get("method") == "sta" and plan.get("strategy"):
+    if plan.get("method") == "auto":
+        decoded["candidates"] = [_decoded(c, {}) for c in plan.get("candidates") or []]
+        decoded["choices"] = dict(plan.get("choices") or {})
+    elif plan.get("method") == "sta" and plan.get("strategy"):
         decoded["strategy"] = {k: tuple(v) for k, v in plan["strategy"].items()}
     elif plan.get("method") != "sta" and plan.get("settings"):
         decoded["layer_settings"] = {k: None if v is None else _decoded(v, {}) for k, v in plan["settings"].items()}
@@ -226,6 +264,8 @@ def options_set_by(options):
     per-head ``strategy`` (sta; it gives the windows, so ``window`` too) or its ``layer_settings``
     and every option those settings name. Passing one of these beside ``plan=`` is refused."""
     names = set(options)
+    if "choices" in options:  # auto: the plan fixes every candidate's options
+        names |= {k for c in options.get("candidates") or [] for k in c if k != "method"}
     for value in (options.get("layer_settings") or {}).values():
         names |= set(value or {})
     if "strategy" in options:

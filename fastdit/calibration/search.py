@@ -44,9 +44,10 @@ import torch
 
 from fastdit.methods.base import Method, MethodConfig, get_method, option
 from fastdit.methods.sta import SlidingTile
-from fastdit.calibration.candidates import (candidates_for, has_candidates, register_candidates, select_plan,
-                                            sta_candidates)
+from fastdit.calibration.candidates import (auto_candidates, candidates_for, has_candidates, register_candidates,
+                                            select_auto, select_plan, sta_candidates)
 from fastdit.calibration.plan_file import PLAN_FORMAT, PLAN_VERSION, model_facts, write_plan
+from fastdit.costmodel import DEFAULT_GPU, gpu_named, head_times
 
 __all__ = ["calibrate", "candidates_for", "register_candidates", "select_plan"]
 
@@ -88,8 +89,8 @@ class _Recorder:
     """Per (bucket, layer): sums of squared error (heads x candidates), of the dense reference
     (heads) and of densities, over the calls of one prompt."""
 
-    def __init__(self, method, base_options, candidates, buckets, rows, seed, progress):
-        self.method, self.base_options = method, dict(base_options)
+    def __init__(self, method, base_options, candidates, buckets, rows, seed, progress, gpu=None):
+        self.method, self.base_options, self.gpu = method, dict(base_options), gpu
         self.candidates, self.buckets, self.rows, self.seed = candidates, buckets, rows, seed
         self.progress = progress
         self.sums = {}
@@ -112,6 +113,7 @@ class _Recorder:
         self.grids.add(tuple(ctx.layout.grid))
         if self.candidates is None:  # defaults resolved on the first call (they depend on the grid)
             self.candidates = (sta_candidates(ctx.layout, self._tile(ctx.layout)) if self.method == "sta"
+                               else auto_candidates(ctx.layout, self.base_options) if self.method == "auto"
                                else candidates_for(self.method, ctx.layout))
         rows = _sample_rows(ctx.layout, self.rows, self.seed + ctx.layer).to(q.device)
         with torch.no_grad():
@@ -121,6 +123,9 @@ class _Recorder:
                 err2, ref2, dens = self._generic(ctx, q, k, v, rows, dense_out)
         key = (self.bucket_of(ctx.step, ctx.num_steps), ctx.layer)
         entry = self.sums.setdefault(key, {"err2": 0.0, "ref2": 0.0, "density": 0.0, "calls": 0})
+        if self.method == "auto":  # predicted time per (head, candidate) on the target GPU, and dense's
+            for name in ("time", "dense_time"):
+                entry[name] = entry.get(name, 0.0) + self._times.pop(name)
         entry["err2"] = entry["err2"] + err2
         entry["ref2"] = entry["ref2"] + ref2
         entry["density"] = entry["density"] + dens
@@ -191,20 +196,31 @@ class _Recorder:
         ref2 = reference.pow(2).sum(dim=(0, 2, 3)).cpu()
         err2 = torch.zeros(heads, len(self.candidates), dtype=torch.float64)
         dens = torch.zeros(heads, len(self.candidates), dtype=torch.float64)
+        times = torch.zeros(heads, len(self.candidates), dtype=torch.float64)
         for c, candidate in enumerate(self.candidates):
             state = self.states.setdefault((ctx.layer, ctx.branch, c), {})
-            options = {**self.base_options, **candidate, "dense_steps": 0, "dense_layers": 0}
-            out, info = attention(q, k, v, self.method, layout=ctx.layout, key_mask=ctx.key_mask, step=ctx.step,
+            if self.method == "auto":  # a candidate names its method; its base options are in it already
+                name, options = candidate["method"], {k: v for k, v in candidate.items() if k != "method"}
+            else:
+                name, options = self.method, {**self.base_options, **candidate}
+            out, info = attention(q, k, v, name, layout=ctx.layout, key_mask=ctx.key_mask, step=ctx.step,
                                   num_steps=ctx.num_steps, state=state, backend=ctx.backend, return_info=True,
-                                  scale=ctx.scale, layer=ctx.layer, **options)
+                                  scale=ctx.scale, layer=ctx.layer, **{**options, "dense_steps": 0, "dense_layers": 0})
             err2[:, c] = (out[:, :, rows].double() - reference).pow(2).sum(dim=(0, 2, 3)).cpu()
             dens[:, c] = torch.tensor(info["head_density"], dtype=torch.float64)
+            if self.method == "auto":
+                times[:, c] = torch.tensor(head_times(self.gpu, info, batch, heads, seq, k.shape[2], dim,
+                                                      method=name, options=options))
+        if self.method == "auto":
+            dense = head_times(self.gpu, {"dense": True}, batch, heads, seq, k.shape[2], dim)
+            self._times = {"time": times, "dense_time": torch.tensor(dense, dtype=torch.float64)}
         return err2, ref2, dens
 
     def results(self):
         """JSON-ready sums of this prompt: ``"bucket_layer" -> {err2, ref2, density, calls}``."""
         return {f"{b}_{layer}": {"err2": e["err2"].tolist(), "ref2": e["ref2"].tolist(),
-                                 "density": (e["density"] / e["calls"]).tolist(), "calls": e["calls"]}
+                                 "density": (e["density"] / e["calls"]).tolist(), "calls": e["calls"],
+                                 **{name: (e[name] / e["calls"]).tolist() for name in ("time", "dense_time") if name in e}}
                 for (b, layer), e in sorted(self.sums.items())}
 
 
@@ -236,7 +252,7 @@ def _check_arguments(method, prompts, budget, steps, candidates, rows):
         candidates = [_as_candidate(method_cls.name, c) for c in candidates]
         if not candidates:
             raise ValueError("candidates is empty; give None for the method's defaults")
-    elif method_cls.name != "sta" and not has_candidates(method_cls.name):
+    elif method_cls.name not in ("sta", "auto") and not has_candidates(method_cls.name):
         raise ValueError(f"method {method_cls.name!r} has no default candidates; pass candidates=[{{option: value}}, ...]")
     return method_cls, prompts, steps, candidates
 
@@ -246,6 +262,12 @@ def _as_candidate(method, candidate):
         candidate = {"window": tuple(candidate)}
     if not isinstance(candidate, dict) or not candidate:
         raise ValueError(f"a candidate is a dict of options (or, for sta, a window triple), got {candidate!r}")
+    if method == "auto":  # {"method": name, option: value}: checked as that method's options
+        options = {k: v for k, v in candidate.items() if k != "method"}
+        if candidate.get("method") in (None, "auto"):
+            raise ValueError(f"an auto candidate names another method under 'method', got {candidate!r}")
+        get_method(candidate["method"]).make_config(**options)
+        return {**candidate, **{k: tuple(v) for k, v in options.items() if isinstance(v, list)}}
     if "window" in candidate and method == "sta":
         window = candidate["window"]
         if (not isinstance(window, (list, tuple)) or len(window) != 3
@@ -292,7 +314,7 @@ def _bar(total, desc, enabled, position=0, leave=True):
 
 
 def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out="plan.json", call_kwargs=None,
-              options=None, rows=DEFAULT_ROWS, seed=0, progress=True):
+              options=None, rows=DEFAULT_ROWS, seed=0, progress=True, gpu=None):
     """Calibrate ``method`` on ``pipe`` against an error budget and write the plan to ``out``.
 
     Args:
@@ -308,7 +330,15 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
             defaults (``candidates_for``); dense is always a candidate.
         out: the plan file (JSON); ``OUT.partial.json`` keeps finished prompts for a resume.
         call_kwargs: extra pipeline call arguments (sizes, steps, guidance); options: base method
-            options (e.g. the tile); rows: sampled query rows per call; seed: the generation seed.
+            options (e.g. the tile; for ``auto`` per method, ``{"sta": {"tile": ...}, ...}``); rows:
+            sampled query rows per call; seed: the generation seed.
+        gpu: ``auto`` only: the GPU whose predicted time (``fastdit.costmodel``) is minimised, a
+            name of ``fastdit.costmodel.GPUS`` (default ``DEFAULT_GPU``, H100).
+
+    ``method="auto"`` scores the candidates of every method (``auto_candidates``: sta windows,
+    radial, sparge, svg, svg2, ToDo, ToMe) on the same calls and chooses per (step bucket, layer,
+    head) the one of least predicted time on ``gpu`` within the budget (``select_auto``), dense
+    where none is or dense is predicted as fast; ``fastdit.patch(pipe, "auto", plan=out)`` runs it.
 
     Returns:
         the plan (a dict, as written to ``out``).
@@ -318,7 +348,14 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
     method_cls, prompts, steps, candidates = _check_arguments(method, prompts, budget, steps, candidates, rows)
     name = method_cls.name
     base_options = dict(options or {})
-    if name == "sta":
+    if gpu is not None and name != "auto":
+        raise ValueError(f"gpu= chooses by predicted time, which only method 'auto' does (got method {name!r})")
+    gpu = gpu_named(DEFAULT_GPU if gpu is None else gpu) if name == "auto" else None
+    if name == "auto":  # options per method: checked here, before any model work
+        auto_candidates(None, base_options)
+        for method_name, method_options in base_options.items():
+            get_method(method_name).make_config(**method_options)
+    elif name == "sta":
         base_options.pop("strategy", None)
         SlidingTile.make_config(**base_options)
     else:
@@ -328,7 +365,7 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
     out = os.fspath(out)
     partial_path = f"{out}.partial.json"
     signature = _signature(name, base_options, steps, candidates, rows, seed, call_kwargs,
-                           [family, transformer, layers, heads])
+                           [family, transformer, layers, heads, gpu and gpu.name])
     partial = _read_partial(partial_path, signature) if os.path.exists(partial_path) else {}
     finished = dict(partial.get("prompts", {}))
     state = {"candidates": partial.get("candidates", candidates), "tile": partial.get("tile"),
@@ -343,7 +380,7 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
         if prompt in finished:
             continue
         layer_bar = _bar(None, "layer calls", progress, position=1, leave=False)
-        recorder = _Recorder(name, base_options, state["candidates"], steps, rows, seed, layer_bar)
+        recorder = _Recorder(name, base_options, state["candidates"], steps, rows, seed, layer_bar, gpu)
         recorder.tile = tuple(state["tile"]) if state["tile"] else None
         probe = patch(pipe, DenseProbe, observer=recorder, dense_steps=0, dense_layers=0)
         try:
@@ -371,17 +408,20 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
     if prompt_bar is not None:
         prompt_bar.close()
     plan = _build_plan(name, base_options, state, [finished[p] for p in prompts], budget, prompts,
-                       (family, transformer, layers, heads), steps)
+                       (family, transformer, layers, heads), steps, gpu)
     write_plan(plan, out)
     if os.path.exists(partial_path):
         os.remove(partial_path)
     return plan
 
 
-def _build_plan(name, base_options, state, results, budget, prompts, facts, steps):
+def _build_plan(name, base_options, state, results, budget, prompts, facts, steps, gpu=None):
     family, transformer, layers, heads = facts
     candidates = state["candidates"]
-    choice, measured = select_plan(results, candidates, budget, per_head=(name == "sta"))
+    if name == "auto":
+        choice, measured = select_auto(results, candidates, budget)
+    else:
+        choice, measured = select_plan(results, candidates, budget, per_head=(name == "sta"))
     keys = sorted(measured, key=lambda k: tuple(map(int, k.split("_"))))
     buckets = sorted({int(k.split("_")[0]) for k in keys})
     plan = {
@@ -395,7 +435,11 @@ def _build_plan(name, base_options, state, results, budget, prompts, facts, step
     # dense_steps / dense_layers the user set (e.g. --set dense_steps=0.5) apply when the plan runs;
     # unset, the plan runs its calibrated settings from the first step and layer
     dense = {key: base_options.get(key) or 0 for key in ("dense_steps", "dense_layers")}
-    if name == "sta":
+    if name == "auto":
+        plan["options"] = {}
+        plan["gpu"] = gpu.name
+        plan["choices"] = {key: choice[key] for key in sorted(choice, key=lambda k: tuple(map(int, k.split("_"))))}
+    elif name == "sta":
         options = {k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()
                    if k not in ("window", "strategy", "tile", "fit_tile")}
         plan["options"] = {**options, "tile": state["tile"], "fit_tile": False, **dense}
@@ -412,4 +456,8 @@ def _build_plan(name, base_options, state, results, budget, prompts, facts, step
         "error": max(m["error"] for m in measured.values()),
         "density": sum(m["density"] for m in measured.values()) / len(measured),
     }
+    if name == "auto":  # predicted attention time of the calibrated calls, auto against dense
+        predicted = sum(sum(m["head_time"]) for m in measured.values())
+        dense_time = sum(sum(m["dense_time"]) for m in measured.values())
+        plan["measured"].update(predicted_ms=predicted, dense_ms=dense_time, predicted_speedup=dense_time / predicted)
     return plan

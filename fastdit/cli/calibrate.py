@@ -2,6 +2,12 @@
 
     fastdit calibrate --model tiny-wan --method sta --prompts coco --max-prompts 4 --budget 0.05 --out plan.json
     fastdit compare ... (then apply with fastdit.patch(pipe, "sta", plan="plan.json"))
+    fastdit calibrate --model tiny-shapes --method auto --budget 0.2 --gpu H100 --out auto.json
+
+``--method auto`` scores the candidates of every method per (step bucket, layer, head) and chooses
+the one of least predicted time on ``--gpu`` within the budget (``fastdit/methods/auto.py``); it
+prints the chosen method per (layer, head), the predicted speedup and the measured error, and
+draws them (``OUT`` with ``.png``). ``--set METHOD.OPTION=VALUE`` sets a method's base option there.
 
 Runs the pipeline densely on the prompts, measures every candidate setting on sampled query rows
 of every attention call, and writes the plan (JSON). Re-running the same command after an
@@ -30,7 +36,10 @@ def add_calibrate_arguments(parser):
     from fastdit.cli.common import add_generation_arguments, positive_int, seed_int
 
     add_generation_arguments(parser)
-    parser.add_argument("--method", default="sta", help="the method to calibrate (sta: per layer and head; the others per layer)")
+    parser.add_argument("--method", default="sta", help="the method to calibrate (sta: per layer and head; the others per "
+                        "layer; auto: per layer and head, across methods)")
+    parser.add_argument("--gpu", default=None, help="--method auto: the GPU of the cost model whose predicted time is "
+                        "minimised (A100, H100, H200, RTX 4090; default H100)")
     parser.add_argument("--prompts", default="coco",
                         help="prompt file (.txt one per line, or .json), or 'coco' / 'vbench' (the shipped sets)")
     parser.add_argument("--max-prompts", type=positive_int, default=4, help="use the first N prompts (default 4)")
@@ -84,18 +93,42 @@ def cmd_calibrate(args):
     from fastdit.options import parse_value
     from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline
 
-    if args.method not in fastdit.method_names():
-        raise CLIError(f"argument --method: unknown method {args.method!r}; available: {', '.join(fastdit.method_names())}")
+    auto = args.method == "auto"
+    if args.method not in fastdit.method_names() and not auto:
+        raise CLIError(f"argument --method: unknown method {args.method!r}; available: "
+                       f"{', '.join(fastdit.method_names() + ['auto'])}")
+    if args.gpu is not None and not auto:
+        raise CLIError("argument --gpu: only --method auto chooses by predicted time")
+    if auto:
+        from fastdit.costmodel import gpu_named
+
+        try:
+            gpu_named(args.gpu or "H100")
+        except ValueError as error:
+            raise CLIError(f"argument --gpu: {error}") from None
+        if args.candidates is not None:
+            raise CLIError("argument --candidates: --method auto scores every method's default candidates")
     options = {}
     for setting in args.set or []:
         key, sep, value = setting.partition("=")
         if not sep or not key.strip():
             raise CLIError(f"argument --set: expects OPTION=VALUE, got {setting!r}")
-        options[key.strip()] = parse_value(value)
+        if auto:  # METHOD.OPTION=VALUE: a base option of one of the methods auto chooses from
+            method, dot, name = key.strip().partition(".")
+            if not dot or not name:
+                raise CLIError(f"argument --set: with --method auto give METHOD.OPTION=VALUE, got {setting!r}")
+            options.setdefault(method, {})[name] = parse_value(value)
+        else:
+            options[key.strip()] = parse_value(value)
     candidates = parse_candidates(args.candidates, args.method)
-    from fastdit.calibration.candidates import has_candidates
+    from fastdit.calibration.candidates import AUTO_METHODS, auto_candidates, has_candidates
 
-    if candidates is None and not has_candidates(args.method):
+    if auto:
+        try:
+            auto_candidates(None, options)
+        except ValueError as error:
+            raise CLIError(f"argument --set: {error}") from None
+    elif candidates is None and not has_candidates(args.method):
         raise CLIError(f"argument --candidates: method {args.method!r} has no default candidate set; give its "
                        f"candidates, e.g. --candidates OPTION=V1,V2")
     try:
@@ -114,16 +147,27 @@ def cmd_calibrate(args):
     if args.no_progress:  # also the pipeline's own per-step bars
         pipe.set_progress_bar_config(disable=True)
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
-    options = tiny_method_presets(args.model, [args.method], {args.method: options})[args.method]
+    if auto:  # the tiny models' block sizes and tiles under each method's options
+        options = tiny_method_presets(args.model, AUTO_METHODS, options)
+    else:
+        options = tiny_method_presets(args.model, [args.method], {args.method: options})[args.method]
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
     print(f"calibrating {args.method} on {args.model} ({pipe.device}): {len(prompts)} prompt(s), budget {args.budget}, "
           f"{shown}")
     try:
         plan = calibrate(pipe, args.method, prompts, budget=args.budget, steps=args.buckets, candidates=candidates,
                          out=args.out, call_kwargs=call_kwargs, options=options, rows=args.rows, seed=args.seed,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, **({"gpu": args.gpu or "H100"} if auto else {}))
     except ValueError as error:
         raise CLIError(str(error), exit_code=1) from None
+    if auto:
+        from fastdit.calibration.auto_report import heatmap, summary
+
+        print(f"plan written to {args.out}")
+        print("\n".join(summary(plan)))
+        picture = heatmap(plan, os.path.splitext(args.out)[0] + ".png")
+        print(f"chosen methods drawn in {picture}")
+        return 0
     measured = plan["measured"]
     print(f"plan written to {args.out}: worst relative error {measured['error']:.4f} (budget {args.budget}), "
           f"mean density {measured['density']:.3f}")

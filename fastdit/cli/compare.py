@@ -37,10 +37,14 @@ def cmd_compare(args):
         raise CLIError(f"argument --methods: no method given in {args.methods!r}; e.g. --methods dense,sta")
     import fastdit
 
-    unknown = [m for m in methods if m not in fastdit.method_names()]
+    unknown = [m for m in methods if m not in fastdit.method_names() + ["auto"]]
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
-                       f"{', '.join(fastdit.method_names())}")
+                       f"{', '.join(fastdit.method_names() + ['auto'])}")
+    if "auto" in methods and args.plan is None:  # auto runs only a calibrated plan
+        from fastdit.methods.auto import NEEDS_PLAN
+
+        raise CLIError(f"argument --methods: {NEEDS_PLAN}; pass it here with --plan plan.json")
     options = parse_options(args.set, methods)
     check_generation_arguments(args)
     shapes = trained_name(args.model) == "tiny-shapes"

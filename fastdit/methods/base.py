@@ -199,6 +199,9 @@ class Method:
     #: tokens) do not, so ``fastdit.attention`` reports ``lse=None`` and refuses ``"mass"`` for them.
     reports_lse = False
 
+    #: Whether ``fastdit.method_names()`` lists it (``auto`` is not: it runs only from a calibrated plan).
+    listed = True
+
     #: Why gradients through this method are not defined (``patch(..., trainable=True)`` refuses
     #: it with this reason), or None: the method is differentiable in q, k, v, with its selection
     #: (blocks, clusters, matchings) taken as constants.
@@ -417,7 +420,8 @@ def get_method(name):
 
 
 def method_names():
-    return sorted(_REGISTRY)
+    """The registered methods a user picks by name (``auto``, which needs a plan, is left out)."""
+    return sorted(name for name, cls in _REGISTRY.items() if cls.listed)
 
 
 def tiny_presets():

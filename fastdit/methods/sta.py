@@ -375,7 +375,8 @@ class SlidingTile(BlockSparseMethod):
 
 #: FastVideo's STA tile (tokens): its mask strategies count windows in tiles of this size.
 FASTVIDEO_TILE = (6, 8, 8)
-PLAN_FORMAT, PLAN_VERSION = "fastdit-plan", 1
+#: Version 2 (method "auto": per-head ``choices`` among ``candidates``); version 1 plans still load.
+PLAN_FORMAT, PLAN_VERSION = "fastdit-plan", 2
 
 
 def _fastvideo_window(entry, n_tiles):
