@@ -298,3 +298,20 @@ def test_triton_matches_the_emulation(backend, varlen):
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse - e_lse)[finite].abs().max() < 1e-5
     assert ((out.float() - e_out.float()).norm() / e_out.float().norm()) < 1e-3  # fp16 P rounded per tile
+
+
+def test_compare_checks_quant_before_running():
+    """``fastdit compare --set sta.quant=int8`` on a float32 model stops before the dense run, naming
+    the option and the fix."""
+    from types import SimpleNamespace
+
+    from fastdit.cli.common import CLIError
+    from fastdit.cli.compare import check_quant_options
+
+    pipe = SimpleNamespace(transformer=SimpleNamespace(dtype=torch.float32, device=torch.device("cpu")))
+    with pytest.raises(CLIError, match=r"--set sta.quant: quant='int8' needs float16.*--dtype bfloat16"):
+        check_quant_options({"sta": {"quant": "int8"}}, pipe)
+    pipe.transformer.dtype = torch.bfloat16
+    check_quant_options({"sta": {"quant": "int8"}, "svg": {}}, pipe)  # fine
+    with pytest.raises(CLIError, match="compute capability 8.9"):
+        check_quant_options({"svg2": {"quant": "int8-fp8"}}, pipe)
