@@ -11,6 +11,7 @@ from . import methods
 from . import pipelines  # noqa: F401 - registers the model families' method defaults
 from .context import AttentionContext
 from .calibration.search import calibrate
+from .train.noise import optimize_noise
 from .functional import attention
 from .layout import TokenLayout
 from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, OptiPruneConfig, PruneConfig, RadialConfig, SpargeConfig,
@@ -23,5 +24,5 @@ __version__ = "0.1.0"
 
 __all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "BlockSparseConfig", "DenseConfig", "Method",
            "MethodConfig", "OptiPruneConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
-           "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "calibrate", "method_names", "methods", "patch",
+           "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "calibrate", "method_names", "methods", "optimize_noise", "patch",
            "run_plan"]

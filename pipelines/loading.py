@@ -132,7 +132,9 @@ def load_trained(name, device=None, dtype=None):
             f"{name}: could not load the pipeline in {folder} ({type(error).__name__}: "
             f"{str(error).splitlines()[0][:200] if str(error) else ''}); re-create the weights with "
             f"`{RETRAIN_COMMANDS[name]}`") from None
-    return pipe.to(device or default_device())
+    pipe = pipe.to(device or default_device())
+    pipe._fastdit_call_defaults = dict(TRAINED_DEFAULTS[name])  # the native call (fastdit.optimize_noise reads it)
+    return pipe
 
 
 def load_pipeline(model="tiny-wan", device=None, dtype=None):
