@@ -237,6 +237,7 @@ def test_bad_modes_and_inputs():
 def test_every_block_sparse_method_accepts_quant(method):
     cls = get_method(method)
     assert cls.make_config(quant="int8").quant == "int8"
+    assert "quant has no backward" in cls(quant="int8").trainable_refusal()
     with pytest.raises(OptionError, match="quant"):
         cls.make_config(quant="fp4")
     with pytest.raises(OptionError, match="skip_threshold"):
