@@ -110,13 +110,15 @@ class SVG2Config(BlockSparseConfig):
     Attributes:
         q_clusters: query clusters per (batch, head), >= 1 (clamped to the video tokens per call).
         k_clusters: key clusters per (batch, head), >= 1 (clamped likewise).
-        top_p: per query cluster, keep the fewest key clusters whose predicted mass reaches this;
-            in (0, 1] (1: dense).
+        top_p: per query cluster, keep key clusters (in ``rank`` order) until their predicted mass
+            reaches this; in (0, 1] (1: dense).
         kmeans_iters: k-means iterations of a warm-started call (>= 1).
         init_iters: k-means iterations of a cold start (>= 1).
         warm_start: start from the previous call's centroids while the layout is unchanged.
         min_kc_ratio: keep at least this fraction of the key clusters per query cluster, in [0, 1]
             (SVG2's ``min_kc_ratio``; its scripts use 0.10).
+        estimator, mass_rows, row_guard: how masses are predicted (module docstring, 3).
+        rank: ``"per_token"`` (predicted mass per key token) or ``"mass"`` (SVG2's order).
         dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 1.
         correction: ``"none"``, ``"pooled"`` or ``"cached"``; ``skip_threshold`` must
             stay None (the variable-size engine has no skip rule).
@@ -126,7 +128,7 @@ class SVG2Config(BlockSparseConfig):
                              widget="number")
     k_clusters: int = option(500, "key clusters per head (k-means), clamped to the video tokens", range=(1, None),
                              widget="number")
-    top_p: float = option(0.9, "per query cluster, keep the fewest key clusters whose predicted mass reaches this",
+    top_p: float = option(0.9, "per query cluster, keep key clusters (see rank) until their predicted mass reaches this",
                           range=(0.0, 1.0), widget="slider")
     kmeans_iters: int = option(2, "k-means iterations of a warm-started call", range=(1, None), widget="number")
     init_iters: int = option(20, "k-means iterations of a cold start (first call, or a changed layout)",
