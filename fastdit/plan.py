@@ -147,7 +147,7 @@ class BlockPlan:
 
 
 def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
-             skip_threshold=None, skip_tile=(64, 64), return_skipped=False):
+             skip_threshold=None, skip_tile=(64, 64), return_skipped=False, quant=None):
     """Attention of model-order ``q, k, v`` ``(B, H, S, D)`` under ``plan``; returns ``(B, H, S, D)``
     (and, with ``return_lse``, the log-sum-exp ``(B, H, S)`` float32 in model order; with
     ``return_skipped``, last, the int32 ``(B, H)`` count of key sub-tiles the skip rule skipped).
@@ -158,11 +158,12 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mas
     False query rows are 0 (fully masked rows, as the model's own attention gives them).
     ``skip_threshold`` / ``skip_tile``: the engine's in-kernel skip rule (see
     ``fastdit.kernels.block_sparse_attention``), applied in kernel order; None: off.
+    ``quant``: the engine's quantisation mode (None, ``"int8"``, ``"int8-fp8"``).
     """
     if getattr(plan, "run", None) is not None:  # a plan with its own kernel order per head (svg's HeadOrderPlan)
         return plan.run(q, k, v, key_mask=key_mask, scale=scale, backend=backend, query_mask=query_mask,
                         return_lse=return_lse, skip_threshold=skip_threshold, skip_tile=skip_tile,
-                        return_skipped=return_skipped)
+                        return_skipped=return_skipped, quant=quant)
     if plan.perm is not None:
         index = plan.gather_index
         q, k, v = (t.index_select(2, index) for t in (q, k, v))
@@ -170,7 +171,7 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mas
         q, k, v, plan.kv_indices, plan.kv_counts, plan.block_m, plan.block_n,
         scale=scale, kv_valid=plan.kernel_kv_valid(key_mask), return_lse=True, backend=backend,
         validate=False,  # methods' plans are validated when built (Method.prepared); FASTDIT_DEBUG=1 checks every call
-        skip_threshold=skip_threshold, skip_tile=skip_tile, return_skipped=return_skipped,
+        skip_threshold=skip_threshold, skip_tile=skip_tile, return_skipped=return_skipped, quant=quant,
     )
     if plan.inverse is not None:
         out = out.index_select(2, plan.inverse)

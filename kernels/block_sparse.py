@@ -45,6 +45,7 @@ import os
 import torch
 
 from .op import _triton_available, block_sparse_attention_op, block_sparse_attention_skip_op, check_block_plan
+from .quant import block_sparse_attention_quant_op, check_quant
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -172,6 +173,7 @@ def block_sparse_attention(
     skip_threshold=None,
     skip_tile=(64, 64),
     return_skipped=False,
+    quant=None,
 ):
     """Attention in which each query block attends to a list of key/value blocks.
 
@@ -206,6 +208,9 @@ def block_sparse_attention(
             the plan blocks) instead of autotuned ones.
         return_skipped: also return ``skipped``, int32 ``(B, H)``: skipped (row tile, key
             sub-tile) pairs (zeros when ``skip_threshold`` is None).
+        quant: None, ``"int8"`` or ``"int8-fp8"``: quantised Q.K^T (and P.V) after SageAttention,
+            with one scale per plan block (``fastdit.kernels.quant``); float16 / bfloat16 only,
+            no skip rule, no backward.
 
     Returns:
         ``out`` ``(B, H, N, D)`` contiguous in q's dtype and, with ``return_lse``, ``lse``
@@ -233,7 +238,14 @@ def block_sparse_attention(
     if validate or debug_enabled():
         n_k = k.shape[2]
         kv_counts = check_block_plan(kv_indices, kv_counts, -(-n_k // block_n), -(-q.shape[2] // block_m), n_k, block_n)
-    if skip_threshold is None:
+    if quant is not None:
+        if skip_threshold is not None:
+            raise ValueError("skip_threshold and quant cannot be combined (the quantised kernel has no skip rule)")
+        check_quant(quant, q.dtype, q.device)
+        out, lse = block_sparse_attention_quant_op(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid,
+                                                   backend, quant)
+        skipped = torch.zeros(q.shape[:2], dtype=torch.int32, device=q.device) if return_skipped else None
+    elif skip_threshold is None:
         out, lse = block_sparse_attention_op(q, k, v, kv_indices, kv_counts, block_m, block_n, scale, kv_valid, backend)
         skipped = None
         if return_skipped:

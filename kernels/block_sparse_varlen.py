@@ -27,6 +27,7 @@ import torch
 
 from .block_sparse import _pick_backend, check_qkv, debug_enabled
 from .op import block_sparse_attention_varlen_op, check_varlen_plan
+from .quant import block_sparse_attention_varlen_quant_op, check_quant
 
 
 def _check_plan_shapes(q, k, q_offsets, k_offsets, kv_indices, kv_counts):
@@ -60,7 +61,7 @@ def _check_plan_shapes(q, k, q_offsets, k_offsets, kv_indices, kv_counts):
 
 
 def block_sparse_attention_varlen(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale=None,
-                                  kv_valid=None, return_lse=True, backend="auto", *, validate=True):
+                                  kv_valid=None, return_lse=True, backend="auto", *, validate=True, quant=None):
     """Attention in which each variable-size query block attends to a list of variable-size key blocks.
 
     Args:
@@ -82,6 +83,8 @@ def block_sparse_attention_varlen(q, k, v, q_offsets, k_offsets, kv_indices, kv_
             naming the first bad entry. Three host syncs on a GPU; pass False only for plans
             validated when they were built (an invalid plan is then undefined behaviour).
             ``FASTDIT_DEBUG=1`` validates regardless. Shapes, dtypes and devices are always checked.
+        quant: None, ``"int8"`` or ``"int8-fp8"``: quantised attention with one scale per
+            variable-size block (``fastdit.kernels.quant``); float16 / bfloat16 only, no backward.
 
     Returns:
         ``out`` ``(B, H, N, D)`` contiguous in q's dtype and, with ``return_lse``, ``lse`` float32
@@ -100,6 +103,11 @@ def block_sparse_attention_varlen(q, k, v, q_offsets, k_offsets, kv_indices, kv_
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if validate or debug_enabled():
         kv_counts = check_varlen_plan(q_offsets, k_offsets, kv_indices, kv_counts, q.shape[2], k.shape[2])
-    out, lse = block_sparse_attention_varlen_op(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale,
-                                                kv_valid, backend)
+    if quant is not None:
+        check_quant(quant, q.dtype, q.device)
+        out, lse = block_sparse_attention_varlen_quant_op(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts,
+                                                          scale, kv_valid, backend, quant)
+    else:
+        out, lse = block_sparse_attention_varlen_op(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale,
+                                                    kv_valid, backend)
     return (out, lse) if return_lse else out

@@ -22,6 +22,10 @@ What is compiled. Kernels (every ``@triton.jit`` kernel of ``kernels/``; ``KERNE
 * ``bwd_dq``, ``bwd_dkdv``, ``varlen_bwd_dq``, ``varlen_bwd_dkdv``: the backward kernels
   (``block_sparse_bwd_triton.py``), each candidate of ``triton_tuning.BWD_PREFERENCE`` (the
   launcher runs the first one the table records as clean on the target: ``bwd_config``).
+* ``quant``, ``quant_fp8``, ``quant_varlen``, ``quantize``: the quantised engine (``quant/``):
+  the fixed- and variable-size attention kernels with INT8 Q.K^T (``quant_fp8``: FP8 P.V, sm_89
+  and later only) and the quantiser, each at its launcher's one config, bf16 / fp16 only. Not in
+  the ``used`` set: the CI check compiles them when the table lacks them or they are stale.
 
 Targets ``TARGETS``: sm_80 (A100, 163 KiB of shared memory a block), sm_86 (RTX 30xx / A40,
 99 KiB), sm_89 (RTX 40xx / L40, 99 KiB), sm_90 (H100 / H200, 227 KiB), sm_100 (B200, 227 KiB),

@@ -21,6 +21,8 @@ from . import block_sparse_bwd_triton as bwd
 from . import block_sparse_triton as bst
 from . import block_sparse_varlen_triton as bsv
 from . import triton_tuning as tuning
+from .quant import triton_fixed as qfx
+from .quant import triton_varlen as qvl
 
 KIB = 1024
 
@@ -55,8 +57,24 @@ KERNELS = {
     "bwd_dkdv": bwd._bwd_dkdv_kernel,
     "varlen_bwd_dq": bwd._varlen_bwd_dq_kernel,
     "varlen_bwd_dkdv": bwd._varlen_bwd_dkdv_kernel,
+    "quant": qfx._quant_attn_kernel,
+    "quant_fp8": qfx._quant_attn_kernel,
+    "quant_varlen": qvl._quant_varlen_kernel,
+    "quantize": qfx._quantize_kernel,
 }
 BWD_KERNELS = ("bwd_dq", "bwd_dkdv", "varlen_bwd_dq", "varlen_bwd_dkdv")
+#: quantised attention (``quant=``): half types only; FP8 P.V from sm_89 on
+QUANT_KERNELS = ("quant", "quant_fp8", "quant_varlen", "quantize")
+
+
+def quant_config(kernel, head_dim):
+    """The one launch config of a quantised kernel (its launcher's, for 128-token plan blocks)."""
+    if kernel == "quantize":
+        return (qfx.QUANTIZE_ROWS, 0, 4, 3)  # Triton's default warps / stages
+    if kernel == "quant_varlen":
+        return (*qvl.varlen_tiles(False), 8, 2)
+    bm, bn = qfx.tiles(_PLAN_BLOCK, _PLAN_BLOCK, False)
+    return (bm, bn, 4 if bm <= 64 else 8, 2)
 
 # the representative launch: Wan2.1-T2V-1.3B at 480p x 81 frames
 _BATCH, _HEADS, _TOKENS, _PLAN_BLOCK = 1, 12, 32760, 128
@@ -163,6 +181,9 @@ def cases(targets=tuple(TARGETS), kernels=tuple(KERNELS), head_dims=HEAD_DIMS, d
                 for kernel in BWD_KERNELS:  # the backward's candidates (bwd_config takes the first clean one)
                     if kernel in kernels:
                         out += [Case(kernel, t, dtype, d, cfg, "default") for cfg in bwd.BWD_PREFERENCE[kernel]]
+                for kernel in QUANT_KERNELS:
+                    if kernel in kernels and dtype != "fp32" and (kernel != "quant_fp8" or target.capability >= 89):
+                        out.append(Case(kernel, t, dtype, d, quant_config(kernel, d), "default"))
     return out
 
 
@@ -214,6 +235,9 @@ def launch(case):
         args, flags = bwd.varlen_bwd_kernel_args(q, k, v, out, lse, lse, (out,) if dq else (out, out), q_off, k_off,
                                                  plan_idx, plan_cnt, kv_valid, (sched, sched), d ** -0.5)
         named = dict(zip(fn.arg_names, args), **flags, BLOCK_M=bm, BLOCK_N=bn)
+    elif case.kernel in QUANT_KERNELS:
+        named, options = _quant_launch(case, q, k, v, out, lse, kv_valid, fn)
+        return fn, named, options
     else:
         mq, mk = 100, 500  # svg2-like clusters
         q_off = _meta(1, h, mq + 1, dtype=torch.int32)
@@ -229,6 +253,36 @@ def launch(case):
     if missing:
         raise RuntimeError(f"{case.kernel}: no value for kernel arguments {missing}")
     return fn, named, {"num_warps": warps, "num_stages": stages}
+
+
+def _quant_launch(case, q, k, v, out, lse, kv_valid, fn):
+    """Named arguments and options of a quantised kernel's launch (its launcher's argument builders)."""
+    b, h, n, d = q.shape
+    q8, k8 = (_meta(b, h, n, d, dtype=torch.int8) for _ in range(2))
+    m = -(-n // _PLAN_BLOCK)
+    scales = _meta(b, h, m, dtype=torch.float32)
+    fp8 = case.kernel == "quant_fp8"
+    v_used = _meta(b, h, n, d, dtype=torch.float8_e4m3fn) if fp8 else v
+    v_scale = _meta(b, h, 1, d, dtype=torch.float32)
+    if case.kernel == "quantize":  # K, smoothed, fixed-size blocks (the Q call adds the shift term)
+        args, flags = qfx.quantize_kernel_args(k, _meta(b * h, d, dtype=torch.float32), k8, scales, scales,
+                                               (scales, 0, 0, 0), _PLAN_BLOCK, m, 0.0, True, False, False)
+    elif case.kernel == "quant_varlen":
+        mq, mk = 100, 500  # svg2-like clusters
+        q_off, k_off = _meta(1, h, mq + 1, dtype=torch.int32), _meta(1, h, mk + 1, dtype=torch.int32)
+        sched = _meta(1, h, mq + -(-n // case.config[0]), dtype=torch.int32)
+        args, flags = qvl.quant_varlen_kernel_args(
+            q8, k8, v_used, _meta(b, h, mq, dtype=torch.float32), _meta(b, h, mk, dtype=torch.float32), v_scale, out,
+            lse, q_off, k_off, _meta(1, h, mq, 64, dtype=torch.int32), _meta(1, h, mq, dtype=torch.int32), kv_valid,
+            sched, sched, d ** -0.5, "int8", False)
+    else:
+        args, flags = qfx.quant_kernel_args(q8, k8, v_used, scales, scales, v_scale, out, lse,
+                                            _meta(1, h, m, 64, dtype=torch.int32), _meta(1, h, m, dtype=torch.int32),
+                                            kv_valid, _PLAN_BLOCK, _PLAN_BLOCK, d ** -0.5,
+                                            "int8-fp8" if fp8 else "int8", False)
+    options = {"num_warps": flags.pop("num_warps", case.config[2]), "num_stages": flags.pop("num_stages",
+                                                                                          case.config[3])}
+    return dict(zip(fn.arg_names, args), **flags), options
 
 
 def _specialize(backend, value):
@@ -250,7 +304,8 @@ def _specialize(backend, value):
         return "fp32", None
     if isinstance(value, torch.Tensor):
         names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                 torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+                 torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.int8: "i8",
+                 torch.float8_e4m3fn: "fp8e4nv"}
         return "*" + names[value.dtype], "D"
     raise TypeError(f"cannot specialise {type(value).__name__}")
 

@@ -2,6 +2,7 @@
 
     python scripts/bench_auto.py [--grid 4,32,32] [--per-kind 1] [--budgets 0.05,0.1,0.2,0.3] [--gpu H100]
                                  [--quick] [--json FILE]
+    python scripts/bench_auto.py --grouping     # auto's group calls against one call with per-head windows
 
 One layer of ``4 x per-kind`` heads (spatial, temporal, semantic, global; ``fastdit.eval.bench.
 structured``) on a grid of at least 4096 tokens. Every candidate of ``auto_candidates`` (sta windows
@@ -58,6 +59,28 @@ def wall(function, runs=3):
     return statistics.median(times)
 
 
+def grouping(runs=5):
+    """Mixed windows in one layer: auto's one engine call per group against one call of sta with a
+    per-head window ``strategy`` (one engine call over all heads, per-head block lists): 8 spatial
+    heads, 4096 tokens, windows (1, 1, 1), (1, 3, 3), (3, 3, 3), (5, 3, 3) in turn, torch backend."""
+    q, k, v, layout, _ = structured_qkv((4, 32, 32), heads=8, head_dim=64, kinds=("spatial",) * 8, seed=0)
+    windows = [(1, 1, 1), (1, 3, 3), (3, 3, 3), (5, 3, 3)]
+    candidates = [{"method": "sta", "tile": (1, 8, 8), "window": w, "fit_tile": False} for w in windows]
+    choices = {f"0_0_{h}": h % 4 for h in range(8)}
+    strategy = {f"0_0_{h}": windows[h % 4] for h in range(8)}
+    one = lambda: fastdit.attention(q, k, v, "sta", layout=layout, tile=(1, 8, 8), fit_tile=False,  # noqa: E731
+                                    strategy=strategy, backend="torch")
+    groups = lambda: fastdit.attention(q, k, v, "auto", layout=layout, candidates=candidates,  # noqa: E731
+                                       choices=choices, backend="torch")
+    difference = float((one() - groups()).abs().max())
+    result = {"one_call_s": wall(one, runs), "groups_s": wall(groups, runs), "max_difference": difference,
+              "load_average": os.getloadavg()[0]}
+    print(f"8 heads, 4 windows: one sta call with per-head windows {1e3 * result['one_call_s']:.0f} ms, auto's 4 group "
+          f"calls {1e3 * result['groups_s']:.0f} ms (median of {runs} after a warm-up; outputs differ by at most "
+          f"{difference:.1e}; load average {result['load_average']:.1f})")
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grid", default="4,32,32")
@@ -66,8 +89,14 @@ def main(argv=None):
     parser.add_argument("--gpu", default="H100")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="two candidates a method (the test's list)")
+    parser.add_argument("--grouping", action="store_true", help="only: group calls against one per-head call")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.grouping:
+        result = grouping()
+        if args.json:
+            dump_json(args.json, result, indent=1)
+        return result
     grid = tuple(int(x) for x in args.grid.split(","))
     kinds = [kind for kind in KINDS for _ in range(args.per_kind)]
     budgets = [float(b) for b in args.budgets.split(",")]

@@ -27,6 +27,10 @@
 #            dense SDPA's at 8k and 32k tokens, density 1/8, with the ideal 1 / density and peak
 #            memory (python scripts/bench_backward.py; BACKWARD_ARGS=--lora adds a tiny LoRA
 #            step, which needs diffusers and peft)                                   (T_BACKWARD=90 s)
+#   quant    (opt-in: GPU_CHECK_PARTS=quant) the quant modes: None / int8 / int8-fp8 (sm_89+) on the
+#            engine at N=32768 and sta at Wan 480p's grid, against dense SDPA (and sageattention when
+#            installed), bf16, then the accuracy table on structured inputs
+#            (python scripts/bench_quant.py --speed; then without --speed)               (T_QUANT=90 s)
 #   predict  last: every measured time of the parts above beside the cost model's prediction for this
 #            GPU (python -m fastdit.eval.predict --compare; fastdit/costmodel.py)   (T_PREDICT=15 s)
 #
@@ -70,6 +74,7 @@ T_KERNEL="${T_KERNEL:-120}"
 T_PATCHED="${T_PATCHED:-60}"
 T_VARLEN="${T_VARLEN:-40}"
 T_BACKWARD="${T_BACKWARD:-90}"
+T_QUANT="${T_QUANT:-90}"
 BACKWARD_ARGS="${BACKWARD_ARGS:-}"
 T_METHODS="${T_METHODS:-60}"
 T_WAN="${T_WAN:-130}"
@@ -200,6 +205,10 @@ fi
 if want backward; then
     part backward "$T_BACKWARD" "$PY" "$REPO/scripts/bench_backward.py" --device cuda --tokens 8192 32768 --runs 5 \
         --json "$OUT_DIR/backward_$STAMP.json" $BACKWARD_ARGS
+fi
+if want quant; then
+    part quant "$T_QUANT" bash -c "\"$PY\" \"$REPO/scripts/bench_quant.py\" --speed --json \"$OUT_DIR/quant_speed_$STAMP.json\" \
+        && \"$PY\" \"$REPO/scripts/bench_quant.py\" --json \"$OUT_DIR/quant_accuracy_$STAMP.json\""
 fi
 if want methods; then
     part methods "$T_METHODS" "$PY" -m fastdit.eval.bench.attention --path methods \

@@ -159,3 +159,19 @@ def test_bad_input_is_refused_before_model_work(pipe, tmp_path):
         fastdit.patch(pipe, "auto", plan=plan)
     with pytest.raises(PlanError, match="needs plan version 2"):
         load_plan({**plan, "version": 1})
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["calibrate", "--method", "auto", "--budget", "0.1", "--gpu", "X9"], "unknown gpu 'X9'"),
+    (["calibrate", "--method", "sta", "--budget", "0.1", "--gpu", "H100"], "only --method auto"),
+    (["calibrate", "--method", "auto", "--budget", "0.1", "--set", "prune.ratio=0.3"], "does not choose from"),
+    (["compare", "--methods", "dense,auto"], "fastdit calibrate --model MODEL --method auto"),
+])
+def test_cli_refuses_bad_auto_input_before_loading_a_model(argv, needle, capsys, monkeypatch):
+    from fastdit.cli import main
+    from fastdit.pipelines import loading
+
+    monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err

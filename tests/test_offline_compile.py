@@ -48,7 +48,7 @@ def test_every_triton_kernel_is_checked():
     that is not in ``offline.KERNELS`` fails here)."""
     covered = {fn.__name__ for k in offline.KERNELS for fn in offline.dependencies(k)}
     found = set()
-    for path in (REPO / "kernels").glob("*.py"):
+    for path in (REPO / "kernels").rglob("*.py"):
         if path.name == "offline_compile.py":  # its target probe is not a fastdit kernel
             continue
         found |= set(re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)", path.read_text()))

@@ -38,8 +38,9 @@ def spread(x, clusters):
     return x[chosen]
 
 
-def reference_mask(q, k, layout, b, h, cq, ck, top_p, iters, key_mask=None):
-    """Token mask ``(S, S)`` of one (batch, head) from the definition (cold start, float64)."""
+def reference_mask(q, k, layout, b, h, cq, ck, top_p, iters, key_mask=None, rank="mass"):
+    """Token mask ``(S, S)`` of one (batch, head) from the definition (cold start, float64); key
+    clusters taken by mass (``rank="mass"``) or by mass per valid key (``"per_token"``)."""
     video = layout.video_positions()
     xq, xk = q[b, h, video].double(), k[b, h, video].double()
     valid = None if key_mask is None else key_mask[b, video]
@@ -50,7 +51,8 @@ def reference_mask(q, k, layout, b, h, cq, ck, top_p, iters, key_mask=None):
     for m in range(cq):
         weights = [k_sizes[j] * math.exp(scale * float(q_c[m] @ k_c[j])) for j in range(ck)]
         total = sum(weights)
-        ranked = sorted(range(ck), key=lambda j: -weights[j])
+        per_key = [weights[j] / max(float(k_sizes[j]), 1.0) if rank == "per_token" else weights[j] for j in range(ck)]
+        ranked = sorted(range(ck), key=lambda j: -per_key[j])
         mass = 0.0
         for j in ranked:
             if top_p < 1.0 and mass >= top_p and kept[m].any():
@@ -75,20 +77,21 @@ def check_varlen_plan(plan):
 
 @pytest.mark.parametrize("layout", [TokenLayout((3, 4, 5)), TokenLayout((2, 5, 4), 6, "prefix"),
                                     TokenLayout((3, 3, 4), 5, "suffix")], ids=lambda l: l.describe())
-def test_output_equals_float64_reference_under_the_cluster_mask(layout):
+@pytest.mark.parametrize("rank", ["mass", "per_token"])
+def test_output_equals_float64_reference_under_the_cluster_mask(layout, rank):
     q, k, v = randn_qkv(layout, batch=2, heads=2, seed=1)
     q = q * 3.0  # sharper attention than plain random: the clusters' scores differ
     key_mask = torch.ones(2, layout.seq_len, dtype=torch.bool)
     if layout.text_len:
         key_mask[1, layout.text_positions()[-2:]] = False  # padded text of the second prompt
-    options = dict(q_clusters=3, k_clusters=5, top_p=0.6, init_iters=4, estimator="centroids")  # SVG2's rule
+    options = dict(q_clusters=3, k_clusters=5, top_p=0.6, init_iters=4, estimator="centroids", rank=rank)  # SVG2's scores
     out, plan, info = run_svg2(q, k, v, layout, key_mask=key_mask, **options)
     check_varlen_plan(plan)
     assert torch.isfinite(out).all()
     measured = 0.0
     for b in range(2):
         for h in range(2):
-            expected = reference_mask(q, k, layout, b, h, 3, 5, 0.6, 4, key_mask)
+            expected = reference_mask(q, k, layout, b, h, 3, 5, 0.6, 4, key_mask, rank)
             assert torch.equal(plan.token_mask(h, key_mask=key_mask, batch=b), expected), (b, h)
             ref, _ = dense_reference(q[b:b + 1, h:h + 1], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1], expected)
             assert torch.allclose(out[b:b + 1, h:h + 1].double(), ref, rtol=1e-4, atol=1e-5)

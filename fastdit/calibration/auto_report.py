@@ -83,8 +83,8 @@ def summary(plan):
     lines = [f"auto plan: {len(plan['choices'])} (step bucket, layer, head) choices at budget {plan['budget']}: "
              + ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))]
     if "predicted_speedup" in measured:
-        lines.append(f"predicted attention time on {plan.get('gpu')}: {measured['predicted_ms']:.3f} ms vs dense "
-                     f"{measured['dense_ms']:.3f} ms over the calibrated calls (speedup "
+        lines.append(f"predicted attention time on {plan.get('gpu')}: {measured['predicted_ms']:.4g} ms vs dense "
+                     f"{measured['dense_ms']:.4g} ms over the calibrated calls (speedup "
                      f"{measured['predicted_speedup']:.2f}x, fastdit.costmodel)")
     lines.append(f"measured worst relative error {measured['error']:.4f} (budget {plan['budget']}), mean density "
                  f"{measured['density']:.3f} (dense heads count 1)")
@@ -107,22 +107,24 @@ def heatmap(plan, path):
     colors = plt.get_cmap("tab10").colors
     cmap = ListedColormap([colors[i % len(colors)] for i in range(len(names))])
     layers, heads = plan["model"]["layers"], plan["model"]["heads"]
-    fig, axes = plt.subplots(1, len(grids), figsize=(1.2 + 0.35 * heads * len(grids), 1.0 + 0.3 * layers),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(grids), figsize=(max(4.5, 2.5 + 0.35 * heads * len(grids)),
+                                                     max(2.5, 1.4 + 0.3 * layers)), squeeze=False)
     for axis, (step, grid) in zip(axes[0], sorted(grids.items())):
         values = [[names.index(n) for n in row] for row in grid]
         axis.imshow(values, cmap=cmap, vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest")
         axis.set_title(f"steps from {step}", fontsize=8)
         axis.set_xlabel("head", fontsize=8)
         axis.set_ylabel("layer", fontsize=8)
+        axis.set_xticks(range(heads))
+        axis.set_yticks(range(layers))
         axis.tick_params(labelsize=6)
     handles = [matplotlib.patches.Patch(color=cmap(i), label=n) for i, n in enumerate(names)]
-    fig.legend(handles=handles, loc="upper right", fontsize=7)
+    fig.legend(handles=handles, loc="center right", fontsize=7)
     measured = plan["measured"]
     speed = measured.get("predicted_speedup")
-    fig.suptitle(f"auto at budget {plan['budget']}: " + (f"predicted {speed:.2f}x on {plan.get('gpu')}, " if speed else "")
+    fig.suptitle(f"auto at budget {plan['budget']}: " + (f"predicted {speed:.2f}x on {plan.get('gpu')}\n" if speed else "")
                  + f"worst error {measured['error']:.3f}", fontsize=8, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 0.85, 0.92))
+    fig.tight_layout(rect=(0, 0, 0.75, 0.88))
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path

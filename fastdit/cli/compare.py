@@ -81,6 +81,7 @@ def cmd_compare(args):
         cp.enable(pipe, parallel)
         if not parallel.is_main and hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)  # one progress bar, rank 0's
+    check_quant_options(options, pipe)
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
     options = apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options), options)
     if args.negative_prompt is not None:
@@ -121,6 +122,24 @@ def cmd_compare(args):
             print(warning)
     print(f"\nvideos and report.json in {args.out}")
     return 0
+
+
+def check_quant_options(options, pipe):
+    """``--set METHOD.quant=...`` checked against the model's dtype and device before any run (the
+    methods check it at their first call, which comes after the dense run)."""
+    import torch
+
+    from fastdit.kernels.quant import check_quant
+
+    model = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    for method, values in (options or {}).items():
+        quant = (values or {}).get("quant")
+        if quant is not None and model is not None:
+            try:
+                check_quant(quant, model.dtype, model.device)
+            except ValueError as error:
+                hint = "" if model.dtype in (torch.float16, torch.bfloat16) else " (pass --dtype bfloat16 or float16)"
+                raise CLIError(f"argument --set {method}.quant: {error}{hint}") from None
 
 
 def add_compare_parser(sub):

@@ -218,6 +218,8 @@ class Method:
             return "correction='cached' reuses a correction computed at an earlier step"
         if getattr(self.config, "skip_threshold", None) is not None:
             return "skip_threshold has no backward (which key sub-tiles the kernel skipped is not saved)"
+        if getattr(self.config, "quant", None) is not None:
+            return "quant has no backward (the quantised engine is for inference)"
         return None
 
     def __init__(self, config=None, **options):
@@ -236,6 +238,9 @@ class Method:
             raise ValueError(f"method {cls.name!r} takes a {cls.config_cls.__name__}, got {type(config).__name__}")
         valid = [f.name for f in dataclasses.fields(cls.config_cls)]
         unknown = sorted(set(options) - set(valid))
+        if "quant" in unknown:
+            raise OptionError(f"quant is an option of the block-sparse methods (sta, radial, sparge, svg, svg2), "
+                              f"which run the block-sparse engine; method {cls.name!r} does not")
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for method {cls.name!r}; valid options: {valid}")
         config = dataclasses.replace(config, **options) if config is not None else cls.config_cls(**options)

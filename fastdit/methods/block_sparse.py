@@ -10,7 +10,13 @@ plan each accepts
   SpaAttn: every dropped key block stands in as its size times one token with the block's mean
   key and value, merged exactly through the log-sum-exp) or ``"cached"`` (after Re-ttention:
   dense refresh steps every ``refresh_every`` steps store the dense - sparse residual per layer
-  and head, the following sparse steps add it back, rescaled by the softmax mass).
+  and head, the following sparse steps add it back, rescaled by the softmax mass);
+* ``quant`` (after SageAttention): ``None``, ``"int8"`` (smoothed K, INT8 Q.K^T with one scale per
+  plan block, P.V in the input's half type) or ``"int8-fp8"`` (P.V in FP8 e4m3 as well; CUDA
+  compute capability 8.9 or later). Formulas: ``fastdit.kernels.quant``. float16 / bfloat16 inputs
+  only (checked at the first call, like the device for ``"int8-fp8"``); not with the skip rule;
+  no backward. Refresh steps of ``"cached"`` run quantised too (their result is the reference the
+  following steps are corrected towards).
 
 The formulas of both corrections are in ``corrections.py``; the skip rule's exact statement is in
 ``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64 sub-tiles, cut by
@@ -31,9 +37,10 @@ import math
 from dataclasses import dataclass
 
 from fastdit.kernels import skip_subtiles_walked
+from fastdit.kernels.quant import QUANT_MODES, check_quant, check_quant_mode
 
 from . import base as _base  # run_plan is looked up on the base module (tests wrap it there)
-from .base import Method, MethodConfig, option
+from .base import Method, MethodConfig, OptionError, option
 from .corrections import cached_apply, cached_entry, cached_store, complement_plan, merge_lse, pooled_correction
 
 CORRECTIONS = ("none", "pooled", "cached")
@@ -49,6 +56,7 @@ class BlockSparseConfig(MethodConfig):
         correction: ``"none"``, ``"pooled"`` or ``"cached"``.
         refresh_every: with ``correction="cached"``: every ``refresh_every``-th sparse step runs
             dense and refreshes the cached residual (>= 1).
+        quant: None, ``"int8"`` or ``"int8-fp8"`` (see the module docstring).
     """
 
     skip_threshold: float | None = option(None, "skip key sub-tiles scoring this far (log units) below the row "
@@ -59,6 +67,9 @@ class BlockSparseConfig(MethodConfig):
                              choices=CORRECTIONS, widget="dropdown", advanced=True)
     refresh_every: int = option(5, "correction=cached: a dense refresh step every N sparse steps",
                                 range=(1, None), widget="number", advanced=True)
+    quant: str | None = option(None, "quantised attention (SageAttention): empty = off, int8 (INT8 QK^T, half "
+                               "P.V) or int8-fp8 (FP8 P.V too, sm_89+); float16/bfloat16 only",
+                               choices=QUANT_MODES, widget="dropdown", advanced=True)
 
     def validate(self):
         super().validate()
@@ -72,6 +83,13 @@ class BlockSparseConfig(MethodConfig):
             raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
         if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 1:
             raise ValueError(f"refresh_every must be an int >= 1, got {self.refresh_every!r}")
+        try:
+            check_quant_mode(self.quant)
+        except ValueError as error:
+            raise OptionError(str(error)) from None
+        if self.quant is not None and self.skip_threshold is not None:
+            raise OptionError(f"quant={self.quant!r} cannot be combined with skip_threshold (the quantised kernel "
+                              f"has no skip rule); set one of them")
 
 
 class BlockSparseMethod(Method):
@@ -92,8 +110,13 @@ class BlockSparseMethod(Method):
             ctx.info["dense"] = True
             return ctx.dense()
         config = self.config
+        if config.quant is not None:  # dtype and device are known only now
+            try:
+                check_quant(config.quant, q.dtype, q.device)
+            except ValueError as error:
+                raise OptionError(f"method {self.name!r}: {error}") from None
         common = dict(key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale, backend=ctx.backend,
-                      return_lse=True)
+                      return_lse=True, quant=config.quant)
         if config.correction == "cached":
             entry = cached_entry(ctx.state, q)
             if entry is None or self.is_refresh_step(ctx):

@@ -17,6 +17,8 @@ One iteration (Lloyd's):
 it and the valid sizes, so the three agree (``centroids[c]`` is the mean of the valid points with
 label ``c``, for every non-empty ``c``). Invalid points (``valid`` False: masked keys) get a label
 like any point, so a permutation can place them, but never move a centroid or count in a size.
+``cluster_permutation`` turns labels into svg2's kernel order (each cluster contiguous, then the
+text) and ``inverse_order`` undoes it.
 
 Everything is torch on the input's device with no host synchronisation (no ``.item()``, no
 data-dependent shapes). The ``(G, N, C)`` scores are computed in chunks of problems so that at most
@@ -122,3 +124,29 @@ def spread_init(x, clusters):
     if not 1 <= clusters <= points:
         raise ValueError(f"spread_init: clusters must be in [1, {points}] (the number of points), got {clusters}")
     return x.index_select(1, _init_index(points, clusters, str(x.device))).to(_work_dtype(x))
+
+
+def cluster_permutation(labels, clusters, video, text):
+    """Kernel order of one side: ``(order (G, S), offsets int32 (G, M + 1), blocks (G, S))``:
+    model token at each kernel position (video sorted by cluster, then text), block boundaries,
+    and each model token's block (``clusters`` for text)."""
+    groups, n_video = labels.shape
+    device = labels.device
+    sort = torch.argsort(labels, dim=1, stable=True)
+    sizes = torch.zeros(groups, clusters, dtype=torch.long, device=device).scatter_add_(
+        1, labels, torch.ones_like(labels))
+    parts = [torch.zeros(groups, 1, dtype=torch.long, device=device), sizes.cumsum(1)]
+    pieces = [video[sort]]
+    seq = n_video + text.numel()
+    if text.numel():
+        parts.append(torch.full((groups, 1), seq, dtype=torch.long, device=device))
+        pieces.append(text.expand(groups, -1))
+    blocks = torch.full((groups, seq), clusters, dtype=torch.long, device=device)
+    blocks[:, video] = labels
+    return torch.cat(pieces, 1), torch.cat(parts, 1).to(torch.int32), blocks
+
+
+def inverse_order(order):
+    """Kernel position of every model token, ``(G, S)``."""
+    positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, positions)

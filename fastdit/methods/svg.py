@@ -292,17 +292,18 @@ class HeadOrderPlan(BlockPlan):
         return mask[inverse][:, inverse]
 
     def run(self, q, k, v, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
-            skip_threshold=None, skip_tile=(64, 64), return_skipped=False):
+            skip_threshold=None, skip_tile=(64, 64), return_skipped=False, quant=None):
         """``fastdit.run_plan`` of this plan (same arguments and results): see ``run_head_order_plan``."""
         out, lse, skipped = run_head_order_plan(q, k, v, self, key_mask=key_mask, query_mask=query_mask, scale=scale,
-                                                backend=backend, skip_threshold=skip_threshold, skip_tile=skip_tile)
+                                                backend=backend, skip_threshold=skip_threshold, skip_tile=skip_tile,
+                                                quant=quant)
         result = (out, lse) if return_lse else (out,)
         result = result + ((skipped,) if return_skipped else ())
         return result if len(result) > 1 else out
 
 
 def run_head_order_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto",
-                        skip_threshold=None, skip_tile=(64, 64)):
+                        skip_threshold=None, skip_tile=(64, 64), quant=None):
     """Attention of model-order ``(B, H, S, D)`` tensors under a ``HeadOrderPlan``: one engine call
     for all heads; returns ``(out, lse, skipped)`` in model order (``skipped``: int32 ``(B, H)``
     key sub-tiles the in-kernel skip rule skipped, zeros without it)."""
@@ -323,7 +324,7 @@ def run_head_order_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=Non
         q_k, k_k, v_k, plan.kv_indices.reshape(batch * heads, 1, n_blocks, width),
         plan.kv_counts.reshape(batch * heads, 1, n_blocks), plan.block_m, plan.block_n, scale=scale,
         kv_valid=valid, return_lse=True, backend=backend, validate=False,  # block lists validated when built
-        skip_threshold=skip_threshold, skip_tile=skip_tile, return_skipped=True)
+        skip_threshold=skip_threshold, skip_tile=skip_tile, return_skipped=True, quant=quant)
     back = (plan.head_inverses + (torch.arange(batch * heads, device=q.device) * length).view(batch, heads, 1))
     back = back.reshape(-1)
     out = out.reshape(batch * heads * length, dim).index_select(0, back).view(batch, heads, seq, dim)

@@ -41,7 +41,9 @@ once, on the device, no host synchronisation):
      temporal head).
 
    ``plan.info["predicted_mass"]`` ``(B, H)``: the predicted kept mass, mean over query rows.
-4. Selection: per query cluster, the key clusters in descending ``p``, keeping the fewest whose
+4. Selection: per query cluster, the key clusters in descending ``p / n_j`` (``rank="per_token"``,
+   default: predicted mass per key token, so ``top_p`` is reached with the fewest token pairs) or
+   ``p`` (``rank="mass"``: the fewest clusters, SVG2's order), keeping the first ones whose
    cumulative ``p`` (plus, with the measured estimators, the text keys' mass, always kept) reaches
    ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
    least 1, and at least ``ceil(min_kc_ratio * Ck)``: SVG2's floor, 0.10 in its scripts, default 0
@@ -66,12 +68,6 @@ cluster (``corrections.pooled_correction`` through ``ClusterPlan.token_blocks``)
 (query, dropped key cluster), ``Ck / S`` of dense attention's scores. ``skip_threshold`` is a
 rule of the fixed-block engine and is refused when configured.
 
-Known weakness of ``estimator="centroids"`` (structured benchmark inputs,
-``eval/bench/methods.py``): the centroid scores predict a whole query cluster's mass; when a query
-cluster is much wider than its queries' attention (very local heads, few query clusters) the
-queries at its edge lose most of their mass, so pure ``top_p`` can keep too little;
-``min_kc_ratio`` (SVG2's floor) and more query clusters help. ``"rowwise"`` scores every row.
-
 Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
 token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
 and scoring are overhead in the timings (``eval/bench/methods.py`` reports them separately).
@@ -88,11 +84,13 @@ from fastdit.plan import BlockPlan
 
 from .base import option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .kmeans import kmeans, spread_init
+from .kmeans import cluster_permutation, inverse_order, kmeans, spread_init
 from .mass import row_block_masses, rowwise_block_masses, stratified_rows
 
 #: How cluster masses are predicted (``SVG2Config.estimator``).
 ESTIMATORS = ("rowwise", "sampled", "centroids")
+#: In what order key clusters are taken until ``top_p`` is reached (``SVG2Config.rank``).
+RANKS = ("per_token", "mass")
 #: ``ctx.state`` key of the warm-start centroids.
 STATE_KEY = "svg2_centroids"
 
@@ -112,13 +110,15 @@ class SVG2Config(BlockSparseConfig):
     Attributes:
         q_clusters: query clusters per (batch, head), >= 1 (clamped to the video tokens per call).
         k_clusters: key clusters per (batch, head), >= 1 (clamped likewise).
-        top_p: per query cluster, keep the fewest key clusters whose predicted mass reaches this;
-            in (0, 1] (1: dense).
+        top_p: per query cluster, keep key clusters (in ``rank`` order) until their predicted mass
+            reaches this; in (0, 1] (1: dense).
         kmeans_iters: k-means iterations of a warm-started call (>= 1).
         init_iters: k-means iterations of a cold start (>= 1).
         warm_start: start from the previous call's centroids while the layout is unchanged.
         min_kc_ratio: keep at least this fraction of the key clusters per query cluster, in [0, 1]
             (SVG2's ``min_kc_ratio``; its scripts use 0.10).
+        estimator, mass_rows, row_guard: how masses are predicted (module docstring, 3).
+        rank: ``"per_token"`` (predicted mass per key token) or ``"mass"`` (SVG2's order).
         dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 1.
         correction: ``"none"``, ``"pooled"`` or ``"cached"``; ``skip_threshold`` must
             stay None (the variable-size engine has no skip rule).
@@ -128,7 +128,7 @@ class SVG2Config(BlockSparseConfig):
                              widget="number")
     k_clusters: int = option(500, "key clusters per head (k-means), clamped to the video tokens", range=(1, None),
                              widget="number")
-    top_p: float = option(0.9, "per query cluster, keep the fewest key clusters whose predicted mass reaches this",
+    top_p: float = option(0.9, "per query cluster, keep key clusters (see rank) until their predicted mass reaches this",
                           range=(0.0, 1.0), widget="slider")
     kmeans_iters: int = option(2, "k-means iterations of a warm-started call", range=(1, None), widget="number")
     init_iters: int = option(20, "k-means iterations of a cold start (first call, or a changed layout)",
@@ -145,6 +145,9 @@ class SVG2Config(BlockSparseConfig):
                             widget="number", advanced=True)
     row_guard: bool = option(True, "estimator='rowwise': also keep every key cluster on which a single query row "
                              "puts more than 1 - top_p of its predicted mass", widget="checkbox", advanced=True)
+    rank: str = option("per_token", "order in which key clusters are kept until top_p is reached: 'per_token' "
+                       "(predicted mass per key token: the fewest token pairs) or 'mass' (predicted mass: the fewest "
+                       "clusters, SVG2's)", choices=RANKS, widget="dropdown", advanced=True)
 
     def validate(self):
         super().validate()
@@ -164,6 +167,8 @@ class SVG2Config(BlockSparseConfig):
         self.min_kc_ratio = float(value)
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.rank not in RANKS:
+            raise ValueError(f"rank must be one of {RANKS}, got {self.rank!r}")
         for name in ("warm_start", "row_guard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -183,15 +188,19 @@ def cluster_scores(q_centroids, k_centroids, k_sizes, scale):
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def select_clusters(probs, top_p, min_kc_ratio=0.0, kept_before=None, forced=None):
+def select_clusters(probs, top_p, min_kc_ratio=0.0, kept_before=None, forced=None, sizes=None):
     """``(order, counts)``: key clusters of each query cluster in descending ``p`` (long
-    ``(G, Cq, Ck)``) and how many of them are kept (long ``(G, Cq)``, >= 1 and >=
-    ``ceil(min_kc_ratio * Ck)``). ``kept_before`` ``(G, Cq)``: predicted mass already kept
-    whatever the selection (the text keys, with ``estimator="rows"``), counted toward ``top_p``.
-    ``forced`` bool ``(G, Cq, Ck)``: key clusters kept whatever their ``p`` (ranked first, their
-    mass counted toward ``top_p``)."""
+    ``(G, Cq, Ck)``), or with ``sizes`` (valid keys per key cluster, ``(G, Ck)``) in descending
+    ``p / n_j`` (mass per key token: reaching ``top_p`` with the fewest token pairs, the greedy
+    answer to "the least work that keeps ``top_p``"; by ``p`` alone a large cluster of mass 0.3
+    ranks before ten small ones of 0.1 each, which keep more in fewer pairs), and how many of
+    them are kept (long ``(G, Cq)``, >= 1 and >= ``ceil(min_kc_ratio * Ck)``). ``kept_before``
+    ``(G, Cq)``: predicted mass already kept whatever the selection (the text keys, with
+    ``estimator="rows"``), counted toward ``top_p``. ``forced`` bool ``(G, Cq, Ck)``: key
+    clusters kept whatever their ``p`` (ranked first, their mass counted toward ``top_p``)."""
     clusters = probs.shape[-1]
-    rank = probs if forced is None else probs + 2.0 * forced  # p <= 1: forced clusters rank first
+    rank = probs if sizes is None else probs / sizes.to(probs.dtype).clamp(min=1.0)[:, None, :]
+    rank = rank if forced is None else rank + 2.0 * forced  # rank <= 1: forced clusters rank first
     order = rank.argsort(dim=-1, descending=True)
     sorted_probs = probs.gather(-1, order)
     if top_p >= 1.0:  # every cluster, whatever the float rounding of the cumulative sum
@@ -230,32 +239,6 @@ def block_lists(order, counts, has_text):
     indices = torch.cat([video_rows, text_row], 1).to(torch.int32)
     kv_counts = torch.cat([counts + 1, torch.full((groups, 1), width, dtype=torch.long, device=device)], 1)
     return indices.contiguous(), kv_counts.to(torch.int32)
-
-
-def cluster_permutation(labels, clusters, video, text):
-    """Kernel order of one side: ``(order (G, S), offsets int32 (G, M + 1), blocks (G, S))``:
-    model token at each kernel position (video sorted by cluster, then text), block boundaries,
-    and each model token's block (``clusters`` for text)."""
-    groups, n_video = labels.shape
-    device = labels.device
-    sort = torch.argsort(labels, dim=1, stable=True)
-    sizes = torch.zeros(groups, clusters, dtype=torch.long, device=device).scatter_add_(
-        1, labels, torch.ones_like(labels))
-    parts = [torch.zeros(groups, 1, dtype=torch.long, device=device), sizes.cumsum(1)]
-    pieces = [video[sort]]
-    seq = n_video + text.numel()
-    if text.numel():
-        parts.append(torch.full((groups, 1), seq, dtype=torch.long, device=device))
-        pieces.append(text.expand(groups, -1))
-    blocks = torch.full((groups, seq), clusters, dtype=torch.long, device=device)
-    blocks[:, video] = labels
-    return torch.cat(pieces, 1), torch.cat(parts, 1).to(torch.int32), blocks
-
-
-def inverse_order(order):
-    """Kernel position of every model token, ``(G, S)``."""
-    positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
-    return torch.empty_like(order).scatter_(1, order, positions)
 
 
 # -- the per-call plan ----------------------------------------------------------------------------
@@ -329,20 +312,20 @@ class ClusterPlan(BlockPlan):
         return self
 
     def run(self, q, k, v, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
-            skip_threshold=None, skip_tile=(64, 64), return_skipped=False):
+            skip_threshold=None, skip_tile=(64, 64), return_skipped=False, quant=None):
         """``fastdit.run_plan`` of this plan (same arguments and results; no skip rule)."""
         if skip_threshold is not None:
             raise ValueError("svg2 plans run on the variable-size engine, which has no skip rule: "
                              "skip_threshold must be None")
         out, lse = run_cluster_plan(q, k, v, self, key_mask=key_mask, query_mask=query_mask, scale=scale,
-                                    backend=backend)
+                                    backend=backend, quant=quant)
         result = (out, lse) if return_lse else (out,)
         if return_skipped:
             result = result + (torch.zeros(q.shape[:2], dtype=torch.int32, device=q.device),)
         return result if len(result) > 1 else out
 
 
-def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto"):
+def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto", quant=None):
     """Attention of model-order ``(B, H, S, D)`` tensors under a ``ClusterPlan``: one engine call
     for all heads; returns ``(out, lse)`` in model order."""
     batch, heads, seq, dim = q.shape
@@ -361,7 +344,7 @@ def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, 
     out, lse = block_sparse_attention_varlen(
         q_k, k_k, v_k, plan.q_offsets.reshape(groups, 1, -1), plan.k_offsets.reshape(groups, 1, -1),
         plan.kv_indices.reshape(groups, 1, mq, width), plan.kv_counts.reshape(groups, 1, mq), scale=scale,
-        kv_valid=valid, return_lse=True, backend=backend, validate=False)  # valid by construction (tests check)
+        kv_valid=valid, return_lse=True, backend=backend, validate=False, quant=quant)  # plan valid by construction
     back = (plan.q_inverse + base).reshape(-1)
     out = out.reshape(groups * seq, dim).index_select(0, back).view(batch, heads, seq, dim)
     lse = lse.reshape(-1).index_select(0, back).view(batch, heads, seq)
@@ -459,7 +442,8 @@ class SparseVideoGen2(BlockSparseMethod):
                     forced = most.view(-1, cq + 1, ck + 1)[:, :cq, :ck] > 1.0 - self.config.top_p
         else:
             probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
-        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio, text_mass, forced)
+        sizes = clusters.k_sizes if self.config.rank == "per_token" else None
+        order, counts = select_clusters(probs, self.config.top_p, self.config.min_kc_ratio, text_mass, forced, sizes)
         q_sizes = q_offsets.diff(dim=-1)[:, :cq].double()
         predicted = (predicted_kept(probs, order, counts, text_mass).double() * q_sizes).sum(-1)
         predicted = (predicted + layout.text_len) / seq  # per (batch, head), over all rows (text rows keep all)
