@@ -127,17 +127,21 @@ def base_scores(keys, index, key_valid=None):
 INVALID_SCORE = -3.0
 
 
-def choose_bases(keys, index, keep, randomness, generator, key_valid=None):
+def choose_bases(keys, index, keep, randomness, generator, key_valid=None, head_offset=0, total_heads=None):
     """Base tokens and the slot of every token: ``(base, slot)``, ``base`` long ``(B, H, G * keep)``
     token indices (-1 where a partial window has fewer than ``keep`` tokens), ``slot`` long
     ``(B, H, N)``: the position in ``base`` of the base each token copies (its own for a base; for
-    a pruned token the base of its window with the highest key cosine)."""
+    a pruned token the base of its window with the highest key cosine). The draw covers all
+    ``total_heads`` of the layer and this call takes its heads' part (``head_offset``), so a rank
+    of Ulysses context parallelism draws what one process draws for the same heads."""
     batch, heads, n_tokens, _ = keys.shape
     n_windows, size = index.shape
     sim, rep, valid = base_scores(keys, index, key_valid)
     score = rep
     if randomness > 0:
-        u = torch.rand(rep.shape, generator=generator, dtype=rep.dtype).to(rep.device) * 2 - 1
+        shape = (rep.shape[0], total_heads or heads, *rep.shape[2:])
+        u = torch.rand(shape, generator=generator, dtype=rep.dtype)[:, head_offset:head_offset + heads]
+        u = u.to(rep.device) * 2 - 1
         score = (1 - randomness) * rep + randomness * u
     score = score.masked_fill(~valid, INVALID_SCORE).masked_fill(index < 0, float("-inf"))
     # stable order: ties (randomness 0, duplicated tokens) keep the window's first slots
@@ -194,7 +198,7 @@ class OptiPrune(Method):
         index = window_index(grid, window, str(keys.device))
         keep, _ = self.kept_per_window(grid)
         base, slot = choose_bases(keys, index, keep, float(self.config.randomness), self.generator(ctx),
-                                  split.video_key_valid)
+                                  split.video_key_valid, ctx.head_offset, ctx.total_heads)
         if every > 1:
             ctx.state["optiprune"] = {"signature": signature, "step": ctx.step, "base": base, "slot": slot}
         return base, slot
