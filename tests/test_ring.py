@@ -127,7 +127,7 @@ def test_ring_four_and_ulysses_by_ring_equal_one_process():
         options = ring_options(method, "wan")
         jobs.append((("wan", method, 4), "wan", method, options, True, (4, 1)))
         expected["wan", method, 4] = run("wan", method, options)
-    for family, methods in (("wan", ("sparge",)), ("qwen", ("sta",)), ("flux", ("svg",))):
+    for family, methods in (("wan", ("sparge",)), ("qwen", ("sta", "svg2")), ("flux", ("svg",))):
         for method in methods:
             if applicable(method, family):
                 options = ring_options(method, family)
