@@ -188,3 +188,28 @@ def test_no_folder_holds_too_many_modules():
     assert counts.get("fastdit") and counts.get("eval") is not None, counts
     over = {folder: n for folder, n in counts.items() if n > MAX_MODULES}
     assert not over, f"folders over {MAX_MODULES} modules (group them in sub-folders): {over}"
+
+
+def test_every_package_folder_is_installed():
+    """``pip install .`` (not editable) installs only the packages pyproject lists: every folder
+    of fastdit with an ``__init__.py`` must be there, or a user's import fails where the editable
+    checkout works (``fastdit.train`` and ``fastdit.methods.tokens`` were missing once)."""
+    import subprocess
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: Path(folder) for name, folder in config["package-dir"].items()}
+
+    def folder_of(package):
+        best = max((name for name in folders if package == name or package.startswith(name + ".")), key=len)
+        return folders[best].joinpath(*package[len(best):].split(".")[1:])
+
+    listed = {folder_of(package).as_posix() for package in config["packages"]}
+    tracked = subprocess.run(["git", "ls-files", "*__init__.py"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.split()
+    packages = {Path(path).parent.as_posix() for path in tracked if not path.startswith("tests/")}
+    assert packages, "git ls-files found no package"
+    assert not packages - listed, f"package folders missing from pyproject's packages: {sorted(packages - listed)}"
+    assert not listed - packages, f"pyproject lists packages without a folder: {sorted(listed - packages)}"
+
