@@ -164,19 +164,35 @@ def _rows(tensor, index):
 def run_part(q, k, v, part, key_mask=None, scale=None, backend="auto"):
     """``(out, lse)`` ``(B, H, Lq, D)`` float32 / ``(B, H, Lq)`` of local queries ``q`` against one
     key shard ``k, v`` ``(B, H, Lk, D)`` under ``part``; ``key_mask`` ``(B, Lk)`` of the shard."""
-    batch, heads, length, dim = q.shape
-    k_index = part.k_index.expand(batch, heads, -1)
-    valid = k_index >= 0
-    if key_mask is not None:
-        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, -1)
-        valid = valid & keys.gather(-1, k_index.clamp(min=0))
+    batch, heads = q.shape[:2]
     n_m = part.kv_counts.shape[-1]
     out, lse = block_sparse_attention(
         _rows(q, part.q_index), _rows(k, part.k_index), _rows(v, part.k_index),
         part.kv_indices.expand(batch, heads, -1, -1).reshape(batch * heads, 1, n_m, -1),
         part.kv_counts.expand(batch, heads, -1).reshape(batch * heads, 1, n_m), part.block_m, part.block_n,
-        scale=scale, kv_valid=valid.reshape(batch * heads, -1), return_lse=True, backend=backend, validate=False)
-    q_index = part.q_index.expand(batch, heads, -1)
+        scale=scale, kv_valid=_key_valid(part.k_index, key_mask, q), return_lse=True, backend=backend,
+        validate=False)
+    return _to_local(out, lse, part.q_index, q)
+
+
+def _key_valid(k_index, key_mask, q):
+    """Bool ``(B*H, N)``: each sub-kernel column holds a key of the shard (``k_index >= 0``) that
+    ``key_mask`` ``(B, Lk)`` (if any) keeps."""
+    batch, heads = q.shape[:2]
+    k_index = k_index.expand(batch, heads, -1)
+    valid = k_index >= 0
+    if key_mask is not None:
+        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, -1)
+        valid = valid & keys.gather(-1, k_index.clamp(min=0))
+    return valid.reshape(batch * heads, -1)
+
+
+def _to_local(out, lse, q_index, q):
+    """Sub-kernel rows ``out`` ``(B*H, 1, N, D)`` / ``lse`` back at their local query positions
+    ``q_index`` ``(1|B, 1|H, N)`` (-1: another shard's row, dropped): float32 ``(B, H, L, D)`` and
+    ``(B, H, L)``, zeros and ``-inf`` where no row landed."""
+    batch, heads, length, dim = q.shape
+    q_index = q_index.expand(batch, heads, -1)
     mine = (q_index >= 0).reshape(-1)
     target = (q_index + (torch.arange(batch * heads, device=q.device) * length).view(batch, heads, 1)).reshape(-1)[mine]
     full_out = q.new_zeros(batch * heads * length, dim, dtype=torch.float32)
@@ -233,13 +249,8 @@ def cluster_part(plan, shard, local, q_shard, k_shard):
 def run_cluster_part(q, k, v, part, key_mask=None, scale=None, backend="auto"):
     """``(out, lse)`` of local queries ``q`` against one key shard under a ``ClusterPart``
     (the arguments and results of ``run_part``)."""
-    batch, heads, length, dim = q.shape
+    batch, heads = q.shape[:2]
     groups = batch * heads
-    k_index = part.k_index.expand(batch, heads, -1)
-    valid = None
-    if key_mask is not None:
-        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, -1)
-        valid = keys.gather(-1, k_index).reshape(groups, -1)
     n_m, width = part.kv_indices.shape[-2:]
 
     def flat(t, last):
@@ -248,14 +259,9 @@ def run_cluster_part(q, k, v, part, key_mask=None, scale=None, backend="auto"):
     out, lse = block_sparse_attention_varlen(
         _rows(q, part.q_index), _rows(k, part.k_index), _rows(v, part.k_index), flat(part.q_offsets, (-1,)),
         flat(part.k_offsets, (-1,)), flat(part.kv_indices, (n_m, width)), flat(part.kv_counts, (n_m,)),
-        scale=scale, kv_valid=valid, return_lse=True, backend=backend, validate=False)
-    target = (part.q_index.expand(batch, heads, -1) + (torch.arange(groups, device=q.device) * length).view(
-        batch, heads, 1)).reshape(-1)  # every local query exactly once
-    full_out = q.new_empty(groups * length, dim, dtype=torch.float32)
-    full_lse = torch.empty(groups * length, device=q.device)
-    full_out[target] = out.reshape(-1, dim).float()
-    full_lse[target] = lse.reshape(-1)
-    return full_out.view(batch, heads, length, dim), full_lse.view(batch, heads, length)
+        scale=scale, kv_valid=None if key_mask is None else _key_valid(part.k_index, key_mask, q),
+        return_lse=True, backend=backend, validate=False)
+    return _to_local(out, lse, part.q_index, q)  # every local query lands exactly once
 
 
 def ring_attend(plan, q, key_shard, shard, local, rank, ring, scale=None, backend="auto"):
