@@ -49,6 +49,58 @@ def test_estimators_match_closed_form_block_masses(spread):
         assert (pooled - truth).abs().max() > 0.05
 
 
+def exact_row_masses(q, k, key_valid, blocks, n_blocks, scale):
+    """float64 ``(B, H, L, n)``: each row's true softmax mass on each key block (direct sum)."""
+    probs = torch.softmax((q.double() @ k.double().transpose(-1, -2)).mul(scale)
+                          .masked_fill(~key_valid[:, None, None, :], float("-inf")), dim=-1)
+    out = torch.zeros(*probs.shape[:3], n_blocks, dtype=torch.float64)
+    return out.scatter_add_(-1, blocks[:, :, None, :].expand_as(probs), probs)
+
+
+@pytest.mark.parametrize("seed", [0, None])
+def test_refining_every_block_from_all_its_keys_gives_the_exact_row_masses(seed):
+    """``refine = n`` blocks with ``refine_keys`` >= the largest block: every row's masses are
+    exact (float64 direct sums), whatever the blocks' sizes (random labels, odd sizes, an empty
+    block, padded keys); with the second-order term alone they are not on this sharp head."""
+    seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, length, dim, n_blocks = 2, 3, 37, 8, 6
+    q = torch.randn(batch, heads, length, dim, generator=g) * 2.0
+    k = torch.randn(batch, heads, length, dim, generator=g) * 2.0
+    blocks = torch.randint(0, n_blocks - 1, (batch, heads, length), generator=g)  # block n - 1 stays empty
+    key_valid = torch.rand(batch, length, generator=g) > 0.2
+    each_row = torch.arange(length).expand(batch, heads, length).contiguous()
+    truth = exact_row_masses(q, k, key_valid, blocks, n_blocks, 0.35)
+    refined = rowwise_block_masses(q, k, key_valid, each_row, length, blocks, n_blocks, 0.35, refine=n_blocks,
+                                   refine_keys=length).double()
+    torch.testing.assert_close(refined, truth, atol=1e-5, rtol=1e-4, msg=f"seed {seed}")
+    assert not refined.isnan().any() and float(refined[..., n_blocks - 1].abs().max()) == 0.0
+    plain = rowwise_block_masses(q, k, key_valid, each_row, length, blocks, n_blocks, 0.35).double()
+    assert float((plain - truth).abs().max()) > 0.05, f"seed {seed}: the head is not sharp enough to tell"
+    # refining only each row's 2 largest blocks from 3 keys each: those two terms from a sample, the
+    # rest as before; rows still sum to 1
+    partial = rowwise_block_masses(q, k, key_valid, each_row, length, blocks, n_blocks, 0.35, refine=2,
+                                   refine_keys=3).double()
+    torch.testing.assert_close(partial.sum(-1), torch.ones_like(partial.sum(-1)), atol=1e-5, rtol=0)
+
+
+def test_block_key_sample_spreads_its_keys_over_each_block():
+    """A block of 10 valid keys sampled with 4 slots takes its keys 1, 3, 6, 8 (floor((2t + 1) * 10 /
+    8)); a block of 2 takes both and leaves 2 slots unused; invalid keys are never taken."""
+    from fastdit.methods.mass import block_key_sample, block_moments
+
+    length = 14
+    k = torch.arange(length, dtype=torch.float32)[None, None, :, None]  # each key's value = its position
+    blocks = torch.tensor([0] * 10 + [1] * 4)[None, None]
+    valid = torch.tensor([True] * 10 + [True, False, True, False])[None]
+    _, _, count = block_moments(k, valid, blocks, 2)
+    keys, used, log_count, log_taken = block_key_sample(k, valid, blocks, 2, count, 4)
+    assert keys[0, 0, 0, :, 0].tolist() == [1.0, 3.0, 6.0, 8.0]
+    assert used[0, 0, 1].tolist() == [True, True, False, False] and keys[0, 0, 1, :2, 0].tolist() == [10.0, 12.0]
+    torch.testing.assert_close(log_count[0, 0], torch.tensor([10.0, 2.0]).log())
+    torch.testing.assert_close(log_taken[0, 0], torch.tensor([4.0, 2.0]).log())
+
+
 def test_rowwise_averages_every_row_of_a_block():
     """Rows of one query block attending to different key blocks: the block's mass is their mean."""
     dim, block = 4, 8

@@ -192,6 +192,38 @@ def test_row_guard_keeps_the_key_cluster_a_few_rows_need():
     assert kept[False] < 0.98 and kept[True] > 0.999, kept
 
 
+def test_guard_margin_sets_how_much_of_one_row_a_forced_cluster_must_hold():
+    """Two far-apart groups of keys (A, B), one query cluster of 128 rows: 124 attend to A alone,
+    4 put 15% of their mass on B (q = s a with 1.5 s = ln(0.85 / 0.15): scores are scale q . k).
+    By the cluster's mean B holds 0.5%, so only the row guard can keep it: at top_p = 0.95 it is
+    forced when 15% exceeds guard_margin x 5% (margin 2: 10%, kept) and not at margin 4 (20%)."""
+    g = torch.Generator().manual_seed(1)
+    dim, n = 16, 64
+    a, b = torch.zeros(dim), torch.zeros(dim)
+    a[0], b[1] = 6.0, 6.0
+    k = torch.cat([a + 0.01 * torch.randn(n, dim, generator=g), b + 0.01 * torch.randn(n, dim, generator=g)])
+    q = a.expand(2 * n, dim).clone()
+    q[::32] = 0.0
+    q[::32, 0] = math.log(0.85 / 0.15) / 1.5  # 6 * 0.25 = 1.5: B's share of the row is 15%
+    v = torch.randn(1, 1, 2 * n, dim, generator=g)
+    kept = {}
+    for margin in (2.0, 4.0):
+        _, info = fastdit.attention(q[None, None], k[None, None], v, "svg2", layout=TokenLayout((1, 8, 16)),
+                                    backend="torch", return_info="mass", q_clusters=1, k_clusters=2, top_p=0.95,
+                                    guard_margin=margin, dense_steps=0, dense_layers=0)
+        kept[margin] = info["kept_mass"][0]
+    dropped = 4 * 0.15 / 128  # B's share of the whole head's mass
+    assert kept[2.0] > 1 - 1e-6, kept
+    assert abs(kept[4.0] - (1 - dropped)) < 2e-4, kept
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_guard_margin_outside_its_range_is_refused(bad):
+    with pytest.raises(ValueError, match="guard_margin"):
+        fastdit.attention(*randn_qkv(TokenLayout((1, 4, 4)), seed=0), "svg2", layout=TokenLayout((1, 4, 4)),
+                          guard_margin=bad)
+
+
 # -- warm start ------------------------------------------------------------------------------------
 
 def test_warm_start_reuses_centroids_only_while_the_layout_is_unchanged():

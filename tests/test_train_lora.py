@@ -79,3 +79,24 @@ def test_bad_options_are_refused():
         LoraTrainConfig(steps=0)
     with pytest.raises(ValueError, match="lr must be a number > 0"):
         LoraTrainConfig(lr=-1.0)
+
+
+def test_cli_trains_the_trained_tiny_model_on_its_own_grammar(tmp_path):
+    """``python -m fastdit.train --model tiny-shapes``: the shipped trained model loads offline with
+    its native call; training and held-out prompts are captions of its grammar (the only text it
+    knows), distinct and disjoint; one step at a reduced call runs end to end."""
+    from fastdit.pipelines.shapes_data import parse_caption
+    from fastdit.train.__main__ import _shapes_captions, main
+
+    train, held = _shapes_captions(8, seed=7), _shapes_captions(4, seed=8)
+    assert len(set(train)) == 8 and len(set(held)) == 4 and not set(train) & set(held)
+    assert all(parse_caption(text) for text in train + held)
+    out = tmp_path / "lora"
+    main(["--model", "tiny-shapes", "--method", "sta", "--options",
+          json.dumps({"tile": [1, 4, 4], "window": [1, 1, 1], "dense_steps": 0, "dense_layers": 0}),
+          "--call", json.dumps({"num_frames": 5, "num_inference_steps": 1}), "--prompts", json.dumps(train[:1]),
+          "--steps", "1", "--samples", "1", "--backend", "torch", "--no-progress", "--out", str(out),
+          "--json", str(out / "result.json")])
+    result = json.loads((out / "result.json").read_text())
+    assert result["call"]["height"] == 64 and result["call"]["num_frames"] == 5 and result["steps"] == 1
+    assert result["held_out"] == list(held) and (out / "pytorch_lora_weights.safetensors").exists()

@@ -24,21 +24,19 @@ once, on the device, no host synchronisation):
      key cluster's mean ``kbar_j`` and per-dim variance ``var_j`` over its ``n_j`` valid keys
      (and the text keys as one more block), ``p_i(j) = softmax_j(scale q_i . kbar_j + log n_j +
      (scale^2 / 2) sum_d q_id^2 var_jd)``, and ``p[m, j]`` is the mean of ``p_i(j)`` over the
-     cluster's rows (``mass.rowwise_block_masses``). What it assumes: scores inside a key cluster
-     spread about as a Gaussian (second order); k-means keeps key clusters tight, which is where
-     this holds. A query cluster whose rows attend to different key clusters gets all of them
-     (every row counts). Cost: ``2 Ck`` scores per query row, ``2 Ck / S`` of dense's;
+     cluster's rows (``mass.rowwise_block_masses``); each row's ``refine_clusters`` largest terms
+     are then scored from (up to ``refine_keys`` of) the cluster's keys. What it assumes: the
+     Gaussian term is good enough to find a row's top clusters. A query cluster whose rows attend
+     to different key clusters gets all of them. Cost per row: ``2 Ck + 4 min(n_j, 256)`` scores;
    * ``"sampled"``: ``mass_rows`` rows per query cluster (stratified over the cluster) scored
      exactly against every key, their masses averaged (``mass.row_block_masses``);
    * ``"centroids"`` (SVG2's)::
 
        p[m, j] = n_j exp(scale cq_m . ck_j) / sum_j' n_j' exp(scale cq_m . ck_j')
 
-     (the softmax of centroid scores, each key cluster counted ``n_j`` times; empty key clusters
-     get 0). It estimates ``exp(mean score)``, far below the mean of ``exp(score)`` when a head is
-     sharper than a cluster, and a whole query cluster's mass from its centroid, so on sharp
-     heads it keeps far less than ``top_p`` (issue 23: 0.53 true mass at ``top_p = 0.9`` on a
-     temporal head).
+     (softmax of centroid scores, key clusters counted ``n_j`` times): ``exp(mean score)``, far
+     below the mean of ``exp(score)`` on heads sharper than a cluster (issue 23: 0.53 true mass at
+     ``top_p = 0.9`` on a temporal head).
 
    ``plan.info["predicted_mass"]`` ``(B, H)``: the predicted kept mass, mean over query rows.
 4. Selection: per query cluster, the key clusters in descending ``p / n_j`` (``rank="per_token"``,
@@ -47,30 +45,31 @@ once, on the device, no host synchronisation):
    cumulative ``p`` (plus, with the measured estimators, the text keys' mass, always kept) reaches
    ``top_p`` (``count = #{r : sum_{r' < r} p_sorted[r'] < top_p}``, at
    least 1, and at least ``ceil(min_kc_ratio * Ck)``: SVG2's floor, 0.10 in its scripts, default 0
-   here); ``top_p = 1`` keeps every key cluster (dense attention, exactly). Every video query
-   cluster also keeps the text key block; the text query block keeps every key block: text rows
-   and columns stay dense.
+   here); ``top_p = 1`` keeps every key cluster (dense attention, exactly). ``row_guard``
+   (rowwise) also keeps every key cluster on which one row alone puts more than ``guard_margin x
+   (1 - top_p)`` of its predicted mass: a cluster-mean rule lets a few rows that attend elsewhere
+   lose everything (issue 23: 30 of 4096 temporal rows kept 0.05%). It needs each row's masses
+   right, which is why ``refine_clusters`` re-scores every row's top clusters from their keys
+   (``mass.rowwise_block_masses``: with the second-order term alone the guard forced the wrong
+   clusters on sharp spatial heads, 2.3x the own-cluster oracle's error at ``top_p = 0.95``).
+   Every video query cluster also keeps the text key block; the text query block keeps every key
+   block: text rows and columns stay dense.
 5. Attention on the kept (query cluster, key cluster) pairs: one call of the variable-size engine
    ``fastdit.kernels.block_sparse_attention_varlen`` for all heads (heads folded into the batch,
    since every head has its own two permutations and key validity), then un-permutation.
 
-Cluster counts are clamped per call to the number of video tokens (the video length is known only
-at call time, as svg's ``n_samples``); counts < 1 are refused when the method is configured.
+Cluster counts are clamped per call to the video tokens; counts < 1 are refused at configuration.
 
 Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2 uses 100 / 100 on Wan 720p and
 400 / 1000 on HunyuanVideo 720p), ``top_p = 0.9``, ``estimator = "rowwise"``, ``kmeans_iters = 2`` (SVG2's
 ``kmeans_iter_step``), ``init_iters = 20`` (SVG2: 50), ``dense_steps = 0.25``, ``dense_layers = 1``.
 
-Corrections: ``correction="cached"`` works (its complement plan keeps the offsets and lists the
-key clusters not kept); ``"pooled"`` stands each dropped key cluster in as its size times one
-token with the cluster's mean key and value (its k-means centroid, over valid keys), per query
-cluster (``corrections.pooled_correction`` through ``ClusterPlan.token_blocks``): one score per
-(query, dropped key cluster), ``Ck / S`` of dense attention's scores. ``skip_threshold`` is a
-rule of the fixed-block engine and is refused when configured.
-
-Statistics: blocks have variable sizes, so ``block_density_tensor`` (and ``pair_counts``) report
-token pairs: computed query-key pairs / ``S^2`` per (batch, head), text included. The clustering
-and scoring are overhead in the timings (``eval/bench/methods.py`` reports them separately).
+Corrections: ``"cached"`` works (its complement plan lists the key clusters not kept); ``"pooled"``
+stands each dropped key cluster in as its size times its mean key and value, per query cluster
+(``corrections.pooled_correction`` via ``ClusterPlan.token_blocks``): ``Ck / S`` of dense's scores.
+``skip_threshold`` (a fixed-block engine rule) is refused. Statistics count token pairs (blocks
+have variable sizes): computed pairs / ``S^2`` per (batch, head), text included; clustering and
+scoring are overhead in the timings (``eval/bench/methods.py`` reports them separately).
 """
 from __future__ import annotations
 
@@ -117,7 +116,8 @@ class SVG2Config(BlockSparseConfig):
         warm_start: start from the previous call's centroids while the layout is unchanged.
         min_kc_ratio: keep at least this fraction of the key clusters per query cluster, in [0, 1]
             (SVG2's ``min_kc_ratio``; its scripts use 0.10).
-        estimator, mass_rows, row_guard: how masses are predicted (module docstring, 3).
+        estimator, mass_rows, row_guard, guard_margin, refine_clusters, refine_keys: how masses
+            are predicted and rows guarded (module docstring, 3 and 4).
         rank: ``"per_token"`` (predicted mass per key token) or ``"mass"`` (SVG2's order).
         dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 1.
         correction: ``"none"``, ``"pooled"`` or ``"cached"``; ``skip_threshold`` must
@@ -144,15 +144,25 @@ class SVG2Config(BlockSparseConfig):
     mass_rows: int = option(4, "estimator='sampled': query rows sampled per query cluster", range=(1, None),
                             widget="number", advanced=True)
     row_guard: bool = option(True, "estimator='rowwise': also keep every key cluster on which a single query row "
-                             "puts more than 1 - top_p of its predicted mass", widget="checkbox", advanced=True)
+                             "puts more than guard_margin x (1 - top_p) of its predicted mass", widget="checkbox",
+                             advanced=True)
+    guard_margin: float = option(1.0, "row_guard: a key cluster is kept for one query row when that row's predicted "
+                                 "mass on it exceeds guard_margin x (1 - top_p)", range=(1.0, None), widget="number",
+                                 advanced=True)
+    refine_clusters: int = option(4, "estimator='rowwise': each row's N key clusters of largest estimate are scored "
+                                  "again from their keys (0: off)", range=(0, None), widget="number", advanced=True)
+    refine_keys: int = option(256, "refine_clusters: keys scored per refined cluster (all of a smaller cluster)",
+                              range=(1, None), widget="number", advanced=True)
     rank: str = option("per_token", "order in which key clusters are kept until top_p is reached: 'per_token' "
                        "(predicted mass per key token: the fewest token pairs) or 'mass' (predicted mass: the fewest "
                        "clusters, SVG2's)", choices=RANKS, widget="dropdown", advanced=True)
 
     def validate(self):
         super().validate()
-        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters", "mass_rows"):
+        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters", "mass_rows", "refine_keys"):
             _int_at_least_one(self, name)
+        if type(self.refine_clusters) is not int or self.refine_clusters < 0:  # noqa: E721 - bool is refused too
+            raise ValueError(f"refine_clusters must be an int >= 0 (0: off), got {self.refine_clusters!r}")
         value = self.top_p
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
                 or not 0.0 < value <= 1.0):
@@ -169,6 +179,11 @@ class SVG2Config(BlockSparseConfig):
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.rank not in RANKS:
             raise ValueError(f"rank must be one of {RANKS}, got {self.rank!r}")
+        value = self.guard_margin
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 <= value < math.inf:
+            raise ValueError(f"guard_margin must be a finite number >= 1 (a row guard at guard_margin x (1 - top_p) "
+                             f"of one row's predicted mass), got {value!r}")
+        self.guard_margin = float(value)
         for name in ("warm_start", "row_guard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -436,10 +451,12 @@ class SparseVideoGen2(BlockSparseMethod):
                 probs, text_mass = self.row_estimate(ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale)
             else:
                 probs, most = rowwise_block_masses(q, k, ctx.key_mask, per_head(q_blocks), cq + 1, per_head(k_blocks),
-                                                   ck + 1, scale, ctx.query_mask, row_max=True)
+                                                   ck + 1, scale, ctx.query_mask, row_max=True,
+                                                   refine=self.config.refine_clusters,
+                                                   refine_keys=self.config.refine_keys)
                 probs, text_mass = probs.view(-1, cq + 1, ck + 1)[:, :cq, :ck], probs.view(-1, cq + 1, ck + 1)[:, :cq, ck]
                 if self.config.row_guard and self.config.top_p < 1.0:
-                    forced = most.view(-1, cq + 1, ck + 1)[:, :cq, :ck] > 1.0 - self.config.top_p
+                    forced = most.view(-1, cq + 1, ck + 1)[:, :cq, :ck] > self.config.guard_margin * (1 - self.config.top_p)
         else:
             probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
         sizes = clusters.k_sizes if self.config.rank == "per_token" else None

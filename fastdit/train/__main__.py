@@ -20,13 +20,30 @@ HELD_OUT = ("a city street at night in the rain", "a bird on a branch")
 
 
 def _pipeline(args):
+    """``(pipe, call)``: a tiny random-weight pipeline (``--tiny``) with 256-token videos, or
+    ``--model`` through ``fastdit.pipelines.loading.load_pipeline`` (the trained ``tiny-shapes``
+    with its native call, a folder or a hub id with the pipeline's defaults)."""
     if args.tiny:
         from fastdit.pipelines.tiny import tiny
 
         return tiny(args.tiny, seed=args.model_seed), dict(TINY_CALL)
-    from diffusers import DiffusionPipeline
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
 
-    return DiffusionPipeline.from_pretrained(args.model), {}
+    return load_pipeline(args.model), dict(TRAINED_DEFAULTS.get(args.model, {}))
+
+
+def _shapes_captions(count, seed):
+    """``count`` distinct captions of the tiny-shapes grammar (1-2 objects), drawn with ``seed``."""
+    import numpy as np
+
+    from fastdit.pipelines.shapes_data import random_caption
+
+    rng, found = np.random.default_rng(seed), []
+    while len(found) < count:
+        text = random_caption(rng, max_shapes=2)
+        if text not in found:
+            found.append(text)
+    return tuple(found)
 
 
 def main(argv=None):
@@ -41,7 +58,11 @@ def main(argv=None):
     parser.add_argument("--method", default="sta")
     parser.add_argument("--options", default="{}", help="the method's options as JSON")
     parser.add_argument("--call", default=None, help="pipeline call arguments as JSON (tiny: 256-token videos)")
-    parser.add_argument("--prompts", default=None, help="JSON list of distillation prompts")
+    parser.add_argument("--prompts", default=None, help="JSON list of distillation prompts (tiny-shapes: 8 captions "
+                        "of its grammar)")
+    parser.add_argument("--held-out", default=None, help="JSON list of held-out prompts for --eval (default: two "
+                        "fixed prompts; tiny-shapes: 4 captions drawn apart from the training ones)")
+    parser.add_argument("--eval-seeds", default="100", help="comma-separated seeds of the held-out videos")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -61,18 +82,26 @@ def main(argv=None):
     pipe.set_progress_bar_config(disable=True)
     if args.call:
         call.update(json.loads(args.call))
+    prompts, held_out = None, HELD_OUT
+    if args.model == "tiny-shapes":  # its own grammar: the tiny text encoder knows nothing else
+        prompts, held_out = _shapes_captions(8, seed=7), _shapes_captions(4, seed=8)
+    prompts = tuple(json.loads(args.prompts)) if args.prompts else prompts
+    held_out = tuple(json.loads(args.held_out)) if args.held_out else held_out
+    eval_seeds = tuple(int(s) for s in args.eval_seeds.split(","))
     config = LoraTrainConfig(method=args.method, options=options, steps=args.steps, samples=args.samples, lr=args.lr,
                              rank=args.rank, checkpoint_every=args.checkpoint_every, call_kwargs=call,
-                             backend=args.backend, **({"prompts": tuple(json.loads(args.prompts))} if args.prompts else {}))
-    result = {"method": args.method, "options": args.options, "call": call}
+                             backend=args.backend, **({"prompts": prompts} if prompts else {}))
+    result = {"method": args.method, "options": args.options, "call": call, "prompts": config.prompts,
+              "held_out": held_out, "eval_seeds": eval_seeds}
     eval_call = dict(call)
     held = None
     if args.eval:
-        dense = dense_videos(pipe, HELD_OUT, (100,), eval_call)
-        held_all = make_samples(pipe, LoraTrainConfig(prompts=HELD_OUT, seeds=(100, 101), samples=8, seed=100,
+        dense = dense_videos(pipe, held_out, eval_seeds, eval_call)
+        held_all = make_samples(pipe, LoraTrainConfig(prompts=held_out, seeds=(100, 101), samples=8, seed=100,
                                                       call_kwargs=call))
         held = held_all[0]
-        result["before"] = video_fidelity(pipe, dense, HELD_OUT, (100,), eval_call, args.method, options, args.backend)
+        result["before"] = video_fidelity(pipe, dense, held_out, eval_seeds, eval_call, args.method, options,
+                                          args.backend)
         result["before"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
         result["before"]["output_error"] = output_error(pipe.transformer, held_all, args.method, options, args.backend)
     trained = train_lora(pipe, config, args.out, resume=args.resume, progress=not args.no_progress)
@@ -80,7 +109,8 @@ def main(argv=None):
     result.update(loss_first=trained["losses"][0], loss_last=trained["losses"][-1], steps=len(trained["losses"]),
                   sparse_step_s=statistics.median(times) if times else None, stats=trained["stats"])
     if args.eval:
-        result["after"] = video_fidelity(pipe, dense, HELD_OUT, (100,), eval_call, args.method, options, args.backend)
+        result["after"] = video_fidelity(pipe, dense, held_out, eval_seeds, eval_call, args.method, options,
+                                         args.backend)
         result["after"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
         result["after"]["output_error"] = output_error(pipe.transformer, held_all, args.method, options, args.backend)
     if args.time_dense:  # the same LoRA steps without the patch (a fresh adapter on a fresh model)
