@@ -152,7 +152,8 @@ def refine_top_blocks(logits, q, sample, h0, h1, scale, top):
         flat = chosen.reshape(batch, heads, -1)
         picked = keys.gather(2, flat[..., None, None].expand(-1, -1, -1, per_block, dim))
         picked = picked.view(batch, heads, r1 - r0, top, per_block, dim)
-        scores = torch.einsum("bhrd,bhrtkd->bhrtk", q[:, :, r0:r1].float(), picked).mul_(scale)
+        scores = (picked.view(batch, heads, r1 - r0, top * per_block, dim) @ q[:, :, r0:r1, :, None].float())
+        scores = scores.view(batch, heads, r1 - r0, top, per_block).mul_(scale)
         ok = used.gather(2, flat[..., None].expand(-1, -1, -1, per_block)).view(batch, heads, r1 - r0, top, per_block)
         scores = scores.masked_fill_(~ok, float("-inf"))
         taken = log_taken.gather(2, flat).view_as(chosen)
@@ -190,11 +191,14 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
     clusters, 2.3x the oracle's error; with 4 exact blocks per row 0.94x). A sample of a large
     block is biased low on a sharp head (it misses the few keys a row attends to: 16 keys per
     block let temporal rows lose a cluster, 18x the oracle), so callers should let
-    ``refine_keys`` cover their blocks (svg2: 256). Cost: ``m * min(n_j, refine_keys)`` more
-    scores per row, padded to the largest sampled block."""
+    ``refine_keys`` cover their blocks (svg2: 256). Cost: ``m * min(refine_keys, 4 L / n_k)`` more
+    scores per row (blocks padded to that; a block of more than 4x the mean size is sampled)."""
     batch, heads, seq, dim = q.shape
     mean, var, count = block_moments(k, key_valid, k_blocks, n_k)
-    sample = block_key_sample(k, key_valid, k_blocks, n_k, count, refine_keys) if refine > 0 else None
+    # slots per block: refine_keys, but at most 4x the mean block (a shape, so no host sync; a
+    # block beyond it is sampled)
+    slots = min(refine_keys, 4 * -(-k.shape[2] // n_k))
+    sample = block_key_sample(k, key_valid, k_blocks, n_k, count, slots) if refine > 0 else None
     log_count = torch.where(count > 0, count.clamp_min(1.0).log(), torch.full_like(count, float("-inf")))
     weight = torch.ones(1, 1, seq, device=q.device) if query_valid is None else \
         query_valid.to(torch.float32)[:, None, :]
