@@ -217,6 +217,28 @@ def test_guard_margin_sets_how_much_of_one_row_a_forced_cluster_must_hold():
     assert abs(kept[4.0] - (1 - dropped)) < 2e-4, kept
 
 
+@pytest.mark.parametrize("seed", [0, None])
+def test_refining_every_cluster_makes_the_predicted_mass_exact(seed):
+    """``refine_clusters`` = every key cluster, ``refine_keys`` >= any cluster: every row's masses
+    are scored from all keys, so the predicted kept mass equals the true kept mass
+    (``return_info="mass"``, float64) of the call's own selection; without it they differ."""
+    from fastdit.eval.bench.structured import structured_qkv
+
+    seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+    inputs = structured_qkv((2, 8, 8), heads=2, head_dim=32, kinds=("spatial", "temporal"), text_len=0, seed=seed)
+    q, k, v, layout = inputs[:4]
+    got = {}
+    for refine in (0, 16):
+        _, info = fastdit.attention(q, k, v, "svg2", layout=layout, backend="torch", return_info="mass",
+                                    q_clusters=8, k_clusters=16, top_p=0.9, refine_clusters=refine,
+                                    refine_keys=128, dense_steps=0, dense_layers=0)
+        got[refine] = (info["plan"].info["predicted_mass"].double().mean(0), torch.tensor(info["kept_mass"]))
+    predicted, kept = got[16]
+    torch.testing.assert_close(predicted, kept.double(), atol=2e-4, rtol=0, msg=f"seed {seed}")
+    predicted, kept = got[0]
+    assert float((predicted - kept.double()).abs().max()) > 2e-3, f"seed {seed}: the estimate alone is exact here"
+
+
 @pytest.mark.parametrize("bad", [0.5, 0.0, -1.0, float("nan"), float("inf"), True, "2"])
 def test_guard_margin_outside_its_range_is_refused(bad):
     with pytest.raises(ValueError, match="guard_margin"):

@@ -24,10 +24,10 @@ once, on the device, no host synchronisation):
      key cluster's mean ``kbar_j`` and per-dim variance ``var_j`` over its ``n_j`` valid keys
      (and the text keys as one more block), ``p_i(j) = softmax_j(scale q_i . kbar_j + log n_j +
      (scale^2 / 2) sum_d q_id^2 var_jd)``, and ``p[m, j]`` is the mean of ``p_i(j)`` over the
-     cluster's rows (``mass.rowwise_block_masses``); each row's ``refine_clusters`` largest terms
-     are then scored from (up to ``refine_keys`` of) the cluster's keys. What it assumes: the
-     Gaussian term is good enough to find a row's top clusters. A query cluster whose rows attend
-     to different key clusters gets all of them. Cost per row: ``2 Ck + 4 min(n_j, 256)`` scores;
+     cluster's rows (``mass.rowwise_block_masses``). What it assumes: scores inside a key cluster
+     spread about as a Gaussian. A query cluster whose rows attend to different key clusters gets
+     all of them. Cost: ``2 Ck`` scores per row. Opt-in ``refine_clusters = m``: each row's ``m``
+     largest terms are scored again from (up to ``refine_keys`` of) the cluster's keys;
    * ``"sampled"``: ``mass_rows`` rows per query cluster (stratified over the cluster) scored
      exactly against every key, their masses averaged (``mass.row_block_masses``);
    * ``"centroids"`` (SVG2's)::
@@ -49,9 +49,9 @@ once, on the device, no host synchronisation):
    (rowwise) also keeps every key cluster on which one row alone puts more than ``guard_margin x
    (1 - top_p)`` of its predicted mass: a cluster-mean rule lets a few rows that attend elsewhere
    lose everything (issue 23: 30 of 4096 temporal rows kept 0.05%). It needs each row's masses
-   right, which is why ``refine_clusters`` re-scores every row's top clusters from their keys
-   (``mass.rowwise_block_masses``: with the second-order term alone the guard forced the wrong
-   clusters on sharp spatial heads, 2.3x the own-cluster oracle's error at ``top_p = 0.95``).
+   right: on sharp spatial heads the Gaussian term makes it force the wrong clusters (2.3x the
+   own-cluster oracle's error at ``top_p = 0.95``; 0.94x with ``refine_clusters = 4``, which is
+   off by default because its per-row gather costs 4.7x the scoring at 4096 tokens).
    Every video query cluster also keeps the text key block; the text query block keeps every key
    block: text rows and columns stay dense.
 5. Attention on the kept (query cluster, key cluster) pairs: one call of the variable-size engine
@@ -149,7 +149,7 @@ class SVG2Config(BlockSparseConfig):
     guard_margin: float = option(1.0, "row_guard: a key cluster is kept for one query row when that row's predicted "
                                  "mass on it exceeds guard_margin x (1 - top_p)", range=(1.0, None), widget="number",
                                  advanced=True)
-    refine_clusters: int = option(4, "estimator='rowwise': each row's N key clusters of largest estimate are scored "
+    refine_clusters: int = option(0, "estimator='rowwise': each row's N key clusters of largest estimate are scored "
                                   "again from their keys (0: off)", range=(0, None), widget="number", advanced=True)
     refine_keys: int = option(256, "refine_clusters: keys scored per refined cluster (all of a smaller cluster)",
                               range=(1, None), widget="number", advanced=True)
