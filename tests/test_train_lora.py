@@ -100,3 +100,68 @@ def test_cli_trains_the_trained_tiny_model_on_its_own_grammar(tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert result["call"]["height"] == 64 and result["call"]["num_frames"] == 5 and result["steps"] == 1
     assert result["held_out"] == list(held) and (out / "pytorch_lora_weights.safetensors").exists()
+
+
+# -- the flow-matching loss on user videos ---------------------------------------------------------
+
+def _video(frames=11, size=70, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(frames, size, size, 3, generator=gen) * 255).to(torch.uint8).numpy()
+
+
+def test_flow_samples_encode_as_the_pipeline_decodes_and_target_the_velocity():
+    """``x0`` inverts the Wan pipeline's own decode (``latents / (1 / std) + mean`` gives the VAE's
+    mode back, with a non-trivial mean and std); an 11-frame 70 x 70 video is trimmed to 9 frames
+    and cropped to 64 x 64 (never rejected); each sample is ``x_t = (1 - s) x0 + s eps`` with
+    target ``eps - x0``, so ``x_t - s * target == x0``."""
+    from fastdit.train.flow import encode_video, flow_samples, read_frames
+
+    pipe = _pipe()
+    z = pipe.vae.config.z_dim
+    pipe.vae.register_to_config(latents_mean=[0.1 * i for i in range(z)], latents_std=[0.5 + 0.1 * i for i in range(z)])
+    frames = read_frames(_video())
+    x0, kept = encode_video(pipe, frames)
+    assert kept == (9, 64, 64)
+    pixels = torch.from_numpy(frames[:9, :64, :64]).permute(3, 0, 1, 2)[None] * 2 - 1
+    with torch.no_grad():
+        mode = pipe.vae.encode(pixels).latent_dist.mode()
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, z, 1, 1, 1)
+    std_inverse = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, z, 1, 1, 1)
+    torch.testing.assert_close(x0 / std_inverse + mean, mode, atol=1e-5, rtol=1e-5)  # the pipeline's decode step
+    config = LoraTrainConfig(prompts=("a cat",), seeds=(0,), samples=3, videos=(("a bird", _video()),),
+                             call_kwargs=CALL)
+    samples, kept_all = flow_samples(pipe, config, lambda prompt: torch.zeros(1, 4, 8))
+    assert kept_all == [(9, 64, 64)] and len(samples) == 3
+    for sample in samples:
+        sigma = float(sample["timestep"]) / 1000.0
+        torch.testing.assert_close(sample["hidden_states"] - sigma * sample["target"], x0, atol=1e-5, rtol=1e-5)
+
+
+def test_flow_weight_adds_the_flow_loss_linearly(tmp_path):
+    """First-step losses (before any update) with ``flow_weight`` 0, 1, 2: 0 is distillation alone
+    (the same as without videos), and the added term doubles with the weight and is positive."""
+    first = {}
+    for weight in (None, 0.0, 1.0, 2.0):
+        pipe = _pipe()
+        extra = {} if weight is None else {"videos": (("a bird", _video()),), "flow_weight": weight}
+        config = LoraTrainConfig(**{**_config(1).__dict__, "checkpoint_every": 0, **extra})
+        first[weight] = train_lora(pipe, config, tmp_path / f"w{weight}", progress=False)["losses"][0]
+    assert first[0.0] == pytest.approx(first[None], rel=1e-6)
+    added = first[1.0] - first[0.0]
+    assert added > 0 and first[2.0] - first[0.0] == pytest.approx(2 * added, rel=1e-4)
+
+
+def test_flow_loss_refuses_what_it_cannot_use():
+    from fastdit.train.flow import encode_video, read_frames
+
+    with pytest.raises(ValueError, match="flow_weight"):
+        LoraTrainConfig(videos=(("a", _video()),), flow_weight=-1.0)
+    with pytest.raises(ValueError, match="videos must be"):
+        LoraTrainConfig(videos=(_video(),))
+    with pytest.raises(ValueError, match=r"videos: a video must be frames of shape \(F, H, W, 3\)"):
+        read_frames(torch.zeros(4, 8, 8))
+    with pytest.raises(ValueError, match="videos: cannot read"):
+        read_frames("/nonexistent/clip.mp4")
+    pipe = tiny("hunyuan_video", seed=0, num_layers=1)
+    with pytest.raises(ValueError, match="videos: flow-matching on user videos needs a VAE with latents_mean"):
+        encode_video(pipe, read_frames(_video(frames=5, size=32)))

@@ -63,6 +63,9 @@ def main(argv=None):
     parser.add_argument("--held-out", default=None, help="JSON list of held-out prompts for --eval (default: two "
                         "fixed prompts; tiny-shapes: 4 captions drawn apart from the training ones)")
     parser.add_argument("--eval-seeds", default="100", help="comma-separated seeds of the held-out videos")
+    parser.add_argument("--videos", default=None, help="JSON list of [caption, video file] pairs: adds the "
+                        "flow-matching loss on them (Wan family)")
+    parser.add_argument("--flow-weight", type=float, default=1.0, help="weight of the flow-matching loss")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -90,7 +93,8 @@ def main(argv=None):
     eval_seeds = tuple(int(s) for s in args.eval_seeds.split(","))
     config = LoraTrainConfig(method=args.method, options=options, steps=args.steps, samples=args.samples, lr=args.lr,
                              rank=args.rank, checkpoint_every=args.checkpoint_every, call_kwargs=call,
-                             backend=args.backend, **({"prompts": prompts} if prompts else {}))
+                             backend=args.backend, videos=tuple(tuple(v) for v in json.loads(args.videos or "[]")),
+                             flow_weight=args.flow_weight, **({"prompts": prompts} if prompts else {}))
     result = {"method": args.method, "options": args.options, "call": call, "prompts": config.prompts,
               "held_out": held_out, "eval_seeds": eval_seeds}
     eval_call = dict(call)

@@ -42,6 +42,10 @@ class LoraTrainConfig:
         seed: sample order, sigmas, noises and the adapter's initialisation.
         negative_share: the share of samples conditioned on the empty prompt (what the
             unconditional branch of classifier-free guidance sees), 0 to 1.
+        videos: ``(caption, video)`` pairs (frames ``(F, H, W, 3)`` uint8 / [0, 1], or a video
+            file): adds the ordinary flow-matching loss on them, ``flow_weight`` times, to every
+            step (``fastdit.train.flow``; Wan-family pipelines). Empty: distillation only.
+        flow_weight: weight of that loss (>= 0).
     """
 
     method: str = "sta"
@@ -59,6 +63,8 @@ class LoraTrainConfig:
     backend: str = "auto"
     seed: int = 0
     negative_share: float = 0.5
+    videos: tuple = ()
+    flow_weight: float = 1.0
 
     def __post_init__(self):
         for name in ("samples", "steps", "rank"):
@@ -74,6 +80,11 @@ class LoraTrainConfig:
             raise ValueError(f"negative_share must be a number in [0, 1], got {self.negative_share!r}")
         if not self.prompts or not self.seeds:
             raise ValueError("prompts and seeds must not be empty")
+        if not all(isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[0], str) for v in self.videos):
+            raise ValueError("videos must be (caption, video) pairs: a str and frames (F, H, W, 3) or a video file")
+        if not (isinstance(self.flow_weight, (int, float)) and not isinstance(self.flow_weight, bool)
+                and 0 <= self.flow_weight < math.inf):
+            raise ValueError(f"flow_weight must be a finite number >= 0, got {self.flow_weight!r}")
 
 
 def _embed(pipe, prompt, call_kwargs):
@@ -134,9 +145,17 @@ def _sample_at(config, step):
     return _order(config, step // config.samples)[step % config.samples]
 
 
+def _loss(transformer, sample):
+    pred = transformer(hidden_states=sample["hidden_states"], timestep=sample["timestep"],
+                       encoder_hidden_states=sample["encoder_hidden_states"], return_dict=False)[0]
+    return torch.nn.functional.mse_loss(pred.float(), sample["target"].float())
+
+
 def train_steps(transformer, params, samples, config, out=None, start=0, losses=None, optimizer=None,
-                progress=True):
-    """Run steps ``start .. config.steps - 1``; returns ``(losses, seconds per step)``."""
+                progress=True, flow=None):
+    """Run steps ``start .. config.steps - 1``; returns ``(losses, seconds per step, optimizer)``.
+    ``flow``: flow-matching samples (``fastdit.train.flow``), step ``n`` adds ``flow_weight`` times
+    the loss on ``flow[n % len(flow)]``; the losses recorded are the totals."""
     from tqdm.auto import tqdm
 
     optimizer = optimizer or torch.optim.AdamW(params, lr=config.lr)
@@ -147,9 +166,9 @@ def train_steps(transformer, params, samples, config, out=None, start=0, losses=
     for step in bar:
         sample = samples[_sample_at(config, step)]
         t0 = time.perf_counter()
-        pred = transformer(hidden_states=sample["hidden_states"], timestep=sample["timestep"],
-                           encoder_hidden_states=sample["encoder_hidden_states"], return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), sample["target"].float())
+        loss = _loss(transformer, sample)
+        if flow:
+            loss = loss + config.flow_weight * _loss(transformer, flow[step % len(flow)])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -162,13 +181,21 @@ def train_steps(transformer, params, samples, config, out=None, start=0, losses=
     return losses, times, optimizer
 
 
+def _config_record(config):
+    """``asdict(config)`` with each user video named by its file or its frames' shape."""
+    record = asdict(config)
+    record["videos"] = [(caption, str(video) if isinstance(video, (str, Path)) else f"frames {tuple(video.shape)}")
+                        for caption, video in config.videos]
+    return record
+
+
 def save_checkpoint(out, transformer, optimizer, step, losses, config):
     from peft.utils import get_peft_model_state_dict
 
     folder = Path(out) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     torch.save({"lora": get_peft_model_state_dict(transformer), "optimizer": optimizer.state_dict(), "step": step,
-                "losses": losses, "config": asdict(config)}, folder / f"step-{step:06d}.pt")
+                "losses": losses, "config": _config_record(config)}, folder / f"step-{step:06d}.pt")
 
 
 def latest_checkpoint(out):
@@ -184,7 +211,7 @@ def save_outputs(pipe, out, losses, times, config, extra=None):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     type(pipe).save_lora_weights(out, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer))
-    record = {"config": asdict(config), "losses": losses, "seconds_per_step": times, **(extra or {})}
+    record = {"config": _config_record(config), "losses": losses, "seconds_per_step": times, **(extra or {})}
     (out / "losses.json").write_text(json.dumps(record, indent=1, default=str))
     import matplotlib
 
@@ -219,6 +246,11 @@ def train_lora(pipe, config, out, resume=False, progress=True):
 
     out = Path(out)
     samples = make_samples(pipe, config)
+    flow, kept = None, []
+    if config.videos:
+        from .flow import flow_samples
+
+        flow, kept = flow_samples(pipe, config, lambda prompt: _embed(pipe, prompt, config.call_kwargs))
     transformer = pipe.transformer
     params = add_lora(transformer, config)
     optimizer = torch.optim.AdamW(params, lr=config.lr)
@@ -234,9 +266,9 @@ def train_lora(pipe, config, out, resume=False, progress=True):
     transformer.train()
     with fastdit.patch(transformer, config.method, trainable=True, backend=config.backend, **config.options) as p:
         losses, times, optimizer = train_steps(transformer, params, samples, config, out, start, losses, optimizer,
-                                               progress)
+                                               progress, flow)
         stats = p.stats.as_dict()
     transformer.eval()
     save_checkpoint(out, transformer, optimizer, config.steps, losses, config)
-    save_outputs(pipe, out, losses, times, config, {"stats": stats, "resumed_from": start})
-    return {"losses": losses, "seconds_per_step": times, "stats": stats, "resumed_from": start}
+    save_outputs(pipe, out, losses, times, config, {"stats": stats, "resumed_from": start, "videos_kept": kept})
+    return {"losses": losses, "seconds_per_step": times, "stats": stats, "resumed_from": start, "videos_kept": kept}
