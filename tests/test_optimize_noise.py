@@ -127,4 +127,9 @@ def test_adherence_bench_code_path_on_the_trained_model(tmp_path):
         row = record[config]
         assert 0 <= row["score"] <= 1 and row["neglect"] == (min(row["object_colour"]) < 0.5)
     assert record["optiprune"]["density"] < 1 and record["dense"]["density"] is None
-    assert [r["videos"] for r in result["summary"]] == [1, 1, 1, 1]
+    assert record["tome"]["density"] == pytest.approx(record["optiprune"]["density"])  # equal pruned fraction
+    for config in ("optiprune", "tome"):  # fidelity against dense of the same latent, from the videos
+        assert 0 < record[config]["psnr"] and -1 <= record[config]["ssim"] <= 1
+    assert "psnr" not in record["optiprune+noise"]  # another latent: no comparison with dense(z0)
+    assert [r["videos"] for r in result["summary"]] == [1] * len(bench.CONFIGS)
+    assert result["peak_rss_mib"] > 0
