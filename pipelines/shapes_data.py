@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["COLORS", "SHAPES", "DIRECTIONS", "ShapeSpec", "VideoSpec", "sample_spec", "render", "caption",
-           "parse_caption", "sample_video", "random_caption"]
+           "parse_caption", "sample_video", "random_caption", "distinct_captions"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -184,3 +184,14 @@ def sample_video(seed: int, index: int, **kwargs) -> tuple[np.ndarray, str, Vide
 def random_caption(rng: np.random.Generator, max_shapes: int = 3, shape_probs=(0.5, 0.35, 0.15)) -> str:
     """A caption drawn like those of :func:`sample_spec` (for held-out prompt sets)."""
     return caption(sample_spec(rng, max_shapes=max_shapes, shape_probs=shape_probs))
+
+
+def distinct_captions(count: int, seed: int, accept=None, **kwargs) -> tuple[str, ...]:
+    """``count`` distinct :func:`random_caption` draws (``kwargs``) from ``default_rng(seed)``, in
+    draw order, keeping only those ``accept(text)`` passes (all when None)."""
+    rng, found = np.random.default_rng(seed), []
+    while len(found) < count:
+        text = random_caption(rng, **kwargs)
+        if text not in found and (accept is None or accept(text)):
+            found.append(text)
+    return tuple(found)

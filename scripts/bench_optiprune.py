@@ -37,15 +37,10 @@ CONFIGS = ("dense", "dense+noise", "optiprune", "optiprune+noise", "tome")
 
 
 def two_object_captions(count, seed=2026):
-    from fastdit.pipelines.shapes_data import parse_caption, random_caption
+    from fastdit.pipelines.shapes_data import distinct_captions, parse_caption
 
-    rng = np.random.default_rng(seed)
-    found = []
-    while len(found) < count:
-        text = random_caption(rng, max_shapes=2, shape_probs=(0.0, 1.0))
-        if len(parse_caption(text)) == 2 and text not in found:
-            found.append(text)
-    return found
+    return list(distinct_captions(count, seed, accept=lambda text: len(parse_caption(text)) == 2, max_shapes=2,
+                                  shape_probs=(0.0, 1.0)))
 
 
 def summarise(records):

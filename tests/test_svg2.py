@@ -171,24 +171,35 @@ def test_forced_clusters_rank_first_and_count_toward_top_p():
     assert counts.tolist() == [[4, 4]]  # every forced cluster is kept, whatever top_p
 
 
+def _two_key_groups(seed, noise):
+    """``(a, b, k, q, v)``: keys ``k`` (128, 16), 64 near ``a = 6 e0`` and 64 near ``b = 6 e1``
+    (Gaussian noise of std ``noise``), queries ``q`` all ``a`` (for the test to edit), values
+    ``v`` (1, 1, 128, 16), all from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    dim, n = 16, 64
+    a, b = torch.zeros(dim), torch.zeros(dim)
+    a[0], b[1] = 6.0, 6.0
+    k = torch.cat([a + noise * torch.randn(n, dim, generator=g), b + noise * torch.randn(n, dim, generator=g)])
+    v = torch.randn(1, 1, 2 * n, dim, generator=g)
+    return a, b, k, a.expand(2 * n, dim).clone(), v
+
+
+def _kept_mass_in_one_query_cluster(q, k, v, **options):
+    """svg2 with one query and two key clusters at ``top_p = 0.95``, every call sparse: the true
+    kept mass of its one head."""
+    _, info = fastdit.attention(q[None, None], k[None, None], v, "svg2", layout=TokenLayout((1, 8, 16)),
+                                backend="torch", return_info="mass", q_clusters=1, k_clusters=2, top_p=0.95,
+                                dense_steps=0, dense_layers=0, **options)
+    return info["kept_mass"][0]
+
+
 def test_row_guard_keeps_the_key_cluster_a_few_rows_need():
     """Two far-apart groups of keys (A, B), one query cluster: 124 rows attend to A, 4 to B. By the
     cluster's mean, B carries 3% of the mass, under 1 - top_p, so the cumulative rule alone drops
     it and those 4 rows lose everything; the row guard keeps it."""
-    g = torch.Generator().manual_seed(0)
-    dim, n = 16, 64
-    a, b = torch.zeros(dim), torch.zeros(dim)
-    a[0], b[1] = 6.0, 6.0
-    k = torch.cat([a + 0.05 * torch.randn(n, dim, generator=g), b + 0.05 * torch.randn(n, dim, generator=g)])
-    q = a.expand(2 * n, dim).clone()
+    _, b, k, q, v = _two_key_groups(0, 0.05)
     q[::32] = b  # 4 rows of 128
-    v = torch.randn(1, 1, 2 * n, dim, generator=g)
-    kept = {}
-    for guard in (False, True):
-        _, info = fastdit.attention(q[None, None], k[None, None], v, "svg2", layout=TokenLayout((1, 8, 16)),
-                                    backend="torch", return_info="mass", q_clusters=1, k_clusters=2, top_p=0.95,
-                                    row_guard=guard, dense_steps=0, dense_layers=0)
-        kept[guard] = info["kept_mass"][0]
+    kept = {guard: _kept_mass_in_one_query_cluster(q, k, v, row_guard=guard) for guard in (False, True)}
     assert kept[False] < 0.98 and kept[True] > 0.999, kept
 
 
@@ -197,21 +208,10 @@ def test_guard_margin_sets_how_much_of_one_row_a_forced_cluster_must_hold():
     4 put 15% of their mass on B (q = s a with 1.5 s = ln(0.85 / 0.15): scores are scale q . k).
     By the cluster's mean B holds 0.5%, so only the row guard can keep it: at top_p = 0.95 it is
     forced when 15% exceeds guard_margin x 5% (margin 2: 10%, kept) and not at margin 4 (20%)."""
-    g = torch.Generator().manual_seed(1)
-    dim, n = 16, 64
-    a, b = torch.zeros(dim), torch.zeros(dim)
-    a[0], b[1] = 6.0, 6.0
-    k = torch.cat([a + 0.01 * torch.randn(n, dim, generator=g), b + 0.01 * torch.randn(n, dim, generator=g)])
-    q = a.expand(2 * n, dim).clone()
+    _, _, k, q, v = _two_key_groups(1, 0.01)
     q[::32] = 0.0
     q[::32, 0] = math.log(0.85 / 0.15) / 1.5  # 6 * 0.25 = 1.5: B's share of the row is 15%
-    v = torch.randn(1, 1, 2 * n, dim, generator=g)
-    kept = {}
-    for margin in (2.0, 4.0):
-        _, info = fastdit.attention(q[None, None], k[None, None], v, "svg2", layout=TokenLayout((1, 8, 16)),
-                                    backend="torch", return_info="mass", q_clusters=1, k_clusters=2, top_p=0.95,
-                                    guard_margin=margin, dense_steps=0, dense_layers=0)
-        kept[margin] = info["kept_mass"][0]
+    kept = {margin: _kept_mass_in_one_query_cluster(q, k, v, guard_margin=margin) for margin in (2.0, 4.0)}
     dropped = 4 * 0.15 / 128  # B's share of the whole head's mass
     assert kept[2.0] > 1 - 1e-6, kept
     assert abs(kept[4.0] - (1 - dropped)) < 2e-4, kept

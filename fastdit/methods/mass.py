@@ -126,7 +126,7 @@ def block_key_sample(k, key_valid, blocks, n_blocks, count, per_block):
     offset = torch.where(count[..., None] > per_block, ((2 * slot + 1) * count[..., None]) // (2 * per_block),
                          slot.expand(*count.shape, per_block))
     used = slot < taken[..., None]
-    position = (starts[..., None] + offset.clamp(max=length - 1)).clamp(max=length - 1) * used
+    position = (starts[..., None] + offset).clamp(max=length - 1) * used
     key_index = order.gather(-1, position.view(batch, heads, -1))
     keys = k.float().gather(2, key_index[..., None].expand(-1, -1, -1, dim)).view(batch, heads, n_blocks, per_block,
                                                                                  dim)
@@ -195,10 +195,9 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
     scores per row (blocks padded to that; a block of more than 4x the mean size is sampled)."""
     batch, heads, seq, dim = q.shape
     mean, var, count = block_moments(k, key_valid, k_blocks, n_k)
-    # slots per block: refine_keys, but at most 4x the mean block (a shape, so no host sync; a
-    # block beyond it is sampled)
-    slots = min(refine_keys, 4 * -(-k.shape[2] // n_k))
-    sample = block_key_sample(k, key_valid, k_blocks, n_k, count, slots) if refine > 0 else None
+    sample = None
+    if refine > 0:  # slots per block: refine_keys, at most 4x the mean block (a shape: no host sync)
+        sample = block_key_sample(k, key_valid, k_blocks, n_k, count, min(refine_keys, 4 * -(-k.shape[2] // n_k)))
     log_count = torch.where(count > 0, count.clamp_min(1.0).log(), torch.full_like(count, float("-inf")))
     weight = torch.ones(1, 1, seq, device=q.device) if query_valid is None else \
         query_valid.to(torch.float32)[:, None, :]

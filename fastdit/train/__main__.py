@@ -34,16 +34,9 @@ def _pipeline(args):
 
 def _shapes_captions(count, seed):
     """``count`` distinct captions of the tiny-shapes grammar (1-2 objects), drawn with ``seed``."""
-    import numpy as np
+    from fastdit.pipelines.shapes_data import distinct_captions
 
-    from fastdit.pipelines.shapes_data import random_caption
-
-    rng, found = np.random.default_rng(seed), []
-    while len(found) < count:
-        text = random_caption(rng, max_shapes=2)
-        if text not in found:
-            found.append(text)
-    return tuple(found)
+    return distinct_captions(count, seed, max_shapes=2)
 
 
 def main(argv=None):
