@@ -84,6 +84,49 @@ def test_refining_every_block_from_all_its_keys_gives_the_exact_row_masses(seed)
     torch.testing.assert_close(partial.sum(-1), torch.ones_like(partial.sum(-1)), atol=1e-5, rtol=0)
 
 
+def partially_refined_row_masses(q, k, key_valid, blocks, n_blocks, scale, top):
+    """float64 reference of ``refine = top`` with every key of a block scored: each row's
+    second-order estimates (block mean, per-dim variance, count of valid keys), its ``top``
+    largest replaced by the exact ``log sum exp`` over the block's keys, then the softmax."""
+    q, k = q.double(), k.double()
+    valid = key_valid[:, None, :, None].double()
+    one_hot = torch.nn.functional.one_hot(blocks, n_blocks).double() * valid  # (B, H, L, n)
+    count = one_hot.sum(2)  # (B, H, n)
+    mean = one_hot.transpose(-1, -2) @ k / count.clamp_min(1)[..., None]
+    var = (one_hot.transpose(-1, -2) @ k.square() / count.clamp_min(1)[..., None] - mean.square()).clamp_min(0)
+    estimate = scale * q @ mean.transpose(-1, -2) + count.log()[:, :, None, :] \
+        + 0.5 * scale**2 * q.square() @ var.transpose(-1, -2)
+    scores = (scale * q @ k.transpose(-1, -2)).masked_fill(~key_valid[:, None, None, :], float("-inf"))
+    exact = torch.logsumexp(scores[..., None] + one_hot[:, :, None].log(), dim=3)  # (B, H, L, n)
+    chosen = estimate.topk(top, dim=-1).indices
+    logits = estimate.scatter(-1, chosen, exact.gather(-1, chosen))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("seed", [1, None])
+def test_refining_each_rows_own_largest_blocks_matches_a_direct_reference(seed):
+    """``refine = 2``: each row's own 2 largest estimates (not its query block's) become exact, the
+    rest stay second order: against a float64 reference built from one-hot block sums, with more
+    rows choosing a block than one tile holds (``REFINE_ROWS``), random block sizes, padded keys."""
+    from fastdit.methods.mass import REFINE_ROWS
+
+    seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, length, dim, n_blocks = 2, 2, 4 * REFINE_ROWS + 5, 8, 5
+    q = torch.randn(batch, heads, length, dim, generator=g) * 1.5
+    k = torch.randn(batch, heads, length, dim, generator=g) * 1.5
+    blocks = torch.randint(0, n_blocks, (batch, heads, length), generator=g)
+    key_valid = torch.rand(batch, length, generator=g) > 0.2
+    each_row = torch.arange(length).expand(batch, heads, length).contiguous()
+    truth = partially_refined_row_masses(q, k, key_valid, blocks, n_blocks, 0.35, 2)
+    largest = int(max(torch.bincount(blocks[i, j][key_valid[i]]).max() for i in range(batch) for j in range(heads)))
+    got = rowwise_block_masses(q, k, key_valid, each_row, length, blocks, n_blocks, 0.35, refine=2,
+                               refine_keys=largest).double()  # every key taken, in tiles of REFINE_ROWS rows
+    torch.testing.assert_close(got, truth, atol=2e-5, rtol=1e-4, msg=f"seed {seed}")
+    assert float((truth - exact_row_masses(q, k, key_valid, blocks, n_blocks, 0.35)).abs().max()) > 0.01, \
+        f"seed {seed}: refining 2 of 5 blocks gave the exact masses: the test could not tell"
+
+
 def test_block_key_sample_spreads_its_keys_over_each_block():
     """A block of 10 valid keys sampled with 4 slots takes its keys 1, 3, 6, 8 (floor((2t + 1) * 10 /
     8)); a block of 2 takes both and leaves 2 slots unused; invalid keys are never taken."""

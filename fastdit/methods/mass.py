@@ -138,28 +138,60 @@ def block_key_sample(k, key_valid, blocks, n_blocks, count, per_block):
     return keys, used, log_count, log_taken
 
 
+#: least rows per tile in ``refine_top_blocks`` (the rows that chose one key block are scored
+#: against its sampled keys in tiles of at least this many rows, and of at least the block's slots,
+#: so that reading the block's keys costs no more than reading the rows).
+REFINE_ROWS = 32
+
+
 def refine_top_blocks(logits, q, sample, h0, h1, scale, top):
     """In place: ``logits`` ``(B, h, L, n)`` of rows ``q`` ``(B, h, L, D)`` (heads ``h0:h1``) get,
-    on each row's ``top`` largest entries, ``log n_j + log mean exp(scale q . k)`` over the block's
-    sampled keys (``block_key_sample``), chunked over rows to hold ``SCORE_BUDGET`` entries."""
+    on each row's ``top`` largest entries, ``log n_j + log mean exp(scale q . k)`` over block
+    ``j``'s sampled keys (``block_key_sample``).
+
+    Grouped by key block, not gathered per row (a key gather per row moves ``D`` floats per score):
+    the (row, block) choices are sorted by block, cut into tiles of ``max(REFINE_ROWS, slots)`` rows
+    of one block, and each tile is one ``(rows, D) @ (D, slots)`` matmul against that block's keys,
+    read once per tile. Scores: the chosen ones (``top x slots`` per row) plus at most one tile per
+    block of padding; no host sync."""
     keys, used, log_count, log_taken = (t[:, h0:h1] for t in sample)
-    batch, heads, rows, _ = q.shape
+    batch, heads, rows, n = logits.shape
     per_block, dim = keys.shape[-2], keys.shape[-1]
-    step = max(1, SCORE_BUDGET // max(1, batch * heads * top * per_block * dim))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        chosen = logits[:, :, r0:r1].topk(top, dim=-1).indices  # (B, h, R, top)
-        flat = chosen.reshape(batch, heads, -1)
-        picked = keys.gather(2, flat[..., None, None].expand(-1, -1, -1, per_block, dim))
-        picked = picked.view(batch, heads, r1 - r0, top, per_block, dim)
-        scores = (picked.view(batch, heads, r1 - r0, top * per_block, dim) @ q[:, :, r0:r1, :, None].float())
-        scores = scores.view(batch, heads, r1 - r0, top, per_block).mul_(scale)
-        ok = used.gather(2, flat[..., None].expand(-1, -1, -1, per_block)).view(batch, heads, r1 - r0, top, per_block)
-        scores = scores.masked_fill_(~ok, float("-inf"))
-        taken = log_taken.gather(2, flat).view_as(chosen)
-        value = torch.logsumexp(scores, dim=-1) - taken + log_count.gather(2, flat).view_as(chosen)
-        value = torch.where(torch.isfinite(taken), value, torch.full_like(value, float("-inf")))  # empty block
-        logits[:, :, r0:r1].scatter_(-1, chosen, value)
+    tile_rows = max(REFINE_ROWS, per_block)
+    chosen = logits.topk(top, dim=-1).indices  # (B, h, L, top)
+    head = torch.arange(batch * heads, device=q.device).view(batch, heads, 1, 1)
+    block = (head * n + chosen).view(-1)  # each choice's block among all (b, h) blocks
+    block, order = torch.sort(block, stable=True)
+    count = torch.bincount(block, minlength=batch * heads * n)
+    tiles = -(-count // tile_rows)
+    first_tile = tiles.cumsum(0) - tiles
+    rank = torch.arange(block.numel(), device=q.device) - (count.cumsum(0) - count)[block]
+    tile = first_tile[block] + rank // tile_rows
+    slot = tile * tile_rows + rank % tile_rows  # each sorted choice's place in the tiles
+    # sum_j ceil(c_j / T) <= C / T + (blocks): a bound known from the shapes, so no host sync; the
+    # tiles past the real ones score row 0 against block 0 and are never read
+    n_tiles = -(-block.numel() // tile_rows) + batch * heads * n
+    row_of = torch.zeros(n_tiles * tile_rows, dtype=torch.long, device=q.device)
+    row_of[slot] = order // top  # the choice's row among all (b, h, row); padding reads row 0
+    block_of = torch.zeros(n_tiles, dtype=torch.long, device=q.device).scatter_(0, tile, block)
+    q_rows = q.float().reshape(-1, dim) * scale
+    keys = keys.reshape(-1, per_block, dim)
+    unused = torch.zeros(used.shape, device=q.device).masked_fill_(~used, float("-inf")).view(-1, 1, per_block)
+    offset = torch.where(torch.isfinite(log_taken), log_count - log_taken, torch.full_like(log_taken, float("-inf")))
+    offset = offset.reshape(-1)
+    values = torch.empty(n_tiles, tile_rows, device=q.device)
+    step = max(1, SCORE_BUDGET // (tile_rows * per_block + (tile_rows + per_block) * dim))
+    for t0 in range(0, n_tiles, step):
+        b = block_of[t0:t0 + step]
+        rows_here = q_rows[row_of[t0 * tile_rows:(t0 + step) * tile_rows]].view(-1, tile_rows, dim)
+        scores = torch.bmm(rows_here, keys[b].transpose(-1, -2)).add_(unused[b])  # (tiles, rows, slots)
+        top_score = scores.amax(-1, keepdim=True)  # log sum exp in place: the scores are the big tensor
+        top_score = torch.where(torch.isfinite(top_score), top_score, torch.zeros_like(top_score))
+        total = scores.sub_(top_score).exp_().sum(-1).log_()
+        values[t0:t0 + step] = total + top_score.squeeze(-1) + offset[b][:, None]
+    refined = torch.empty(block.numel(), device=q.device)
+    refined[order] = values.view(-1)[slot]  # back to (b, h, row, top) order
+    logits.scatter_(-1, chosen, refined.view_as(chosen))
 
 
 def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, query_valid=None, spread=True,
@@ -192,7 +224,8 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
     block is biased low on a sharp head (it misses the few keys a row attends to: 16 keys per
     block let temporal rows lose a cluster, 18x the oracle), so callers should let
     ``refine_keys`` cover their blocks (svg2: 256). Cost: ``m * min(refine_keys, 4 L / n_k)`` more
-    scores per row (blocks padded to that; a block of more than 4x the mean size is sampled)."""
+    scores per row (blocks padded to that; a block of more than 4x the mean size is sampled), as
+    matmuls per key block (``refine_top_blocks``)."""
     batch, heads, seq, dim = q.shape
     mean, var, count = block_moments(k, key_valid, k_blocks, n_k)
     sample = None

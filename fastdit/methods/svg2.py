@@ -26,8 +26,9 @@ once, on the device, no host synchronisation):
      (scale^2 / 2) sum_d q_id^2 var_jd)``, and ``p[m, j]`` is the mean of ``p_i(j)`` over the
      cluster's rows (``mass.rowwise_block_masses``). What it assumes: scores inside a key cluster
      spread about as a Gaussian. A query cluster whose rows attend to different key clusters gets
-     all of them. Cost: ``2 Ck`` scores per row. Opt-in ``refine_clusters = m``: each row's ``m``
-     largest terms are scored again from (up to ``refine_keys`` of) the cluster's keys;
+     all of them. ``refine_clusters = m`` (4): each row's ``m`` largest terms are then scored
+     again from (up to ``refine_keys`` of) the cluster's keys. Cost: ``2 Ck + 4 min(256, 4 S /
+     Ck)`` scores per row;
    * ``"sampled"``: ``mass_rows`` rows per query cluster (stratified over the cluster) scored
      exactly against every key, their masses averaged (``mass.row_block_masses``);
    * ``"centroids"`` (SVG2's)::
@@ -49,9 +50,8 @@ once, on the device, no host synchronisation):
    (rowwise) also keeps every key cluster on which one row alone puts more than ``guard_margin x
    (1 - top_p)`` of its predicted mass: a cluster-mean rule lets a few rows that attend elsewhere
    lose everything (issue 23: 30 of 4096 temporal rows kept 0.05%). It needs each row's masses
-   right: on sharp spatial heads the Gaussian term makes it force the wrong clusters (2.3x the
-   own-cluster oracle's error at ``top_p = 0.95``; 0.94x with ``refine_clusters = 4``, which is
-   off by default because its per-row gather costs 4.7x the scoring at 4096 tokens).
+   right: on sharp spatial heads the Gaussian term alone makes it force the wrong clusters (2.3x
+   the own-cluster oracle's error at ``top_p = 0.95``; 0.94x with ``refine_clusters = 4``).
    Every video query cluster also keeps the text key block; the text query block keeps every key
    block: text rows and columns stay dense.
 5. Attention on the kept (query cluster, key cluster) pairs: one call of the variable-size engine
@@ -149,7 +149,7 @@ class SVG2Config(BlockSparseConfig):
     guard_margin: float = option(1.0, "row_guard: a key cluster is kept for one query row when that row's predicted "
                                  "mass on it exceeds guard_margin x (1 - top_p)", range=(1.0, None), widget="number",
                                  advanced=True)
-    refine_clusters: int = option(0, "estimator='rowwise': each row's N key clusters of largest estimate are scored "
+    refine_clusters: int = option(4, "estimator='rowwise': each row's N key clusters of largest estimate are scored "
                                   "again from their keys (0: off)", range=(0, None), widget="number", advanced=True)
     refine_keys: int = option(256, "refine_clusters: keys scored per refined cluster (all of a smaller cluster)",
                               range=(1, None), widget="number", advanced=True)
