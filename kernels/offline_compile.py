@@ -21,6 +21,7 @@ from . import block_sparse_bwd_triton as bwd
 from . import block_sparse_triton as bst
 from . import block_sparse_varlen_triton as bsv
 from . import triton_tuning as tuning
+from .triton_tuning import env_var as _env
 from .quant import triton_fixed as qfx
 from .quant import triton_varlen as qvl
 
@@ -121,23 +122,6 @@ def skip_used(target, head_dim, dtype):
                                             smem=TARGETS[target].shared_limit,
                                             capability=TARGETS[target].capability, dtype=dtype)
     return (bm, bn, warps, stages)
-
-
-@contextlib.contextmanager
-def _env(name, value):
-    """``os.environ[name] = value`` (``None``: unset) for the block."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def varlen_configs(head_dim):

@@ -11,6 +11,7 @@ that target, and the config used without autotuning (``default_config``) is the 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -258,3 +259,21 @@ def bwd_config(kernel, head_dim, capability=None, dtype=None):
         if table_verdict(kernel, capability, dtype, head_dim, cfg) is not False:
             return cfg
     return prefs[-1]
+
+
+@contextlib.contextmanager
+def env_var(name, value):
+    """``os.environ[name] = value`` (``None``: unset) for the block, restored after: how checks and
+    benchmarks pin ``FASTDIT_TRITON_CONFIG`` / ``FASTDIT_TRITON_AUTOTUNE`` for one call."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

@@ -10,11 +10,11 @@ is a failure, reported, not raised.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from fastdit.kernels import block_sparse_attention, dense_reference, plan_to_token_mask
+from fastdit.kernels.triton_tuning import env_var
 
 from .common import rel_error
 from .attention_kernel import big_cases
@@ -26,21 +26,6 @@ SMALL_CHECKS = [
     ("d128_bf16_384", 1, 1, 800, 800, 128, 384, 384, torch.bfloat16, True, "128,128,8,2"),
     ("d256_f16", 1, 1, 130, 140, 256, 64, 64, torch.float16, False, None),
 ]
-
-
-@contextlib.contextmanager
-def environ(name, value):
-    """``os.environ[name] = value`` inside the block (``value`` None: left as it is), restored after."""
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _random_plan(gen, n_qb, n_kb, density, zero_row=True):
@@ -66,7 +51,8 @@ def run_checks(device, triton_ok, log):
         ref, ref_lse = dense_reference(q, k, v, mask)
         dev = [t.to(device) if t is not None else None for t in (q, k, v, idx, cnt, kv_valid)]
         try:
-            with environ("FASTDIT_TRITON_CONFIG", cfg if device.type == "cuda" else None):
+            pinned = env_var("FASTDIT_TRITON_CONFIG", cfg) if device.type == "cuda" else contextlib.nullcontext()
+            with pinned:
                 out, lse = block_sparse_attention(*dev[:5], bm, bn, kv_valid=dev[5], backend=backend)
             out, lse = out.cpu(), lse.cpu()
             rel = rel_error(out, ref)
@@ -88,7 +74,7 @@ def run_checks(device, triton_ok, log):
                 results.append(_check_big(case, device, log))
             if case["name"] == "wan480_d0.1":
                 wan = case
-        with environ("FASTDIT_TRITON_AUTOTUNE", "0"):
+        with env_var("FASTDIT_TRITON_AUTOTUNE", "0"):
             results.append(_check_big(wan, device, log, with_kv_valid=True))
     else:
         log("  skip  large shapes vs torch fallback (CUDA only)")
