@@ -27,8 +27,7 @@ once, on the device, no host synchronisation):
      cluster's rows (``mass.rowwise_block_masses``). What it assumes: scores inside a key cluster
      spread about as a Gaussian. A query cluster whose rows attend to different key clusters gets
      all of them. ``refine_clusters = m`` (4): each row's ``m`` largest terms are then scored
-     again from (up to ``refine_keys`` of) the cluster's keys. Cost: ``2 Ck + 4 min(256, 4 S /
-     Ck)`` scores per row;
+     from (up to ``refine_keys`` of) the cluster's keys. Cost: ``2 Ck + 4 x 256`` scores a row;
    * ``"sampled"``: ``mass_rows`` rows per query cluster (stratified over the cluster) scored
      exactly against every key, their masses averaged (``mass.row_block_masses``);
    * ``"centroids"`` (SVG2's)::
@@ -50,8 +49,8 @@ once, on the device, no host synchronisation):
    (rowwise) also keeps every key cluster on which one row alone puts more than ``guard_margin x
    (1 - top_p)`` of its predicted mass: a cluster-mean rule lets a few rows that attend elsewhere
    lose everything (issue 23: 30 of 4096 temporal rows kept 0.05%). It needs each row's masses
-   right: on sharp spatial heads the Gaussian term alone makes it force the wrong clusters (2.3x
-   the own-cluster oracle's error at ``top_p = 0.95``; 0.94x with ``refine_clusters = 4``).
+   right: on sharp spatial heads the Gaussian term alone forces the wrong clusters (2.3x the
+   own-cluster oracle's error at ``top_p = 0.95``; 0.94x with ``refine_clusters = 4``).
    Every video query cluster also keeps the text key block; the text query block keeps every key
    block: text rows and columns stay dense.
 5. Attention on the kept (query cluster, key cluster) pairs: one call of the variable-size engine
@@ -59,9 +58,8 @@ once, on the device, no host synchronisation):
    since every head has its own two permutations and key validity), then un-permutation.
 
 Cluster counts are clamped per call to the video tokens; counts < 1 are refused at configuration.
-
-Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2 uses 100 / 100 on Wan 720p and
-400 / 1000 on HunyuanVideo 720p), ``top_p = 0.9``, ``estimator = "rowwise"``, ``kmeans_iters = 2`` (SVG2's
+Defaults: ``q_clusters = 100``, ``k_clusters = 500`` (SVG2: 100 / 100 on Wan 720p, 400 / 1000 on
+HunyuanVideo 720p), ``top_p = 0.9``, ``estimator = "rowwise"``, ``kmeans_iters = 2`` (SVG2's
 ``kmeans_iter_step``), ``init_iters = 20`` (SVG2: 50), ``dense_steps = 0.25``, ``dense_layers = 1``.
 
 Corrections: ``"cached"`` works (its complement plan lists the key clusters not kept); ``"pooled"``
@@ -393,7 +391,9 @@ class SparseVideoGen2(BlockSparseMethod):
     #: attention is nearly uniform and ``p`` follows the key clusters' sizes: ``top_p`` is then
     #: about the kept fraction of keys. Clusters of a few hundred tokens suit the CPU engine; a
     #: short cold start (6 iterations) keeps the first sparse step of each layer cheap there.
-    tiny_options = {"q_clusters": 24, "k_clusters": 48, "top_p": 0.15, "init_iters": 6}
+    # 48 key clusters of 256 keys: 64 refined keys keep the refinement's share of a row's keys (4 x 64
+    # of 12k) near a real video's at the defaults (4 x 256 of 75k, 1.4%)
+    tiny_options = {"q_clusters": 24, "k_clusters": 48, "top_p": 0.15, "init_iters": 6, "refine_keys": 64}
     #: where the warm-start centroids live in ``ctx.state``
     state_key = STATE_KEY
 
