@@ -34,6 +34,7 @@ import bisect
 import collections
 import dataclasses
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -64,6 +65,35 @@ _FAMILY_SOURCE = []
 def set_family_defaults_source(lookup):
     """Register ``lookup(family) -> object with method_defaults | None`` (done by fastdit.pipelines)."""
     _FAMILY_SOURCE[:] = [lookup]
+
+
+def check_number(name, value, low=None, high=None, *, low_open=False, high_open=False, note=""):
+    """``float(value)`` when ``value`` is a real number (not a bool, not NaN) between ``low`` and
+    ``high`` (None: unbounded; ``*_open``: that end excluded), else a ``ValueError`` naming the
+    option, the interval, what it means (``note``) and the value: how every method's ``validate``
+    checks its numeric options."""
+    if low is not None and high is not None:
+        interval = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif low is not None:
+        interval = f"{'>' if low_open else '>='} {low:g}"
+    else:
+        interval = f"{'<' if high_open else '<='} {high:g}"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        raise ValueError(f"{name} must be a number {interval}{f' ({note})' if note else ''}, got {value!r}")
+    return float(value)
+
+
+def check_int(name, value, low=1, note=""):
+    """``value`` when it is an int (not a bool) of at least ``low``, else a ``ValueError`` as
+    ``check_number``'s."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}{f' ({note})' if note else ''}, got {value!r}")
+    return value
 
 
 class OptionError(ValueError, TypeError):

@@ -40,7 +40,7 @@ from fastdit.kernels import skip_subtiles_walked
 from fastdit.kernels.quant import QUANT_MODES, check_quant, check_quant_mode
 
 from . import base as _base  # run_plan is looked up on the base module (tests wrap it there)
-from .base import Method, MethodConfig, OptionError, option
+from .base import Method, MethodConfig, OptionError, check_number, option
 from .corrections import cached_apply, cached_entry, cached_store, complement_plan, merge_lse, pooled_correction
 
 CORRECTIONS = ("none", "pooled", "cached")
@@ -74,11 +74,8 @@ class BlockSparseConfig(MethodConfig):
     def validate(self):
         super().validate()
         if self.skip_threshold is not None:
-            value = self.skip_threshold
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-                raise ValueError(f"skip_threshold must be a number >= 0 (log units below the row maximum) or None, "
-                                 f"got {value!r}")
-            self.skip_threshold = float(value)
+            self.skip_threshold = check_number("skip_threshold", self.skip_threshold, 0,
+                                               note="log units below the row maximum; or None")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
         if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 1:

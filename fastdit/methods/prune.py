@@ -45,7 +45,7 @@ from fastdit.kernels import block_sparse_attention
 from fastdit.plan import BlockPlan
 
 from . import base
-from .base import Method, MethodConfig, option, register_method
+from .base import Method, MethodConfig, check_int, check_number, option, register_method
 
 #: Query / key block of the dense-over-keys plans on GPUs: a fixed size, so that the Triton
 #: autotuner (keyed by the block sizes) tunes once, whatever the number of kept rows.
@@ -97,18 +97,6 @@ def is_refresh_step(ctx, config):
     return (ctx.step - first_method_step(ctx, config)) % config.refresh_every == 0
 
 
-def check_fraction(name, value, high_open=True):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number in [0, 1{')' if high_open else ']'}, got {value!r}")
-    if not (0.0 <= value < 1.0 if high_open else 0.0 <= value <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1{')' if high_open else ']'}, got {value!r}")
-
-
-def check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 @dataclass
 class PruneConfig(MethodConfig):
     """Options of step-aware query-block pruning (see the module docstring).
@@ -133,11 +121,10 @@ class PruneConfig(MethodConfig):
 
     def validate(self):
         super().validate()
-        check_fraction("ratio", self.ratio)
-        check_positive_int("refresh_every", self.refresh_every)
-        check_positive_int("block_size", self.block_size)
-        check_fraction("warmup", self.warmup, high_open=False)
-        self.ratio, self.warmup = float(self.ratio), float(self.warmup)
+        self.ratio = check_number("ratio", self.ratio, 0, 1, high_open=True)
+        check_int("refresh_every", self.refresh_every)
+        check_int("block_size", self.block_size)
+        self.warmup = check_number("warmup", self.warmup, 0, 1)
 
 
 @register_method

@@ -82,7 +82,7 @@ import torch
 
 from fastdit.plan import BlockPlan
 
-from .base import option, register_method
+from .base import check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
@@ -132,21 +132,15 @@ class RadialConfig(BlockSparseConfig):
     def validate(self):
         super().validate()
         if self.decay is not None:
-            if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not math.isfinite(self.decay):
-                raise ValueError(f"decay must be a positive number, got {self.decay!r}")
-            if self.decay <= 0:
-                raise ValueError(f"decay must be > 0 (the band is decay * P / 2**g tokens wide), got {self.decay!r}")
-            self.decay = float(self.decay)
+            self.decay = check_number("decay", self.decay, 0, math.inf, low_open=True, high_open=True,
+                                      note="the band is decay * P / 2**g tokens wide")
         if isinstance(self.block_size, bool) or self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size!r}")
         if self.sink is not None and not isinstance(self.sink, bool):
             raise ValueError(f"sink must be True or False, got {self.sink!r}")
         if self.adjacent is not None and self.adjacent not in ADJACENT_RULES:
             raise ValueError(f"adjacent must be one of {ADJACENT_RULES}, got {self.adjacent!r}")
-        if (isinstance(self.block_fill, bool) or not isinstance(self.block_fill, (int, float))
-                or not 0.0 <= self.block_fill <= 1.0):
-            raise ValueError(f"block_fill must be a number in [0, 1], got {self.block_fill!r}")
-        self.block_fill = float(self.block_fill)
+        self.block_fill = check_number("block_fill", self.block_fill, 0, 1)
 
 
 def next_pow2(n):

@@ -70,7 +70,7 @@ import torch
 
 from fastdit.plan import BlockPlan
 
-from .base import option, register_method
+from .base import check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .mass import representative_rows, row_block_masses, rowwise_block_masses
 from .sta import choose_tile, padding_fraction, tile_permutation
@@ -82,10 +82,6 @@ ESTIMATORS = ("sampled", "rowwise", "pooled")
 #: score every key (and represent every kind of query row), so they need no guard (-1: off).
 SIMTHRESH = {"pooled": 0.6, "sampled": -1.0, "rowwise": -1.0}
 IMAGE_TILE = (1, 8, 16)
-
-
-def _number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @dataclass
@@ -133,21 +129,17 @@ class SpargeConfig(BlockSparseConfig):
             ):
                 raise ValueError(f"tile must be three positive ints (tt, th, tw), got {self.tile!r}")
             self.tile = tuple(self.tile)
-        if self.simthresh is not None and (not _number(self.simthresh) or not -1.0 <= self.simthresh <= 1.0):
-            raise ValueError(f"simthresh must be a number in [-1, 1] (a cosine similarity) or None (by estimator), "
-                             f"got {self.simthresh!r}")
-        if not _number(self.cdf) or not 0.0 < self.cdf <= 1.0:
-            raise ValueError(f"cdf must be a number in (0, 1] (predicted attention mass kept), got {self.cdf!r}")
-        if self.topk is not None and (not _number(self.topk) or not 0.0 < self.topk <= 1.0):
-            raise ValueError(f"topk must be a fraction in (0, 1] of the key blocks, or None, got {self.topk!r}")
-        if isinstance(self.min_blocks, bool) or not isinstance(self.min_blocks, int) or self.min_blocks < 1:
-            raise ValueError(f"min_blocks must be an int >= 1, got {self.min_blocks!r}")
+        if self.simthresh is not None:
+            check_number("simthresh", self.simthresh, -1, 1, note="a cosine similarity; or None: by estimator")
+        check_number("cdf", self.cdf, 0, 1, low_open=True, note="predicted attention mass kept")
+        if self.topk is not None:
+            check_number("topk", self.topk, 0, 1, low_open=True, note="a fraction of the key blocks; or None")
+        check_int("min_blocks", self.min_blocks)
         if not isinstance(self.sink, bool):
             raise ValueError(f"sink must be True or False, got {self.sink!r}")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if isinstance(self.mass_rows, bool) or not isinstance(self.mass_rows, int) or self.mass_rows < 1:
-            raise ValueError(f"mass_rows must be an int >= 1 (query rows sampled per block), got {self.mass_rows!r}")
+        check_int("mass_rows", self.mass_rows, note="query rows sampled per block")
 
 
 def pooled_blocks(x, weight, block):

@@ -80,7 +80,7 @@ import torch
 from fastdit.kernels import block_sparse_attention, plan_to_token_mask, validate_plan
 from fastdit.plan import BlockPlan
 
-from .base import option, register_method
+from .base import check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
 PATTERNS = ("spatial", "temporal", "textural")
@@ -116,15 +116,10 @@ class SVGConfig(BlockSparseConfig):
 
     def validate(self):
         super().validate()
-        value = self.density
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-            raise ValueError(f"density must be a number in (0, 1] (the kept fraction of each pattern), got {value!r}")
-        self.density = float(value)
-        for name in ("n_samples", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}"
-                                 + (" (more samples than video tokens are clamped per call)" if name == "n_samples" else ""))
+        self.density = check_number("density", self.density, 0, 1, low_open=True,
+                                    note="the kept fraction of each pattern")
+        check_int("n_samples", self.n_samples, note="more samples than video tokens are clamped per call")
+        check_int("block_size", self.block_size)
         patterns = self.patterns
         if isinstance(patterns, str):  # "spatial,temporal" as the CLI's --set and the app's text box give it
             patterns = tuple(p.strip() for p in patterns.split(",") if p.strip())

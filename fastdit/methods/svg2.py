@@ -79,7 +79,7 @@ import torch
 from fastdit.kernels import block_sparse_attention_varlen, validate_varlen_plan
 from fastdit.plan import BlockPlan
 
-from .base import option, register_method
+from .base import check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .kmeans import cluster_permutation, inverse_order, kmeans, spread_init
 from .mass import row_block_masses, rowwise_block_masses, stratified_rows
@@ -90,14 +90,6 @@ ESTIMATORS = ("rowwise", "sampled", "centroids")
 RANKS = ("per_token", "mass")
 #: ``ctx.state`` key of the warm-start centroids.
 STATE_KEY = "svg2_centroids"
-
-
-def _int_at_least_one(config, name):
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}"
-                         + (" (counts above the number of video tokens are clamped per call)"
-                            if name.endswith("_clusters") else ""))
 
 
 @dataclass
@@ -157,31 +149,21 @@ class SVG2Config(BlockSparseConfig):
 
     def validate(self):
         super().validate()
-        for name in ("q_clusters", "k_clusters", "kmeans_iters", "init_iters", "mass_rows", "refine_keys"):
-            _int_at_least_one(self, name)
-        if type(self.refine_clusters) is not int or self.refine_clusters < 0:  # noqa: E721 - bool is refused too
-            raise ValueError(f"refine_clusters must be an int >= 0 (0: off), got {self.refine_clusters!r}")
-        value = self.top_p
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
-                or not 0.0 < value <= 1.0):
-            raise ValueError(f"top_p must be a number in (0, 1] (predicted attention mass kept per query cluster), "
-                             f"got {value!r}")
-        self.top_p = float(value)
-        value = self.min_kc_ratio
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
-                or not 0.0 <= value <= 1.0):
-            raise ValueError(f"min_kc_ratio must be a number in [0, 1] (fraction of the key clusters always kept), "
-                             f"got {value!r}")
-        self.min_kc_ratio = float(value)
+        for name in ("q_clusters", "k_clusters"):
+            check_int(name, getattr(self, name), note="counts above the number of video tokens are clamped per call")
+        for name in ("kmeans_iters", "init_iters", "mass_rows", "refine_keys"):
+            check_int(name, getattr(self, name))
+        check_int("refine_clusters", self.refine_clusters, low=0, note="0: off")
+        self.top_p = check_number("top_p", self.top_p, 0, 1, low_open=True,
+                                  note="predicted attention mass kept per query cluster")
+        self.min_kc_ratio = check_number("min_kc_ratio", self.min_kc_ratio, 0, 1,
+                                         note="fraction of the key clusters always kept")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.rank not in RANKS:
             raise ValueError(f"rank must be one of {RANKS}, got {self.rank!r}")
-        value = self.guard_margin
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 <= value < math.inf:
-            raise ValueError(f"guard_margin must be a finite number >= 1 (a row guard at guard_margin x (1 - top_p) "
-                             f"of one row's predicted mass), got {value!r}")
-        self.guard_margin = float(value)
+        self.guard_margin = check_number("guard_margin", self.guard_margin, 1, math.inf, high_open=True,
+                                         note="a row guard at guard_margin x (1 - top_p) of one row's predicted mass")
         for name in ("warm_start", "row_guard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

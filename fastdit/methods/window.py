@@ -40,7 +40,6 @@ a shared step nothing.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +47,8 @@ import torch
 from fastdit.plan import BlockPlan
 from fastdit.plan import run_plan as run_window_plan
 
-from .base import Method, MethodConfig, option, register_method
-from .prune import check_positive_int, compact_attention, full_attention, is_refresh_step
+from .base import Method, MethodConfig, check_int, check_number, option, register_method
+from .prune import compact_attention, full_attention, is_refresh_step
 from .sta import STAConfig, SlidingTile, TileWindowOptions
 
 BAND_BLOCK = 64
@@ -85,15 +84,12 @@ class WindowConfig(MethodConfig, TileWindowOptions):
         super().validate()
         self.check_tile_window()
         if self.band is not None:
-            check_positive_int("band", self.band)
-        check_positive_int("refresh_every", self.refresh_every)
+            check_int("band", self.band)
+        check_int("refresh_every", self.refresh_every)
         for name in ("share_steps", "share_cfg"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        value = self.share_threshold
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-            raise ValueError(f"share_threshold must be a number >= 0, got {value!r}")
-        self.share_threshold = float(value)
+        self.share_threshold = check_number("share_threshold", self.share_threshold, 0)
 
     def tile_config(self):
         """The ``STAConfig`` of this window (the sliding-tile plans window attention runs on)."""

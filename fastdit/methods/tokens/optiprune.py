@@ -51,9 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import Method, MethodConfig, option, register_method
-from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, check_positive_int, check_ratio,
-                              grid_groups, log_size_bias, record_token_call)
+from ..base import Method, MethodConfig, check_int, check_number, option, register_method
+from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias, record_token_call)
 
 
 @dataclass
@@ -83,12 +82,10 @@ class OptiPruneConfig(MethodConfig):
 
     def validate(self):
         super().validate()
-        check_ratio("ratio", self.ratio)
+        self.ratio = check_number("ratio", self.ratio, 0, 1, high_open=True)
         for name in ("sx", "sy", "st", "refresh_every"):
-            check_positive_int(name, getattr(self, name))
-        rho = self.randomness
-        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0.0 <= rho <= 1.0:
-            raise ValueError(f"randomness must be a number in [0, 1], got {rho!r}")
+            check_int(name, getattr(self, name))
+        self.randomness = check_number("randomness", self.randomness, 0, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

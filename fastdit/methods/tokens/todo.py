@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import Method, MethodConfig, option, register_method
-from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, check_positive_int, grid_groups,
-                              log_size_bias, record_token_call)
+from ..base import Method, MethodConfig, check_int, option, register_method
+from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias,
+                              record_token_call)
 
 MODES = ("mean", "nearest")
 
@@ -62,8 +62,8 @@ class ToDoConfig(MethodConfig):
 
     def validate(self):
         super().validate()
-        check_positive_int("factor", self.factor)
-        check_positive_int("t_factor", self.t_factor)
+        check_int("factor", self.factor)
+        check_int("t_factor", self.t_factor)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.proportional, bool):

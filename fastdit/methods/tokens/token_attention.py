@@ -18,8 +18,6 @@ text rows and columns are what dense attention gives.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -149,11 +147,3 @@ def grid_groups(grid, window):
     return tuple(ceil_div(g, w) for g, w in zip(grid, window))
 
 
-def check_positive_int(name, value, low=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
-def check_ratio(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")

@@ -39,9 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import Method, MethodConfig, option, register_method
-from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, check_positive_int, check_ratio,
-                              grid_groups, log_size_bias, nearest_destination, record_token_call)
+from ..base import Method, MethodConfig, check_int, check_number, option, register_method
+from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias, nearest_destination, record_token_call)
 
 
 @dataclass
@@ -66,9 +65,9 @@ class ToMeConfig(MethodConfig):
 
     def validate(self):
         super().validate()
-        check_ratio("ratio", self.ratio)
+        self.ratio = check_number("ratio", self.ratio, 0, 1, high_open=True)
         for name in ("sx", "sy", "st", "match_every"):
-            check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
 
 
 def window_roles(grid, window, device):
