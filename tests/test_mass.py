@@ -192,3 +192,16 @@ def test_threshold_keeps_the_promised_mass_on_every_kind(name, seed):
             assert (torch.tensor(row["head_predicted"]) - torch.tensor(row["head_kept"])).abs().max() < 0.1, where
             claim = selection.check(row)
             assert claim["mass_claim"] == claim["error_claim"] == "holds", (where, claim)
+
+
+def test_estimators_build_no_autograd_graph():
+    """Training runs the selection with gradients on (``select`` inside the patched forward): the
+    estimates are selection only, so they carry no graph (and no graph is kept alive by a plan)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 40, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 40, 8, generator=g, requires_grad=True)
+    blocks = torch.randint(0, 4, (1, 2, 40), generator=g)
+    rowwise = rowwise_block_masses(q, k, None, 8, 5, blocks, 4, 0.35, refine=2)
+    sampled = row_block_masses(q[:, :, ::8], k, None, blocks, 4, 0.35)
+    assert rowwise.grad_fn is None and not rowwise.requires_grad
+    assert sampled.grad_fn is None and not sampled.requires_grad

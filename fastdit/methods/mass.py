@@ -29,6 +29,7 @@ import torch
 SCORE_BUDGET = 1 << 25
 
 
+@torch.no_grad()  # a selection estimate: nothing differentiates through it (training calls select too)
 def row_block_masses(q_rows, k, key_valid, blocks, n_blocks, scale):
     """Exact softmax mass of each row of ``q_rows`` ``(B, H, R, D)`` on each key block: float32
     ``(B, H, R, n_blocks)``, rows summing to 1 (0 for a row without a valid key).
@@ -194,6 +195,7 @@ def refine_top_blocks(logits, q, sample, h0, h1, scale, top):
     logits.scatter_(-1, chosen, refined.view_as(chosen))
 
 
+@torch.no_grad()  # a selection estimate: nothing differentiates through it (training calls select too)
 def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, query_valid=None, spread=True,
                          row_max=False, refine=0, refine_keys=256):
     """Predicted mass of every query row on every key block, averaged per query block: float32
