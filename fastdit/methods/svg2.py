@@ -27,7 +27,7 @@ once, on the device, no host synchronisation):
      cluster's rows (``mass.rowwise_block_masses``). What it assumes: scores inside a key cluster
      spread about as a Gaussian. A query cluster whose rows attend to different key clusters gets
      all of them. ``refine_clusters = m`` (4): each row's ``m`` largest terms are then scored
-     from (up to ``refine_keys`` of) the cluster's keys. Cost: ``2 Ck + 4 x 256`` scores a row;
+     from (up to ``refine_keys`` of) the cluster's keys. Cost: ``2 Ck + m x refine_keys`` scores a row at most;
    * ``"sampled"``: ``mass_rows`` rows per query cluster (stratified over the cluster) scored
      exactly against every key, their masses averaged (``mass.row_block_masses``);
    * ``"centroids"`` (SVG2's)::
