@@ -46,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..intercept import _is_sdpa, sdpa_arguments
+from ..methods.base import check_int, check_number
 
 __all__ = ["optimize_noise", "noise_loss", "find_subjects"]
 
@@ -267,10 +268,8 @@ def optimize_noise(pipe, prompt, *, latents=None, steps=5, lr=0.05, subjects=Non
     """
     from tqdm.auto import tqdm
 
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    check_int("steps", steps, low=0)
+    check_number("lr", lr, 0, low_open=True)
     if getattr(pipe, "transformer", None) is None:
         raise ValueError(f"pipe: {type(pipe).__name__} has no transformer")
     tokens = subject_tokens(pipe, prompt, subjects)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from fastdit.methods.base import check_int, check_number
+
 
 @dataclass
 class LoraTrainConfig:
@@ -68,23 +70,16 @@ class LoraTrainConfig:
 
     def __post_init__(self):
         for name in ("samples", "steps", "rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
-                or self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+            check_int(name, getattr(self, name))
+        check_int("checkpoint_every", self.checkpoint_every, low=0)
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
-        if not (isinstance(self.negative_share, (int, float)) and 0 <= self.negative_share <= 1):
-            raise ValueError(f"negative_share must be a number in [0, 1], got {self.negative_share!r}")
+        check_number("negative_share", self.negative_share, 0, 1)
         if not self.prompts or not self.seeds:
             raise ValueError("prompts and seeds must not be empty")
         if not all(isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[0], str) for v in self.videos):
             raise ValueError("videos must be (caption, video) pairs: a str and frames (F, H, W, 3) or a video file")
-        if not (isinstance(self.flow_weight, (int, float)) and not isinstance(self.flow_weight, bool)
-                and 0 <= self.flow_weight < math.inf):
-            raise ValueError(f"flow_weight must be a finite number >= 0, got {self.flow_weight!r}")
+        check_number("flow_weight", self.flow_weight, 0, math.inf, high_open=True)
 
 
 def _embed(pipe, prompt, call_kwargs):
