@@ -52,6 +52,11 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
             (whether the call ran dense), ``plan`` (the block plan, or None) and, for block-sparse
             methods run with ``skip_threshold``, ``skipped_subtiles`` / ``walked_subtiles`` (int
             tensors per (batch, head): key sub-tiles the in-kernel skip rule skipped / looked at),
+            ``guard``: what the quality guard saw and did (when it ran; see ``fastdit/methods/guard.py``):
+            per head ``error`` (estimated relative L2 error), ``kept_mass``, ``action`` (``"pass"``,
+            ``"widened"``, ``"dense"``, ``"nonfinite"``) and ``levels``, plus ``rows`` (sampled per
+            head), ``bound``, ``promise``, ``extra_density`` (the guard's own work over the call's dense
+            work) and ``seconds``; ``head_density`` counts a head the guard ran dense as 1,
             ``lse``: float32 ``(B, H, S)``, per query row in model token order the log-sum-exp
             ``log sum_j exp(scale q . k_j)`` over the keys the call computed (every valid key on a
             dense call; ``-inf`` for a row with none), None for token methods (they attend reduced
@@ -197,9 +202,12 @@ def call_info(ctx, batch, heads, seq, keys):
     else:
         pairs = plan.pair_counts().double()  # (1|B, 1|H)
         head_density = (pairs.expand(batch, heads).mean(0) / total).tolist()
+    guard = ctx.info.get("guard")
+    if guard is not None and not guard["nonfinite"]:  # heads the guard re-ran: what was computed in the end
+        head_density = [1.0 if action == "dense" else d for action, d in zip(guard["action"], head_density)]
     info = {"density": sum(head_density) / heads, "head_density": head_density,
             "dense": bool(ctx.info.get("dense")), "plan": plan}
-    for name in ("skipped_subtiles", "walked_subtiles"):
+    for name in ("skipped_subtiles", "walked_subtiles", "guard"):
         if name in ctx.info:
             info[name] = ctx.info[name]
     return info

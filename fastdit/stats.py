@@ -3,7 +3,8 @@
 ``effective_density`` is the honest figure: computed / total (query block, key block) pairs over
 every attention call of the patched layers, each call weighted by its size
 (``batch * heads * query tokens * key tokens``), dense steps, dense layers and fallback calls
-counted as 1.0. ``sparse_density`` is the same over the calls that ran sparse only (the figure
+counted as 1.0. The quality guard's work (sampled exact rows, re-runs of failed heads) is counted as computed work
+too (``guard_density`` says how much of it there was). ``sparse_density`` is the same over the calls that ran sparse only (the figure
 reports used to quote, which made a half-dense run look sparse). Fallback calls (calls the patch
 did not understand and ran with the model's own attention) are listed with their reasons.
 
@@ -46,6 +47,13 @@ class PatchStats:
         self.ring_steps = 0  # ring attention: (query shard, key shard) steps computed ...
         self.ring_skipped_steps = 0  # ... and skipped (the plan keeps no block of that key shard)
         self.ring_block_pairs = 0  # block pairs this rank's ring steps computed (all heads, all calls)
+        # the quality guard (fastdit/methods/guard.py): head-calls checked, widened, run dense
+        self.guard_head_calls = 0
+        self.guard_widened = 0
+        self.guard_dense = 0
+        self.guard_nonfinite_calls = 0
+        self.guard_seconds = 0.0  # host time of the checks and re-runs (on a GPU: without device syncs)
+        self._guard_computed = 0.0  # the guard's own work (checks, re-runs), in call-size units
 
     # -- counting ---------------------------------------------------------------------------
     def count_dense(self, size):
@@ -85,6 +93,9 @@ class PatchStats:
         """Count one finished method call from its ``AttentionContext.info`` (what ``record`` and the
         method wrote): dense by design, token-method counts, or a block plan (a dynamic plan's
         density stays a device tensor: no host synchronisation)."""
+        guard = info.get("guard")
+        if guard is not None:
+            self.count_guard(guard, size)
         if info.get("dense"):
             self.count_dense(size)
         elif "performed" in info:
@@ -95,6 +106,25 @@ class PatchStats:
             self.count_sparse(size, density, plan)
         else:
             self.count_sparse(size, 1.0)  # a method that reported nothing computed everything
+
+    def count_guard(self, report, size):
+        """One guarded call: its head-calls and actions, and its work (added to the computed total:
+        the check's sampled rows and any re-run are work the call really did)."""
+        with self._lock:
+            self.guard_head_calls += len(report["action"])
+            self.guard_widened += report["action"].count("widened")
+            self.guard_dense += report["action"].count("dense")
+            self.guard_nonfinite_calls += int(bool(report["nonfinite"]))
+            self.guard_seconds += report["seconds"]
+            extra = size * report["extra_density"]
+            self._guard_computed += extra
+            self._computed = self._computed + extra
+            self._sparse_computed = self._sparse_computed + extra
+
+    @property
+    def guard_density(self):
+        """The guard's own work over all calls' dense work (0 when it never ran)."""
+        return self._ratio(self._guard_computed, self._work)
 
     # -- figures ------------------------------------------------------------------------------
     @staticmethod
@@ -141,6 +171,9 @@ class PatchStats:
             "ring_steps": self.ring_steps,
             "ring_skipped_steps": self.ring_skipped_steps,
             "ring_block_pairs": self.ring_block_pairs,
+            "guard": {"head_calls": self.guard_head_calls, "widened": self.guard_widened, "dense": self.guard_dense,
+                      "nonfinite_calls": self.guard_nonfinite_calls, "density": self.guard_density,
+                      "seconds": self.guard_seconds},
         }
 
     def __repr__(self):

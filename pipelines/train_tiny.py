@@ -84,6 +84,11 @@ class TrainConfig:
     full_clip_prob: float = 0.25  # else a prefix of 3 .. prefix_max latent frames (cheaper steps)
     prefix_max: int = 8
     flow_shift: float = 3.0
+    # warm start: a saved tiny-shapes pipeline folder whose VAE, text encoder and transformer weights
+    # start this run (its VAE is kept as it is: set vae_steps=0). The transformer (patch 1, RoPE) and
+    # the VAE (convolutional) do not depend on the frame size, so a model trained at 64 x 64 can be
+    # trained on at 128 x 128 from where it stopped instead of from noise.
+    init_from: str = ""
     # bookkeeping
     checkpoint_every: int = 100
     export_every: int = 500
@@ -98,6 +103,10 @@ PRESETS: dict[str, dict] = {
     "full": {},
     "short": dict(vae_steps=600, num_videos=250, steps=2000, lr=5e-4, warmup=100, ema_decay=0.995,
                   full_clip_prob=0.15, prefix_max=5, checkpoint_every=50, export_every=200),
+    # issue 40: 17 frames of 128 x 128 (9216 video tokens), warm-started from the 64 x 64 weights
+    "large": dict(height=128, width=128, init_from=DEFAULT_OUT, vae_steps=0, num_videos=400, steps=1500, batch=2,
+                  lr=3e-4, warmup=50, ema_decay=0.995, full_clip_prob=0.3, prefix_max=5, checkpoint_every=25,
+                  export_every=100),
     "test": dict(frames=5, height=32, width=32, vae_base_dim=4, vae_z_dim=4, vae_steps=2, vae_clip_frames=5, vae_crop=16,
                  num_videos=3, heads=1, head_dim=16, layers=1, ffn_dim=32, max_sequence_length=40, steps=3,
                  batch=1, warmup=1, checkpoint_every=2, export_every=2),
@@ -140,6 +149,37 @@ def build_pipeline(cfg: TrainConfig, latents_mean=None, latents_std=None):
                                         num_train_timesteps=1000, flow_shift=cfg.flow_shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=scheduler)
+
+
+def load_weights(pipe, folder: str) -> None:
+    """Copy the VAE, text encoder and transformer weights of a saved pipeline folder into ``pipe``.
+
+    Raises ``FileNotFoundError`` naming the missing file and ``ValueError`` naming the component
+    whose shapes differ (a folder of another model size)."""
+    from safetensors.torch import load_file
+
+    files = {"vae": "vae/diffusion_pytorch_model.safetensors", "text_encoder": "text_encoder/model.safetensors",
+             "transformer": "transformer/diffusion_pytorch_model.safetensors"}
+    for name, rel in files.items():
+        path = os.path.join(folder, rel)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"init_from={folder!r}: {path} is missing (a pipeline saved by train_tiny holds it)")
+        state = load_file(path)
+        module = getattr(pipe, name)
+        own = module.state_dict()
+        wrong = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
+        if wrong:
+            raise ValueError(f"init_from={folder!r}: {name} has other shapes ({wrong[0]}: "
+                             f"{tuple(state[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}); same model sizes needed")
+        # tied / shared weights may be stored once: non-strict, then check nothing of ours is left out
+        missing, _ = module.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in ("shared.weight",) and not k.endswith("embed_tokens.weight")]
+        if missing:
+            raise ValueError(f"init_from={folder!r}: {name} lacks {missing[:3]}")
+    if os.path.exists(os.path.join(folder, "vae", "config.json")):
+        with open(os.path.join(folder, "vae", "config.json")) as f:
+            vae_cfg = json.load(f)
+        pipe.vae.register_to_config(latents_mean=vae_cfg.get("latents_mean"), latents_std=vae_cfg.get("latents_std"))
 
 
 def _video_tensor(video: np.ndarray) -> torch.Tensor:
@@ -381,6 +421,8 @@ def train(cfg: TrainConfig, work: str, out: str = DEFAULT_OUT, preset: str = "cu
     save_meta()
 
     pipe = build_pipeline(cfg)
+    if cfg.init_from:
+        load_weights(pipe, cfg.init_from)
     t0 = time.time()
     vae_losses = train_vae(cfg, pipe, work, progress)
     times["vae"] = times.get("vae", 0.0) + (time.time() - t0) if "vae_done" not in times else times["vae"]

@@ -41,6 +41,10 @@ from dataclasses import dataclass, field
 from fastdit.plan import run_plan
 
 _REGISTRY = {}
+#: The quality guard's default bound (relative L2 error of a head's output on sampled rows) for
+#: the methods that have it on by default (dynamic and token methods); see ``guard.py``.
+GUARD_DEFAULT = 0.1
+
 #: ``ctx.state`` key of the ``layer_settings`` entry a layer last ran with.
 _SETTING_KEY = "fastdit.layer_setting"
 
@@ -128,8 +132,25 @@ class MethodConfig:
         None, "per (step bucket, layer) options: {'s_l': {option: value}} or {'s_l': None} (dense); step i uses "
         "the bucket with the largest start <= i; unnamed layers and earlier steps use the other options",
         widget="text", advanced=True)
+    guard: float | bool | None = option(
+        None, "quality guard: per head, the relative L2 error bound checked on sampled query rows against exact "
+        "dense rows; a head above it (or below its promised mass) is widened, then run dense. false: off; "
+        "empty: the method's default", range=(0, None), widget="number")
+    guard_rows: float = option(0.01, "guard: sampled query rows per head as a fraction of the call's rows (at least "
+                               "one per 64 tokens and 32 in all)", range=(0.0, 1.0), widget="number", advanced=True)
+    guard_refresh: int = option(4, "guard: a head's widened or dense setting is kept for this many steps, then "
+                                "tried again at the method's own", range=(1, None), widget="number", advanced=True)
 
     def validate(self):
+        if self.guard is not None and self.guard is not False:
+            if self.guard is True:
+                raise ValueError("guard must be a number in (0, inf) (relative L2 error bound per head), False (off) "
+                                 "or None (the method's default), got True")
+            check_number("guard", self.guard, 0, math.inf, low_open=True, high_open=True,
+                         note="relative L2 error bound per head; False: off")
+        self.guard_rows = check_number("guard_rows", self.guard_rows, 0, 1, low_open=True,
+                                       note="sampled query rows per head, a fraction of the call's rows")
+        check_int("guard_refresh", self.guard_refresh, 1, note="steps a head keeps its guarded setting")
         steps = self.dense_steps
         if steps is not None:
             if isinstance(steps, bool) or not isinstance(steps, (int, float)):
@@ -149,7 +170,7 @@ class MethodConfig:
 #: Options a ``layer_settings`` entry may not set: they are read once per call before the layer's
 #: setting is looked up (``dense_steps``, ``dense_layers``), or they are the per-layer table itself.
 #: A (bucket, layer) that should run dense is written as ``None``.
-NOT_PER_LAYER = ("dense_steps", "dense_layers", "layer_settings")
+NOT_PER_LAYER = ("dense_steps", "dense_layers", "layer_settings", "guard_refresh")
 
 
 def _parse_layer_key(key):
@@ -229,6 +250,10 @@ class Method:
     #: tokens) do not, so ``fastdit.attention`` reports ``lse=None`` and refuses ``"mass"`` for them.
     reports_lse = False
 
+    #: The guard's bound when ``guard`` is left at None (False: off by default; see ``guard.py``).
+    #: On for the dynamic and token methods, whose thresholds can fail on heads they never saw.
+    guard_default = False
+
     #: Whether ``fastdit.method_names()`` lists it (``auto`` is not: it runs only from a calibrated plan).
     listed = True
 
@@ -288,7 +313,8 @@ class Method:
             adapter = _FAMILY_SOURCE[0](adapter) if _FAMILY_SOURCE else None
         if adapter is not None:
             family_defaults = dict(getattr(adapter, "method_defaults", {}).get(cls.name, {}))
-        defaults = {"dense_steps": 0, "dense_layers": 0, **cls.default_options, **family_defaults}
+        defaults = {"dense_steps": 0, "dense_layers": 0, "guard": cls.guard_default, **cls.default_options,
+                    **family_defaults}
         filled = {name: value for name, value in defaults.items()
                   if hasattr(config, name) and getattr(config, name) is None}
         config = dataclasses.replace(config, **filled)
@@ -365,6 +391,44 @@ class Method:
         """A dense step or dense layer: the model's own attention."""
         return ctx.dense()
 
+    # -- the quality guard (fastdit/methods/guard.py) ----------------------------------------------
+    def guard_promise(self):
+        """The kept attention mass this method's options promise (``cdf``, ``top_p``), or None."""
+        return None
+
+    def guard_levels(self):
+        """How many wider settings the guard may try on a failed head before dense (0: dense at once)."""
+        return 0
+
+    def guard_widened(self, level):
+        """This method at its ``level``-th wider setting (1-based; ``guard_widen_options``), or None."""
+        options = self.guard_widen_options(level)
+        if options is None:
+            return None
+        cache = self.__dict__.setdefault("_guard_wider", {})
+        if level not in cache:
+            config = dataclasses.replace(self.config, layer_settings=None, guard=False, dense_steps=0, dense_layers=0,
+                                         **options)
+            cache[level] = type(self)(type(self).make_config(config))
+        return cache[level]
+
+    def guard_widen_options(self, level):
+        """Options of the ``level``-th wider setting (e.g. ``{"cdf": 0.99}``), or None."""
+        return None
+
+    def guarded(self, ctx):
+        """Whether this call runs under the guard (a number in ``config.guard``)."""
+        guard = getattr(self.config, "guard", None)
+        return guard is not None and guard is not False
+
+    def run_checked(self, ctx, q, k, v):
+        """``attend`` under the guard when it is on (see ``guard.guarded_call``)."""
+        if not self.guarded(ctx):
+            return self.attend(ctx, q, k, v)
+        from .guard import guarded_call
+
+        return guarded_call(self, ctx, q, k, v, self.attend)
+
     def is_dense_call(self, ctx):
         """Dense layers and dense steps run the model's own attention."""
         return ctx.local_layer < self.config.dense_layers or ctx.call.is_dense_step(self.config.dense_steps)
@@ -411,7 +475,7 @@ class Method:
             ctx.info["dense"] = True
             return self.attend_dense(ctx, q, k, v)
         if not self._layer_table:
-            return self.attend(ctx, q, k, v)
+            return self.run_checked(ctx, q, k, v)
         key, method = self.layer_method(ctx.step, ctx.layer)
         if ctx.state.get(_SETTING_KEY, key) != key:
             ctx.state.clear()
@@ -419,7 +483,7 @@ class Method:
         if method is None:
             ctx.info["dense"] = True
             return self.attend_dense(ctx, q, k, v)
-        return method.attend(ctx, q, k, v)
+        return method.run_checked(ctx, q, k, v)
 
     def __repr__(self):
         return f"<fastdit method {self.name} {self.config}>"

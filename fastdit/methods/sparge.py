@@ -70,7 +70,7 @@ import torch
 
 from fastdit.plan import BlockPlan
 
-from .base import check_int, check_number, option, register_method
+from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .mass import representative_rows, row_block_masses, rowwise_block_masses
 from .sta import choose_tile, padding_fraction, tile_permutation
@@ -206,6 +206,20 @@ class Sparge(BlockSparseMethod):
     #: blocks is kept, with 256-token blocks (4x8x8 tiles): the CPU fallback loops per query
     #: block and gathers per head, and smaller blocks were slower than dense there.
     tiny_options = {"tile": (4, 8, 8), "topk": 0.125, "simthresh": -1.0}
+    #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
+    guard_default = GUARD_DEFAULT
+
+    def guard_promise(self):
+        return None if self.config.topk is not None else self.config.cdf
+
+    def guard_levels(self):
+        return 1
+
+    def guard_widen_options(self, level):
+        """One wider setting: a quarter of the dropped mass (``cdf`` 0.9 -> 0.975), or twice ``topk``."""
+        if self.config.topk is not None:
+            return {"topk": min(1.0, 2 * self.config.topk)}
+        return {"cdf": 1 - (1 - self.config.cdf) / 4}
 
     def tile_for(self, layout):
         target = self.config.tile or (VIDEO_TILE if layout.frames > 1 else IMAGE_TILE)

@@ -80,7 +80,7 @@ import torch
 from fastdit.kernels import block_sparse_attention, plan_to_token_mask, validate_plan
 from fastdit.plan import BlockPlan
 
-from .base import check_int, check_number, option, register_method
+from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
 PATTERNS = ("spatial", "temporal", "textural")
@@ -366,6 +366,15 @@ class SparseVideoGen(BlockSparseMethod):
     #: (spatial), 192 of 1536 positions (temporal) or every 8th block (textural); the CPU engine
     #: runs 128-token blocks faster than 64.
     tiny_options = {"block_size": 128, "density": 0.125}
+    #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
+    guard_default = GUARD_DEFAULT
+
+    def guard_levels(self):
+        return 1
+
+    def guard_widen_options(self, level):
+        """One wider setting: twice the kept fraction of key blocks."""
+        return {"density": min(1.0, 2 * self.config.density)}
 
     def prepare(self, layout, heads, device):
         return layout_plan(layout, self.config, device)

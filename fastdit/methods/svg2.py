@@ -79,7 +79,7 @@ import torch
 from fastdit.kernels import block_sparse_attention_varlen, validate_varlen_plan
 from fastdit.plan import BlockPlan
 
-from .base import check_int, check_number, option, register_method
+from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .kmeans import cluster_permutation, inverse_order, kmeans, spread_init
 from .mass import row_block_masses, rowwise_block_masses, stratified_rows
@@ -376,6 +376,18 @@ class SparseVideoGen2(BlockSparseMethod):
     # 48 key clusters of 256 keys: 64 refined keys keep the refinement's share of a row's keys (4 x 64
     # of 12k) near a real video's at the defaults (4 x 256 of 75k, 1.4%)
     tiny_options = {"q_clusters": 24, "k_clusters": 48, "top_p": 0.15, "init_iters": 6, "refine_keys": 64}
+    #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
+    guard_default = GUARD_DEFAULT
+
+    def guard_promise(self):
+        return self.config.top_p
+
+    def guard_levels(self):
+        return 1
+
+    def guard_widen_options(self, level):
+        """One wider setting: a quarter of the dropped mass (``top_p`` 0.9 -> 0.975)."""
+        return {"top_p": 1 - (1 - self.config.top_p) / 4}
     #: where the warm-start centroids live in ``ctx.state``
     state_key = STATE_KEY
 

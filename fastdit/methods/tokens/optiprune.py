@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import Method, MethodConfig, check_int, check_number, option, register_method
+from ..base import GUARD_DEFAULT, Method, MethodConfig, check_int, check_number, option, register_method
 from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias, record_token_call)
 
 
@@ -163,6 +163,15 @@ def choose_bases(keys, index, keep, randomness, generator, key_valid=None, head_
 @register_method
 class OptiPrune(Method):
     name = "optiprune"
+    #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
+    guard_default = GUARD_DEFAULT
+
+    def guard_levels(self):
+        return 1
+
+    def guard_widen_options(self, level):
+        """One wider setting: half the pruning ratio."""
+        return {"ratio": self.config.ratio / 2}
     config_cls = OptiPruneConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
 

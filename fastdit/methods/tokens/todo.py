@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import Method, MethodConfig, check_int, option, register_method
+from ..base import GUARD_DEFAULT, Method, MethodConfig, check_int, option, register_method
 from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias,
                               record_token_call)
 
@@ -114,6 +114,8 @@ def first_of_pools(x, grid, pool, weight=None):
 @register_method
 class TokenDownsampling(Method):
     name = "todo"
+    #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
+    guard_default = GUARD_DEFAULT
     config_cls = ToDoConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
 

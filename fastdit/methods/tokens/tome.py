@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import Method, MethodConfig, check_int, check_number, option, register_method
+from ..base import GUARD_DEFAULT, Method, MethodConfig, check_int, check_number, option, register_method
 from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias, nearest_destination, record_token_call)
 
 
@@ -133,6 +133,15 @@ def merge(split, slot, n_slots):
 @register_method
 class TokenMerging(Method):
     name = "tome"
+    #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
+    guard_default = GUARD_DEFAULT
+
+    def guard_levels(self):
+        return 1
+
+    def guard_widen_options(self, level):
+        """One wider setting: half the pruning ratio."""
+        return {"ratio": self.config.ratio / 2}
     config_cls = ToMeConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
 

@@ -1,0 +1,276 @@
+"""The quality guard: every sparse call checks its own error on sampled query rows (issue 39).
+
+A sparse method trusts a threshold (``cdf``, ``top_p``, a pruning ratio) chosen offline; on heads
+it never saw the threshold can keep a small fraction of the attention mass. The guard measures
+each call instead. Per (batch, head) it
+
+1. **samples query rows, stratified**: the call's ``S`` query positions (model token order) are cut
+   into ``n = max(ceil(guard_rows * S), ceil(S / 64), min(S, 32))`` strata of equal length and one
+   row is drawn in each (so every 64-token stretch, the size of an engine block, has a row); the
+   draw is keyed to (layer, step, branch, round), never to a call counter, so the same call gives
+   the same rows;
+2. **attends those rows exactly**: float32 scores against every valid key (the call's key mask
+   and scale), float32 softmax and ``P V`` (float64 for float64 inputs): ``O_d``, ``lse_d``;
+3. **estimates the call's error and kept mass on them**::
+
+       err  = || O_m[rows] - O_d ||_F / || O_d ||_F            (relative L2 over the sampled rows)
+       mass = mean_rows exp(lse_m[rows] - lse_d)                 (block-sparse methods: their lse)
+
+   The estimate assumes the sampled rows represent the head: it is an unbiased estimate of the
+   per-row squared error's mean (stratified sampling without replacement), and its relative
+   sampling error is about ``cv / sqrt(n)`` where ``cv`` is the coefficient of variation of the
+   per-row squared errors over the head; a head whose error sits in a few rows that no stratum
+   drew (one sharp row in 64) is under-estimated. With ``n >= S / 64`` a block-level failure
+   (a whole 64-token stretch attended wrongly) is always sampled.
+4. **acts per head**: a head fails when ``err > guard`` or ``mass < promise - 0.05`` (``promise``:
+   the method's own ``cdf`` / ``top_p``; other methods promise no mass). A failed head is re-run
+   at the method's next wider setting (``Method.guard_widened``: a higher ``cdf`` / ``top_p``, a
+   lower pruning ratio, ...) and checked again on fresh rows; when no wider setting is left or it
+   fails too, the head runs dense for this call (exact: float32-accumulating SDPA over its valid
+   keys).
+5. **remembers**: the level a head reached (0 = the method, 1.. = wider settings, last = dense) is
+   kept per (layer, branch, head) in the call's method state and used from the next call on, so
+   a head that failed starts at its wider setting in later steps instead of failing again. The
+   levels are forgotten every ``guard_refresh`` steps (a new step bucket) and at every pipeline
+   call: attention sharpens as denoising proceeds, so a head that needed dense at a noisy step
+   may pass at a later one, and only a fresh try at level 0 finds out.
+
+Non-finite input (NaN or inf anywhere in q, k or v) is reported (``nonfinite``) and nothing is
+re-run: the call keeps what the method computed, as without the guard, so no dense re-run hides
+the NaN.
+
+Cost: the check is ``n / S`` of dense attention's score work per head (1.6% with the defaults at
+any size past 2048 tokens, plus the sampled rows' ``P V``), one pass over q, k, v for the
+finiteness test, and one host synchronisation per call (all heads' decisions together; on a GPU
+that is one device-to-host copy of ``3 B H`` floats per attention call). Re-runs add what they
+compute. All of it is counted in the patch's statistics as computed work (``guard_density``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+#: ``ctx.state`` key of the remembered per-head levels.
+STATE_KEY = "fastdit.guard"
+#: Kept mass may fall this far below the method's promise before the head fails.
+MASS_TOLERANCE = 0.05
+#: At least this many sampled rows per head (small calls), and at least one per this many tokens.
+MIN_ROWS = 32
+STRATUM = 64
+#: Score entries one chunk of the exact rows holds (float32).
+_BUDGET = 1 << 24
+
+__all__ = ["STATE_KEY", "MASS_TOLERANCE", "sample_rows", "exact_rows", "estimate", "guarded_call"]
+
+
+def row_count(seq, fraction):
+    """Rows sampled per head for a call of ``seq`` query tokens (see the module docstring)."""
+    return int(min(seq, max(math.ceil(fraction * seq), math.ceil(seq / STRATUM), MIN_ROWS)))
+
+
+def sample_rows(seq, fraction, key, device):
+    """Stratified query rows: ``row_count(seq, fraction)`` strata of equal length over ``0..seq-1``
+    and one row drawn uniformly in each, from a generator seeded by ``key`` (a tuple of ints).
+    Returns a long tensor on ``device`` (sorted, distinct)."""
+    n = row_count(seq, fraction)
+    generator = torch.Generator().manual_seed(hash(tuple(int(x) for x in key)) % (2 ** 62))
+    bounds = torch.div(torch.arange(n + 1, dtype=torch.float64) * seq, n, rounding_mode="floor").long()
+    width = (bounds[1:] - bounds[:-1]).clamp_min(1)
+    offsets = (torch.rand(n, generator=generator, dtype=torch.float64) * width).long().clamp_max(width - 1)
+    return (bounds[:-1] + offsets).to(device)
+
+
+def exact_rows(q, k, v, rows, key_mask=None, scale=None):
+    """Dense attention of the query ``rows`` only: ``(out (B, H, n, D), lse (B, H, n))`` in float32
+    (float64 for float64 inputs); keys with ``key_mask`` False left out; rows with no valid key
+    give out 0 and lse -inf. Chunked over heads so that at most ~16M scores are held at once."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    batch, heads, _, dim = q.shape
+    n, keys = rows.numel(), k.shape[2]
+    out = torch.empty(batch, heads, n, v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.empty(batch, heads, n, dtype=dtype, device=q.device)
+    bias = None
+    if key_mask is not None:
+        bias = torch.zeros(batch, 1, 1, keys, dtype=dtype, device=q.device).masked_fill(
+            ~key_mask.to(device=q.device, dtype=torch.bool)[:, None, None, :], float("-inf"))
+    heads_step = max(1, _BUDGET // max(1, batch * n * keys))
+    rows_step = max(1, _BUDGET // max(1, batch * keys)) if heads_step == 1 else n
+    for h in range(0, heads, heads_step):
+        keys_h = k[:, h:h + heads_step].to(dtype).transpose(-1, -2)
+        values_h = v[:, h:h + heads_step].to(dtype)
+        for r in range(0, n, rows_step):
+            qs = q[:, h:h + heads_step].index_select(2, rows[r:r + rows_step]).to(dtype)
+            scores = (qs @ keys_h) * scale
+            if bias is not None:
+                scores = scores + bias
+            row_lse = torch.logsumexp(scores, dim=-1)
+            live = torch.isfinite(row_lse)
+            probs = torch.exp(scores - torch.where(live, row_lse, torch.zeros_like(row_lse))[..., None])
+            probs = torch.where(live[..., None], probs, torch.zeros_like(probs))
+            out[:, h:h + heads_step, r:r + rows_step] = probs @ values_h
+            lse[:, h:h + heads_step, r:r + rows_step] = row_lse
+    return out, lse
+
+
+def estimate(out_rows, ref_out, ref_lse, lse_rows=None, query_valid=None):
+    """Per (batch, head): ``(error, kept_mass, live)`` float tensors ``(B, H)`` from the method's
+    output rows (and their lse, when the method has one) against the exact rows. ``kept_mass`` is
+    1 where the method reports no lse; ``live`` is 1 where at least one sampled row has a key."""
+    live = torch.isfinite(ref_lse)
+    if query_valid is not None:
+        live = live & query_valid[:, None, :]
+    weight = live.to(ref_out.dtype)[..., None]
+    diff = (out_rows.to(ref_out.dtype) - ref_out) * weight
+    ref = ref_out * weight
+    error = diff.pow(2).sum((-1, -2)).sqrt() / ref.pow(2).sum((-1, -2)).sqrt().clamp_min(1e-30)
+    rows = live.to(ref_out.dtype).sum(-1)
+    if lse_rows is None:
+        mass = torch.ones_like(error)
+    else:
+        fraction = torch.exp(lse_rows.to(ref_lse.dtype) - torch.where(live, ref_lse, torch.zeros_like(ref_lse)))
+        fraction = torch.where(live, fraction.nan_to_num(0.0), torch.zeros_like(fraction))
+        mass = torch.where(rows > 0, fraction.sum(-1) / rows.clamp_min(1), torch.ones_like(error))
+    return error, mass, (rows > 0).to(error.dtype)
+
+
+def _finite(*tensors):
+    flag = None
+    for t in tensors:
+        ok = torch.isfinite(t).all()
+        flag = ok if flag is None else flag & ok
+    return flag
+
+
+def _head_ctx(ctx, head, dense_fn):
+    """The context of one head of the call (fresh state: a re-run never touches the layer's)."""
+    total = ctx.total_heads or ctx.num_heads
+    return dataclasses.replace(ctx, head_offset=ctx.head_offset + head, num_heads=1, total_heads=total, state={},
+                               info={}, dense_fn=dense_fn)
+
+
+def _dense_head(q, k, v, ctx):
+    """Dense attention of one head's ``(B, 1, S, D)`` call, exact in float32: ``(out, lse)``."""
+    out, lse = exact_rows(q, k, v, torch.arange(q.shape[2], device=q.device), ctx.key_mask, ctx.scale)
+    if ctx.query_mask is not None:
+        valid = ctx.query_mask.to(device=out.device, dtype=torch.bool)[:, None, :]
+        out = out * valid[..., None].to(out.dtype)
+        lse = lse.masked_fill(~valid, float("-inf"))
+    return out.to(q.dtype), lse.float()
+
+
+def _run_density(info, heads_total):
+    """Share of one head's dense work a re-run computed (1 for dense), from its ``ctx.info``."""
+    if info.get("dense"):
+        return 1.0
+    if "performed" in info:
+        return float(info["performed"]) / max(float(info["total"]), 1.0)
+    plan = info.get("plan")
+    return float(plan.block_density_tensor().double().mean()) if plan is not None else 1.0
+
+
+def _levels(ctx, heads, refresh):
+    """The remembered level of each head of this call (refreshed every ``refresh`` steps)."""
+    memory = ctx.state.get(STATE_KEY)
+    if memory is None or ctx.step - memory["since"] >= refresh or ctx.step < memory["since"]:
+        memory = {"since": ctx.step, "levels": {}}
+        ctx.state[STATE_KEY] = memory
+    return memory, [memory["levels"].get(ctx.head_offset + h, 0) for h in range(heads)]
+
+
+def guarded_call(method, ctx, q, k, v, run):
+    """``run(ctx, q, k, v)`` (the method's call) under the guard of ``method.config``; writes
+    ``ctx.info["guard"]`` (see ``Method.guard_report``) and returns the checked output."""
+    config = method.config
+    bound, fraction, refresh = float(config.guard), float(config.guard_rows), int(config.guard_refresh)
+    batch, heads, seq, _ = q.shape
+    memory, levels = _levels(ctx, heads, refresh)
+    top = method.guard_levels() + 1  # levels 1..top-1: wider settings; top: dense
+    out = run(ctx, q, k, v)
+    if ctx.info.get("dense"):  # the method ran dense (a layout it computes densely, a refresh step)
+        return out
+    started = time.perf_counter()
+    promise = method.guard_promise()
+    key = (ctx.layer, ctx.step, ctx.branch)
+    rows = sample_rows(seq, fraction, key + (0,), q.device)
+    ref_out, ref_lse = exact_rows(q, k, v, rows, ctx.key_mask, ctx.scale)
+    lse = ctx.info.get("lse")
+    query_valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, rows)
+    error, mass, live = estimate(out.index_select(2, rows), ref_out, ref_lse,
+                                 None if lse is None else lse.index_select(2, rows), query_valid)
+    finite = _finite(q, k, v)
+    failed = (error > bound) | torch.isnan(error)
+    if promise is not None:
+        failed = failed | (mass < promise - MASS_TOLERANCE)
+    failed = failed & (live > 0)
+    summary = torch.stack([error.double().amax(0), mass.double().amin(0), failed.any(0).double()])
+    summary, finite = summary.cpu(), bool(finite)  # the call's one host synchronisation
+    errors, masses, fails = summary[0].tolist(), summary[1].tolist(), summary[2].tolist()
+    n = rows.numel()
+    extra = n / seq  # the check's share of dense work, every head
+    actions = ["remembered" if level else "pass" for level in levels]
+    if not finite:
+        report = dict(error=errors, kept_mass=masses, rows=n, action=["nonfinite"] * heads, nonfinite=True,
+                      levels=levels, bound=bound, promise=promise, extra_density=extra,
+                      seconds=time.perf_counter() - started)
+        ctx.info["guard"] = report
+        return out
+    todo = {h: (levels[h] if levels[h] else (1 if fails[h] else 0)) for h in range(heads)}
+    todo = {h: level for h, level in todo.items() if level}
+    replaced = {}
+    round_index = 1
+    while todo:
+        next_todo = {}
+        for h, level in sorted(todo.items()):
+            qh, kh, vh = q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1]
+            head_ctx = _head_ctx(ctx, h, lambda qh=qh, kh=kh, vh=vh: _dense_head(qh, kh, vh, ctx)[0])
+            wider = method.guard_widened(level) if level < top else None
+            if wider is None:
+                replaced[h] = _dense_head(qh, kh, vh, head_ctx)
+                errors[h], masses[h], levels[h] = 0.0, 1.0, top
+                actions[h] = "dense"
+                extra += 1.0 / heads
+                continue
+            result = wider.attend(head_ctx, qh, kh, vh)
+            extra += _run_density(head_ctx.info, heads) / heads
+            check = sample_rows(seq, fraction, key + (round_index, h), q.device)
+            ref_o, ref_l = exact_rows(qh, kh, vh, check, ctx.key_mask, ctx.scale)
+            extra += check.numel() / seq / heads
+            head_lse = head_ctx.info.get("lse")
+            valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, check)
+            e, m, alive = estimate(result.index_select(2, check), ref_o, ref_l,
+                                   None if head_lse is None else head_lse.index_select(2, check), valid)
+            wider_promise = wider.guard_promise()
+            bad = (e > bound) | torch.isnan(e)
+            if wider_promise is not None:
+                bad = bad | (m < wider_promise - MASS_TOLERANCE)
+            bad = bool((bad & (alive > 0)).any())
+            if bad:
+                next_todo[h] = level + 1
+                continue
+            replaced[h] = (result, head_ctx.info.get("lse"))
+            errors[h], masses[h], levels[h] = float(e.amax()), float(m.amin()), level
+            actions[h] = "widened" if actions[h] == "pass" else actions[h]
+        todo = next_todo
+        round_index += 1
+    if replaced:
+        out = out.clone()
+        lse = None if lse is None else lse.clone()
+        for h, (result, head_lse) in replaced.items():
+            out[:, h:h + 1] = result.to(out.dtype)
+            if lse is not None and head_lse is not None:
+                lse[:, h:h + 1] = head_lse.to(lse.dtype)
+        if lse is not None:
+            ctx.info["lse"] = lse  # of what the call computed in the end
+    for h in range(heads):
+        if levels[h]:
+            memory["levels"][ctx.head_offset + h] = levels[h]
+        if actions[h] == "remembered":
+            actions[h] = "dense" if levels[h] >= top else "widened"
+    ctx.info["guard"] = dict(error=errors, kept_mass=masses, rows=n, action=actions, nonfinite=False, levels=levels,
+                             bound=bound, promise=promise, extra_density=extra,
+                             seconds=time.perf_counter() - started)
+    return out
