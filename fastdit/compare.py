@@ -154,8 +154,10 @@ def format_table(rows):
 
     ``density`` is the effective density (all attention calls of the patched layers, dense steps
     and fallbacks included); ``fallbacks`` counts calls the patch ran with the model's own
-    attention because it could not express them."""
-    header = ["method", "latency (s)", "speedup", "PSNR (dB)", "SSIM", "density", "sparse-only", "fallbacks", "padding"]
+    attention because it could not express them; ``guard`` the head-calls the quality guard widened
+    (w) or ran dense (d) out of those it checked (their work is in ``density``)."""
+    header = ["method", "latency (s)", "speedup", "PSNR (dB)", "SSIM", "density", "sparse-only", "fallbacks", "padding",
+              "guard"]
     with_adherence = any(row.get("adherence") is not None for row in rows)
     if with_adherence:
         header.insert(5, "adherence")
@@ -175,6 +177,7 @@ def format_table(rows):
             "-" if row.get("sparse_density") is None else f"{row['sparse_density']:.3f}",
             "-" if row.get("fallback_calls") is None else str(row["fallback_calls"]),
             "-" if row.get("padding_fraction") is None else f"{100 * row['padding_fraction']:.1f}%",
+            guard_summary(row),
         ] + ([_calls(row), str(row["cache"]["cached_steps"]) if row.get("cache") else "-"] if caches else []))
         if with_adherence:
             lines[-1].insert(5, "-" if row.get("adherence") is None else f"{row['adherence']:.3f}")
@@ -182,6 +185,36 @@ def format_table(rows):
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
     return "\n".join(out)
+
+
+#: ``fastdit compare`` warns when a method's video is further than this from dense (PSNR against
+#: the dense video) or its prompt adherence falls more than ``WARN_ADHERENCE_DROP`` below dense's.
+WARN_PSNR_DB = 20.0
+WARN_ADHERENCE_DROP = 0.1
+
+
+def quality_warning(row, reference_row):
+    """A one-line warning when ``row`` is far from dense (see ``WARN_PSNR_DB``), else None."""
+    reasons = []
+    psnr_db = row.get("psnr_db")
+    if psnr_db is not None and psnr_db < WARN_PSNR_DB:
+        reasons.append(f"PSNR against dense {psnr_db:.1f} dB < {WARN_PSNR_DB:g} dB")
+    if row.get("adherence") is not None and reference_row.get("adherence") is not None:
+        drop = reference_row["adherence"] - row["adherence"]
+        if drop > WARN_ADHERENCE_DROP:
+            reasons.append(f"adherence {row['adherence']:.3f} is {drop:.3f} below dense's {reference_row['adherence']:.3f}")
+    if not reasons:
+        return None
+    return (f"warning: {row['method']}: {'; '.join(reasons)}: this video may not be usable (try a higher threshold, "
+            f"dense_steps, or the guard: guard=0.1)")
+
+
+def guard_summary(row):
+    """``"12w 3d /96"``: head-calls the guard widened / ran dense / checked, "-" when it did not run."""
+    guard = row.get("guard") or {}
+    if not guard.get("head_calls"):
+        return "-"
+    return f"{guard['widened']}w {guard['dense']}d /{guard['head_calls']}"
 
 
 def _calls(row):
@@ -237,7 +270,7 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
         if str(device).startswith("cuda"):
             for method in methods[1:]:
                 generate(pipe, prompt, seed, warm, method, warm_up_options(method_options.get(method, {})), backend)
-    runs, reference = [], None
+    runs, reference, frames_by_run = [], None, []
     for index, (method, cached) in enumerate(runs_wanted):
         name = method if cached is None else f"{method}+{cached}"
         log(f"[{index + 1}/{len(runs_wanted)}] {name}")
@@ -264,7 +297,13 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
             from fastdit.eval.metrics.adherence import adherence as score
 
             row["adherence"] = score(result.frames, prompt).score
+        if runs:
+            warning = quality_warning(row, runs[0])
+            if warning:
+                row["warning"] = warning
+                log(warning)
         runs.append(row)
+        frames_by_run.append(result.frames)
     report = {"model": model_name, "device": str(device), "prompt": prompt, "seed": seed,
               "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, (int, float, str, bool))},
               "versions": {"fastdit": fastdit.__version__, "torch": torch.__version__}, "runs": runs}
@@ -272,6 +311,11 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
         report["context_parallel"] = {"ulysses_degree": parallel.ulysses, "ring_degree": parallel.ring,
                                       "mesh": parallel.describe(), "world_size": parallel.world,
                                       "latency": "slowest rank", "density": "mean over ranks"}
+    if main and all(frames is not None for frames in frames_by_run):
+        from fastdit.media.contact_sheet import contact_sheet, row_label
+
+        report["contact_sheet"] = contact_sheet(frames_by_run, [row_label(row) for row in runs],
+                                                os.path.join(out_dir, "contact_sheet.png"))
     if main:
         dump_json(os.path.join(out_dir, "report.json"), report)  # inf PSNR -> null, tuples -> lists
     return report

@@ -24,7 +24,10 @@ TRAINED_DEFAULTS = {
                         max_sequence_length=48),
 }
 #: How to re-create each trained model's weights.
-RETRAIN_COMMANDS = {"tiny-shapes": "python -m fastdit.pipelines.train_tiny --preset short"}
+RETRAIN_COMMANDS = {"tiny-shapes": "python -m fastdit.pipelines.train_tiny --preset short --out runs/tiny-shapes-64 && "
+                                   "python -m fastdit.pipelines.train_tiny --preset large"}
+#: The method presets shipped beside a trained model's weights (see :func:`trained_presets`).
+PRESETS_FILE = "presets.json"
 
 
 class ModelNotFoundError(ValueError):
@@ -63,6 +66,41 @@ def trained_name(model):
 def builtin_model(model):
     """Whether ``model`` is one of fastdit's own small models (random-weight tiny or trained)."""
     return trained_name(model) is not None or tiny_name(model) is not None
+
+
+def trained_presets(name, folder=None):
+    """``{method: options}`` shipped with the trained model ``name`` (``presets.json`` beside its
+    weights; ``{}`` when there is none). A method whose preset is a calibrated plan gets
+    ``{"plan": <absolute path>}``. The file records the model and the latent grid it was made for;
+    ``PlanError`` names both when they are not this model's."""
+    import json
+
+    from fastdit.calibration.plan_file import PlanError
+
+    folder = folder or os.path.join(WEIGHTS_DIR, TRAINED_MODELS[name])
+    path = os.path.join(folder, PRESETS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except ValueError as error:
+        raise PlanError(f"preset file {path} is not valid JSON ({error}); restore it with git checkout -- {path}") from None
+    if data.get("model") != name:
+        raise PlanError(f"preset file {path} was made for model {data.get('model')!r}, not {name!r}")
+    presets = {method: dict(options) for method, options in (data.get("methods") or {}).items()}
+    for method, rel in (data.get("plans") or {}).items():
+        plan = os.path.join(folder, rel)
+        if not os.path.isfile(plan):
+            raise PlanError(f"preset file {path} names the plan {plan} for {method!r}, which is missing")
+        presets[method] = {"plan": plan}
+    return presets
+
+
+def trained_grid(name):
+    """The latent grid (frames, height, width) of the trained model's native call."""
+    call = TRAINED_DEFAULTS[name]
+    return ((call["num_frames"] - 1) // 2 + 1, call["height"] // 4, call["width"] // 4)
 
 
 def _safetensors_problem(path):

@@ -103,8 +103,10 @@ PRESETS: dict[str, dict] = {
     "full": {},
     "short": dict(vae_steps=600, num_videos=250, steps=2000, lr=5e-4, warmup=100, ema_decay=0.995,
                   full_clip_prob=0.15, prefix_max=5, checkpoint_every=50, export_every=200),
-    # issue 40: 17 frames of 128 x 128 (9216 video tokens), warm-started from the 64 x 64 weights
-    "large": dict(height=128, width=128, init_from=DEFAULT_OUT, vae_steps=0, num_videos=400, steps=1500, batch=2,
+    # issue 40: 17 frames of 128 x 128 (9216 video tokens), warm-started from the 64 x 64 model of
+    # ``--preset short --out runs/tiny-shapes-64`` (the VAE and text encoder are kept; RoPE and the
+    # convolutional VAE carry over to the larger frame)
+    "large": dict(height=128, width=128, init_from="runs/tiny-shapes-64", vae_steps=0, num_videos=400, steps=700, batch=2,
                   lr=3e-4, warmup=50, ema_decay=0.995, full_clip_prob=0.3, prefix_max=5, checkpoint_every=25,
                   export_every=100),
     "test": dict(frames=5, height=32, width=32, vae_base_dim=4, vae_z_dim=4, vae_steps=2, vae_clip_frames=5, vae_crop=16,

@@ -59,15 +59,29 @@ def format_option_value(value):
     return str(value)
 
 
-def tiny_method_presets(model, methods, options):
-    """``options`` (method -> options) with the tiny models' method presets underneath
-    (each method's ``tiny_options``) when ``model`` is a tiny built-in (random or trained); else unchanged."""
+def method_presets(model):
+    """``(presets, label)``: the method presets of one of fastdit's own models. A trained model
+    (``tiny-shapes``) uses the presets calibrated on it and shipped beside its weights
+    (``presets.json``; methods it does not name run at their defaults); the random-weight tiny
+    models use each method's ``tiny_options`` (chosen for near-uniform attention); other models none."""
     from fastdit.methods import tiny_presets
-    from fastdit.pipelines.loading import builtin_model
+    from fastdit.pipelines.loading import builtin_model, trained_name, trained_presets
 
-    options = {method: dict(values) for method, values in options.items()}
+    if trained_name(model):
+        return trained_presets(model), f"calibrated for {model} (presets.json beside its weights)"
     if builtin_model(model):
-        for method, preset in tiny_presets().items():
+        return tiny_presets(), "random-weight tiny-model presets"
+    return {}, "none"
+
+
+def tiny_method_presets(model, methods, options):
+    """``options`` (method -> options) with the built-in model's method presets underneath
+    (see :func:`method_presets`); else unchanged. A preset that is a plan (``{"plan": path}``)
+    gives way to user options that the plan sets (the user's ``--plan`` replaces it)."""
+    options = {method: dict(values) for method, values in options.items()}
+    presets, _ = method_presets(model)
+    if presets:
+        for method, preset in presets.items():
             if method in methods:
                 options[method] = {**preset, **options.get(method, {})}
     return options
