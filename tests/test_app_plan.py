@@ -24,7 +24,7 @@ def write(tmp_path, name="plan.json", **changes):
     plan = {"format": "fastdit-plan", "version": 1, "method": "sparge",
             "model": {"family": "wan", "transformer": "WanTransformer3DModel", "layers": 4, "heads": 2,
                       "grids": [[3, 5, 7]]},
-            "options": {"tile": [1, 2, 2], "simthresh": -1.0, "dense_steps": 0, "dense_layers": 0},
+            "options": {"tile": [1, 2, 2], "simthresh": -1.0, "dense_steps": 0, "dense_layers": 0, "guard": False},
             "step_buckets": [0, 1], "settings": SETTINGS}
     plan.update(changes)
     path = tmp_path / name

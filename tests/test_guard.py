@@ -15,6 +15,8 @@ from fastdit.methods.base import Method, MethodConfig, register_method
 from fastdit.methods.guard import exact_rows, row_count, sample_rows
 from fastdit.stats import PatchStats
 
+pytestmark = pytest.mark.guard_defaults
+
 
 def dense64(q, k, v, key_mask=None):
     """float64 attention ``(out, lse)`` of a whole call."""
@@ -96,13 +98,13 @@ def test_exact_rows_equal_a_float64_reference_with_masked_keys():
     assert out64.dtype == torch.float64 and rel(out64[0], ref_out[0][:, rows]) < 1e-12
 
 
-def test_rows_are_stratified_deterministic_and_cover_every_64_tokens():
-    rows = sample_rows(4096, 0.01, (3, 2, 1, 0), "cpu")
-    assert rows.numel() == row_count(4096, 0.01) == 64
-    assert torch.equal(rows, sample_rows(4096, 0.01, (3, 2, 1, 0), "cpu"))  # keyed, not counted
-    assert not torch.equal(rows, sample_rows(4096, 0.01, (3, 3, 1, 0), "cpu"))
-    assert torch.equal(rows // 64, torch.arange(64))  # one row in each 64-token stretch
-    assert row_count(100, 0.01) == 32 and row_count(10, 0.5) == 10
+def test_rows_are_stratified_deterministic_and_cover_every_128_tokens():
+    rows = sample_rows(8192, 0.005, (3, 2, 1, 0), "cpu")
+    assert rows.numel() == row_count(8192, 0.005) == 64
+    assert torch.equal(rows, sample_rows(8192, 0.005, (3, 2, 1, 0), "cpu"))  # keyed, not counted
+    assert not torch.equal(rows, sample_rows(8192, 0.005, (3, 3, 1, 0), "cpu"))
+    assert torch.equal(rows // 128, torch.arange(64))  # one row in each 128-token stretch
+    assert row_count(100, 0.01) == 32 and row_count(10, 0.5) == 10 and row_count(8192, 0.02) == 164
 
 
 def test_a_garbage_head_is_caught_and_run_dense(broken):

@@ -112,7 +112,9 @@ class Auto(Method):
         for candidate in self.config.candidates:
             options = {k: v for k, v in candidate.items() if k != "method"}
             cls = get_method(candidate["method"])
-            config = cls.resolve(cls.make_config(**{**options, "dense_steps": 0, "dense_layers": 0}), None)
+            # the plan chose each candidate by its own measured error: no guard unless the candidate sets one
+            config = cls.resolve(cls.make_config(**{"guard": False, **options, "dense_steps": 0, "dense_layers": 0}),
+                                 None)
             self.methods.append(cls(config))
         self.table = {}  # (bucket start, layer) -> {head: candidate index or None}
         for key, value in self.config.choices.items():

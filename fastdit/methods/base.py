@@ -136,8 +136,8 @@ class MethodConfig:
         None, "quality guard: per head, the relative L2 error bound checked on sampled query rows against exact "
         "dense rows; a head above it (or below its promised mass) is widened, then run dense. false: off; "
         "empty: the method's default", range=(0, None), widget="number")
-    guard_rows: float = option(0.01, "guard: sampled query rows per head as a fraction of the call's rows (at least "
-                               "one per 64 tokens and 32 in all)", range=(0.0, 1.0), widget="number", advanced=True)
+    guard_rows: float = option(0.005, "guard: sampled query rows per head as a fraction of the call's rows (at least "
+                               "one per 128 tokens and 32 in all)", range=(0.0, 1.0), widget="number", advanced=True)
     guard_refresh: int = option(4, "guard: a head's widened or dense setting is kept for this many steps, then "
                                 "tried again at the method's own", range=(1, None), widget="number", advanced=True)
 

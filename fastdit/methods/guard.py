@@ -5,8 +5,8 @@ it never saw the threshold can keep a small fraction of the attention mass. The 
 each call instead. Per (batch, head) it
 
 1. **samples query rows, stratified**: the call's ``S`` query positions (model token order) are cut
-   into ``n = max(ceil(guard_rows * S), ceil(S / 64), min(S, 32))`` strata of equal length and one
-   row is drawn in each (so every 64-token stretch, the size of an engine block, has a row); the
+   into ``n = max(ceil(guard_rows * S), ceil(S / 128), min(S, 32))`` strata of equal length and one
+   row is drawn in each (so every 128-token stretch, the size of an engine block, has a row); the
    draw is keyed to (layer, step, branch, round), never to a call counter, so the same call gives
    the same rows;
 2. **attends those rows exactly**: float32 scores against every valid key (the call's key mask
@@ -20,8 +20,8 @@ each call instead. Per (batch, head) it
    per-row squared error's mean (stratified sampling without replacement), and its relative
    sampling error is about ``cv / sqrt(n)`` where ``cv`` is the coefficient of variation of the
    per-row squared errors over the head; a head whose error sits in a few rows that no stratum
-   drew (one sharp row in 64) is under-estimated. With ``n >= S / 64`` a block-level failure
-   (a whole 64-token stretch attended wrongly) is always sampled.
+   drew (one sharp row in 128) is under-estimated. With ``n >= S / 128`` a block-level failure
+   (a whole 128-token stretch attended wrongly) is always sampled.
 4. **acts per head**: a head fails when ``err > guard`` or ``mass < promise - 0.05`` (``promise``:
    the method's own ``cdf`` / ``top_p``; other methods promise no mass). A failed head is re-run
    at the method's next wider setting (``Method.guard_widened``: a higher ``cdf`` / ``top_p``, a
@@ -39,8 +39,8 @@ Non-finite input (NaN or inf anywhere in q, k or v) is reported (``nonfinite``) 
 re-run: the call keeps what the method computed, as without the guard, so no dense re-run hides
 the NaN.
 
-Cost: the check is ``n / S`` of dense attention's score work per head (1.6% with the defaults at
-any size past 2048 tokens, plus the sampled rows' ``P V``), one pass over q, k, v for the
+Cost: the check is ``n / S`` of dense attention's work per head (0.8% with the defaults past 4096
+tokens), one pass over q, k, v for the
 finiteness test, and one host synchronisation per call (all heads' decisions together; on a GPU
 that is one device-to-host copy of ``3 B H`` floats per attention call). Re-runs add what they
 compute. All of it is counted in the patch's statistics as computed work (``guard_density``).
@@ -59,7 +59,7 @@ STATE_KEY = "fastdit.guard"
 MASS_TOLERANCE = 0.05
 #: At least this many sampled rows per head (small calls), and at least one per this many tokens.
 MIN_ROWS = 32
-STRATUM = 64
+STRATUM = 128
 #: Score entries one chunk of the exact rows holds (float32).
 _BUDGET = 1 << 24
 
@@ -155,9 +155,12 @@ def estimate(out_rows, ref_out, ref_lse, lse_rows=None, query_valid=None):
 
 
 def _finite(*tensors):
+    """A device bool: every element of every tensor is finite. One float32-accumulated sum per tensor
+    (a NaN or inf anywhere makes it non-finite; one read, no boolean copy of the tensor); a sum that
+    overflows float32 (|values| near 1e38) would report non-finite input too."""
     flag = None
     for t in tensors:
-        ok = torch.isfinite(t).all()
+        ok = torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))
         flag = ok if flag is None else flag & ok
     return flag
 
@@ -226,11 +229,12 @@ def guarded_call(method, ctx, q, k, v, run):
     summary = torch.stack([error.double().amax(0), mass.double().amin(0), failed.any(0).double()])
     summary, finite = summary.cpu(), bool(finite)  # the call's one host synchronisation
     errors, masses, fails = summary[0].tolist(), summary[1].tolist(), summary[2].tolist()
+    first = dict(first_error=list(errors), first_kept_mass=list(masses))  # the method's own, before any action
     n = rows.numel()
     extra = n / seq  # the check's share of dense work, every head
     actions = ["remembered" if level else "pass" for level in levels]
     if not finite:
-        report = dict(error=errors, kept_mass=masses, rows=n, action=["nonfinite"] * heads, nonfinite=True,
+        report = dict(error=errors, kept_mass=masses, **first, rows=n, action=["nonfinite"] * heads, nonfinite=True,
                       levels=levels, bound=bound, promise=promise, extra_density=extra,
                       seconds=time.perf_counter() - started)
         ctx.info["guard"] = report
@@ -287,7 +291,7 @@ def guarded_call(method, ctx, q, k, v, run):
             memory["levels"][ctx.head_offset + h] = levels[h]
         if actions[h] == "remembered":
             actions[h] = "dense" if levels[h] >= top else "widened"
-    ctx.info["guard"] = dict(error=errors, kept_mass=masses, rows=n, action=actions, nonfinite=False, levels=levels,
+    ctx.info["guard"] = dict(error=errors, kept_mass=masses, **first, rows=n, action=actions, nonfinite=False, levels=levels,
                              bound=bound, promise=promise, extra_density=extra,
                              seconds=time.perf_counter() - started)
     return out
