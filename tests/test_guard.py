@@ -227,3 +227,60 @@ def test_exact_rows_through_the_engine_match_the_float64_reference():
     ref_out, ref_lse = dense64(q, k, v, key_mask)
     assert rel(out, ref_out[:, :, rows]) < 1e-5
     assert torch.allclose(lse.double(), ref_lse[:, :, rows], atol=1e-5)
+
+
+def test_ulysses_head_shards_make_the_same_decisions_as_one_process():
+    """Under Ulysses a rank holds some heads over the whole sequence (``head_offset``): its guard
+    samples the same rows and decides the same for each head as one process does."""
+    from fastdit.context import AttentionContext, CallState
+    from fastdit.methods.sparge import Sparge
+
+    q, k, v, layout = adversarial_heads(heads=3, seed=2)
+    q[:, 1] = q[:, 1] * 0.05  # a diffuse head beside two sharp ones: mixed decisions
+    method = Sparge(cdf=0.9, guard=0.1, dense_steps=0, dense_layers=0)
+
+    def call(offset, count):
+        part = slice(offset, offset + count)
+        ctx = AttentionContext(layer=0, layer_name="l0", step=0, num_steps=1, branch=0, layout=layout,
+                               call=CallState(1), head_offset=offset, num_heads=count, total_heads=3,
+                               dense_fn=lambda: torch.nn.functional.scaled_dot_product_attention(q[:, part], k[:, part],
+                                                                                                 v[:, part]))
+        out = method(ctx, q[:, part], k[:, part], v[:, part])
+        return out, ctx.info["guard"]
+
+    whole, report = call(0, 3)
+    first, report_a = call(0, 2)
+    second, report_b = call(2, 1)
+    assert report["action"] == report_a["action"] + report_b["action"]
+    assert len(set(report["action"])) > 1, report["action"]
+    torch.testing.assert_close(whole, torch.cat([first, second], 1), rtol=1e-5, atol=1e-6)
+
+
+def test_compare_reports_the_guard_writes_a_contact_sheet_and_warns(tmp_path, capsys):
+    import json
+
+    from PIL import Image
+
+    from fastdit.cli import main
+    from fastdit.compare import quality_warning
+
+    out = tmp_path / "cmp"
+    code = main(["compare", "--model", "tiny-wan", "--frames", "9", "--height", "80", "--width", "112", "--steps", "2",
+                 "--methods", "dense,sparge", "--set", "sparge.dense_steps=0", "--set", "sparge.topk=0.3",
+                 "--set", "sparge.tile=1,2,2", "--out", str(out), "--no-warmup"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "guard" in printed
+    report = json.loads((out / "report.json").read_text())
+    sparge = report["runs"][1]
+    guard = sparge["guard"]
+    # 2 steps x 4 layers x (CFG: 2 branches) ... every sparse call checks each of its 2 heads
+    assert guard["head_calls"] == 2 * sparge["sparse_calls"] > 0
+    assert guard["widened"] + guard["dense"] <= guard["head_calls"] and guard["density"] > 0
+    sheet = Image.open(report["contact_sheet"])
+    assert sheet.format == "PNG" and sheet.size[1] >= 2 * 80  # a row per run
+    # the warning: far from dense, or adherence well below dense's
+    assert quality_warning({"method": "svg2", "psnr_db": 12.0}, {"method": "dense"}).startswith("warning: svg2")
+    assert "adherence" in quality_warning({"method": "x", "psnr_db": 30.0, "adherence": 0.5},
+                                          {"method": "dense", "adherence": 0.7})
+    assert quality_warning({"method": "x", "psnr_db": 30.0, "adherence": 0.65}, {"method": "dense", "adherence": 0.7}) is None

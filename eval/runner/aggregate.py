@@ -36,6 +36,8 @@ DENSITY_DEFINITION = ("density (all calls): computed / total attention blocks ov
                       "run with the model's own attention, summed over samples, with their reasons")
 #: Per-sample attention-work fields, from the record's ``extra`` (``fastdit.PatchStats.as_dict``).
 CALL_FIELDS = ("dense_calls", "sparse_calls", "fallback_calls")
+#: The quality guard's counts (``PatchStats.as_dict()["guard"]``), summed over a setting's samples.
+GUARD_FIELDS = ("head_calls", "widened", "dense")
 
 
 def mean(values):
@@ -53,10 +55,13 @@ def std(values):
 def _sample_work(record):
     """A sample's attention work from its record (all None for the unpatched dense setting)."""
     if record.get("method") == "dense":
-        return {"density": None, "sparse_density": None, **{k: None for k in CALL_FIELDS}, "fallbacks": None}
+        return {"density": None, "sparse_density": None, **{k: None for k in CALL_FIELDS}, "fallbacks": None,
+                "guard": None}
     extra = record.get("extra") or {}
+    guard = extra.get("guard") or {}
     return {"density": record.get("density"), "sparse_density": extra.get("sparse_density"),
-            **{k: extra.get(k, 0) for k in CALL_FIELDS}, "fallbacks": dict(extra.get("fallbacks") or {})}
+            **{k: extra.get(k, 0) for k in CALL_FIELDS}, "fallbacks": dict(extra.get("fallbacks") or {}),
+            "guard": {k: guard.get(k, 0) for k in GUARD_FIELDS}}
 
 
 def attention_work(rows):
@@ -73,6 +78,8 @@ def attention_work(rows):
             for reason, count in r["fallbacks"].items():
                 fallbacks[reason] = fallbacks.get(reason, 0) + count
     work["fallbacks"] = fallbacks
+    guards = [r.get("guard") for r in rows if r.get("guard") is not None]
+    work["guard"] = {k: sum(g[k] for g in guards) for k in GUARD_FIELDS} if guards else None
     return work
 
 

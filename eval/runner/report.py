@@ -11,6 +11,13 @@ from fastdit.eval.runner.storage import write_json
 __all__ = ["format_cell", "markdown_table", "pareto_front", "write_plots", "write_reports"]
 
 
+def _guard_cell(guard):
+    """``"3/5 of 96"`` for a setting's guard counts, "-" where the guard did not run."""
+    if not guard or not guard.get("head_calls"):
+        return "-"
+    return f"{guard['widened']}/{guard['dense']} of {guard['head_calls']}"
+
+
 def format_cell(value, column=None):
     """A results value as a Markdown table cell (``-`` for none)."""
     if value is None:
@@ -34,7 +41,7 @@ def markdown_table(results):
     """The results as Markdown: one row per setting, then run details and notes."""
     columns = list(results["columns"])
     header = ["setting", "samples", "latency (s)", "speedup", "peak mem (MB)", "density (all calls)", "sparse-only",
-              "fallbacks"]
+              "fallbacks", "guard (widened/dense of head-calls)"]
     for c in columns:
         info = results["columns"][c]
         arrow = "↑" if info["higher_is_better"] else "↓"
@@ -44,7 +51,7 @@ def markdown_table(results):
         cells = [f"`{s['setting']}`", str(s["samples"]), format_cell(s["latency_s"], "latency_s"),
                  format_cell(s["speedup"], "speedup"), format_cell(s["peak_memory_mb"], "peak_memory_mb"),
                  format_cell(s.get("density"), "density"), format_cell(s.get("sparse_density"), "sparse_density"),
-                 format_cell(s.get("fallback_calls"), "fallback_calls")]
+                 format_cell(s.get("fallback_calls"), "fallback_calls"), _guard_cell(s.get("guard"))]
         cells += [format_cell(s.get(c), c) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     call = ", ".join(f"{k}={v}" for k, v in results["call"].items())

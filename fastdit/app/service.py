@@ -368,6 +368,11 @@ class Runner:
         dense_path = write_video(os.path.join(run["out_dir"], "dense.mp4"), dense.frames, fps=FPS)
         method_path = write_video(os.path.join(run["out_dir"], f"{method}.mp4"), result.frames, fps=FPS)
         psnr_db, ssim_value = fidelity(result.frames, dense.frames)
+        guard = stats.get("guard") or {}
+        if guard.get("head_calls"):
+            notes.append(f"quality guard: {guard['widened']} of {guard['head_calls']} head-calls widened, {guard['dense']} "
+                         f"run dense ({100 * guard['density']:.1f}% of dense attention's work went to the guard's checks "
+                         f"and re-runs)")
         if stats["fallback_calls"]:
             notes.append(f"{stats['fallback_calls']} attention calls ran the model's own attention (fallbacks): "
                          + fallback_text(stats["fallbacks"]))
@@ -386,7 +391,8 @@ class Runner:
             "effective_density": stats["effective_density"], "sparse_density": stats["sparse_density"],
             "dense_calls": stats["dense_calls"], "sparse_calls": stats["sparse_calls"],
             "fallback_calls": stats["fallback_calls"], "fallbacks": stats["fallbacks"], "plans": stats["plans"],
-            "padding_fraction": stats["padding_fraction"], "layers": run["layers"], "device": run["device"],
+            "padding_fraction": stats["padding_fraction"], "guard": stats.get("guard"),
+            "layers": run["layers"], "device": run["device"],
             "dense_reused": run["reused"], "dense_digest": frames_digest(dense.frames),
             "method_digest": frames_digest(result.frames), "started_at": started_at, "finished_at": time.time(),
             "dense_load": dense.load, "method_load": result.load, "notes": list(notes),

@@ -71,6 +71,9 @@ def metrics_html(metrics):
         ("sparse density", _percent(metrics.get("sparse_density")), ""),
         ("fallbacks", str(metrics.get("fallback_calls", 0)), ""),
     ]
+    guard = metrics.get("guard") or {}
+    if guard.get("head_calls"):
+        cards.append(("guard: widened / dense", f"{guard['widened']} / {guard['dense']} of {guard['head_calls']}", ""))
     body = "".join(f'<div class="fd-card{extra}"><div class="fd-label">{html.escape(str(label))}</div>'
                    f'<div class="fd-value">{html.escape(value)}</div></div>' for label, value, extra in cards)
     reasons = fallback_text(metrics.get("fallbacks") or {})

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 __all__ = ["contact_sheet", "row_label", "frame_indices"]
 
 #: Each frame is scaled to this many pixels on its longer side (nearest neighbour: no blur).
@@ -43,7 +41,7 @@ def _scaled(frame, pixels):
 
 
 def contact_sheet(videos, labels, path, pixels=FRAME_PIXELS):
-    """Write a PNG: one row per ``videos[i]`` (uint8 ``[F, H, W, 3]``) with ``labels[i]`` on its left.
+    """Write a PNG: one row per ``videos[i]`` (``[F, H, W, 3]`` uint8, or float in [0, 1]) with ``labels[i]`` on its left.
 
     Returns ``path``. Raises ``ValueError`` when there are no videos or the counts differ."""
     from PIL import Image, ImageDraw
@@ -51,8 +49,10 @@ def contact_sheet(videos, labels, path, pixels=FRAME_PIXELS):
     if not videos or len(videos) != len(labels):
         raise ValueError(f"contact_sheet needs one label per video, got {len(videos)} videos and {len(labels)} labels")
     rows = []
+    from .video import to_uint8
+
     for video, label in zip(videos, labels):
-        video = np.asarray(video)
+        video = to_uint8(video, three_dims="grayscale")
         tiles = [_scaled(video[i], pixels) for i in frame_indices(len(video))]
         height = max(t.size[1] for t in tiles)
         width = LABEL_WIDTH + sum(t.size[0] + 4 for t in tiles)

@@ -257,7 +257,7 @@ def guarded_call(method, ctx, q, k, v, run):
                 continue
             result = wider.attend(head_ctx, qh, kh, vh)
             extra += _run_density(head_ctx.info, heads) / heads
-            check = sample_rows(seq, fraction, key + (round_index, h), q.device)
+            check = sample_rows(seq, fraction, key + (round_index, ctx.head_offset + h), q.device)  # global head: Ulysses ranks agree
             ref_o, ref_l = exact_rows(qh, kh, vh, check, ctx.key_mask, ctx.scale)
             extra += check.numel() / seq / heads
             head_lse = head_ctx.info.get("lse")
