@@ -177,6 +177,9 @@ class TransformerCall:
     branch: int
     call: CallState
     cfg: bool | None = None
+    #: the call's timestep argument as given (a number or tensor; None when unknown): what a
+    #: method that needs per-step randomness keys it to (``timestep_value``), never a call count
+    timestep: object = None
 
 
 def set_transformer_call(transformer, info):
@@ -233,8 +236,20 @@ class AttentionContext:
     backend: str = "auto"
     #: the model's own attention for this call (set by the patch; the functional API computes it).
     dense_fn: object = None
+    #: the transformer call's timestep argument (number or tensor), None when unknown
+    timestep: object = None
     #: what the method did: filled by ``record`` (plan, density) and read by the stats.
     info: dict = field(default_factory=dict)
+
+    def timestep_value(self):
+        """The call's timestep as a float (its first element), or None when unknown. Reading a
+        device tensor synchronises: only methods that need it (optiprune's draw) ask."""
+        t = self.timestep
+        if t is None:
+            return None
+        if isinstance(t, torch.Tensor):
+            return float(t.detach().flatten()[0]) if t.numel() else None
+        return float(t)
 
     def dense(self):
         """The model's own attention for this call."""

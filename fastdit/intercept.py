@@ -358,7 +358,8 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
         branch=info.branch, layout=layout, call=info.call, local_layer=spec.local_index,
         key_mask=None if key_mask is None else key_mask.index_select(1, order), head_offset=head_offset,
         num_heads=heads, total_heads=heads * ulysses, scale=scale, cfg=info.cfg,
-        state=info.call.layer_state(layer, info.branch), backend=patch.backend, dense_fn=dense)
+        state=info.call.layer_state(layer, info.branch), backend=patch.backend, dense_fn=dense,
+        timestep=info.timestep)
     method = patch._method
     variant = None if method.is_dense_call(ctx) else method.layer_method(ctx.step, ctx.layer)[1]
     plan = None

@@ -202,7 +202,7 @@ class Patch:
                 cfg = bool(getattr(self._pipeline, "do_classifier_free_guidance"))
             except Exception:  # noqa: BLE001 - a property that needs state the pipeline has not set
                 cfg = None
-        set_transformer_call(transformer, TransformerCall(grid, branch, state, cfg))
+        set_transformer_call(transformer, TransformerCall(grid, branch, state, cfg, kwargs.get("timestep")))
 
     def _check_plan_grid(self, grid):
         """The first call on a grid the plan was not calibrated for: PlanError naming both grids
@@ -279,7 +279,7 @@ class Patch:
             branch=info.branch, layout=layout, call=info.call, local_layer=spec.local_index, key_mask=key_mask,
             query_mask=query_mask, head_offset=head_offset, num_heads=heads, total_heads=heads * shards,
             scale=call["scale"], cfg=info.cfg, state=info.call.layer_state(layer, info.branch), backend=self.backend,
-            dense_fn=original if order is None else _in_model_order(original, order),
+            dense_fn=original if order is None else _in_model_order(original, order), timestep=info.timestep,
         )
         out = self._method(ctx, q, k, v)
         if not self._worth_checked and not ctx.info.get("dense"):  # once, on the first sparse call

@@ -186,10 +186,13 @@ class OptiPrune(Method):
         return max(1, size - int(self.config.ratio * size)), size
 
     def generator(self, ctx):
-        # (seed, step, branch): the same draw whatever order the calls run in; every layer of a step
-        # shares it (a layer's result depends on its inputs and options only, as fastdit.attention's)
-        key = f"{self.config.seed}/{ctx.step}/{ctx.branch}".encode()
-        return torch.Generator().manual_seed(zlib.crc32(key))
+        # keyed to what the call carries: the seed option and the timestep value (the step index
+        # where no timestep is known: fastdit.attention), never to how many calls came before, so
+        # two calls with the same inputs draw the same bases (issue 46). Every layer and both CFG
+        # branches of a step share the draw (a layer's result depends on its inputs and options).
+        timestep = ctx.timestep_value() if self.config.randomness > 0 else None
+        key = f"{self.config.seed}/" + (f"t{timestep!r}" if timestep is not None else f"s{ctx.step}")
+        return torch.Generator().manual_seed(zlib.crc32(key.encode()))
 
     def selection(self, ctx, split):
         """``(base, slot)`` of this call, or the ones this layer kept from an earlier step."""
