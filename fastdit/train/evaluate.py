@@ -20,6 +20,8 @@ import contextlib
 import numpy as np
 import torch
 
+from .recipe import training_options
+
 
 @contextlib.contextmanager
 def adapters_off(transformer):
@@ -83,6 +85,7 @@ def layer_errors(transformer, sample, method, options, backend="auto"):
     """``{layer name: relative error}`` of each patched attention layer's output (module docstring)."""
     import fastdit
 
+    options = training_options(transformer, method, options)[0]  # a bare transformer: no denoising steps
     with fastdit.patch(transformer, method, backend=backend, **options) as p:
         names = list(p.layers)
         sparse = _attention_outputs(transformer, sample, names)
@@ -98,6 +101,7 @@ def output_error(transformer, samples, method, options, backend="auto"):
     import fastdit
 
     err = ref = 0.0
+    options = training_options(transformer, method, options)[0]  # a bare transformer: no denoising steps
     with fastdit.patch(transformer, method, backend=backend, **options), torch.no_grad():
         for s in samples:
             pred = transformer(hidden_states=s["hidden_states"], timestep=s["timestep"],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,29 @@ class LoraTrainConfig:
         if not all(isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[0], str) for v in self.videos):
             raise ValueError("videos must be (caption, video) pairs: a str and frames (F, H, W, 3) or a video file")
         check_number("flow_weight", self.flow_weight, 0, math.inf, high_open=True)
+
+
+def training_options(transformer, method, options):
+    """``(options, note)``: the method's options for training, and why they differ (None if not).
+
+    A training sample is one transformer call at a random noise level, not a step of a denoising
+    run, so ``dense_steps`` (which steps of a run are dense) has no meaning there (a fraction even
+    has no number of steps to resolve against): the recipe trains every sample under the sparse
+    mask (``dense_steps=0``). The adapter is then used with the method's own ``dense_steps`` at
+    inference, where the dense steps run the model's attention (with the adapter). The options
+    are checked here, against the model, before any work (``OptionError`` / ``ValueError``)."""
+    from fastdit.methods.base import get_method
+    from fastdit.pipelines import find_adapter
+
+    cls = get_method(method)
+    config = cls.resolve(cls.make_config(None, **options), find_adapter(transformer))
+    dense_steps = getattr(config, "dense_steps", 0)
+    if not dense_steps:
+        return dict(options), None
+    note = (f"{method}: dense_steps={dense_steps!r} names steps of a denoising run; training samples are single "
+            "transformer calls at random noise levels, so the recipe trains every sample sparse (dense_steps=0); "
+            "pass dense_steps at inference as usual")
+    return {**options, "dense_steps": 0}, note
 
 
 def _embed(pipe, prompt, call_kwargs):
@@ -217,7 +241,8 @@ def save_outputs(pipe, out, losses, times, config, extra=None):
     ax.plot(range(1, len(losses) + 1), losses)
     ax.set_xlabel("step")
     ax.set_ylabel("MSE to the dense output")
-    ax.set_yscale("log")
+    if losses and all(x > 0 and math.isfinite(x) for x in losses):
+        ax.set_yscale("log")
     ax.set_title(f"sparse distillation ({config.method})")
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=80)
@@ -240,6 +265,8 @@ def train_lora(pipe, config, out, resume=False, progress=True):
     import fastdit
 
     out = Path(out)
+    options, note = training_options(pipe.transformer, config.method, config.options)
+    notes = [note] if note else []
     samples = make_samples(pipe, config)
     flow, kept = None, []
     if config.videos:
@@ -259,11 +286,17 @@ def train_lora(pipe, config, out, resume=False, progress=True):
         optimizer.load_state_dict(state["optimizer"])
         start, losses = state["step"], state["losses"]
     transformer.train()
-    with fastdit.patch(transformer, config.method, trainable=True, backend=config.backend, **config.options) as p:
+    with fastdit.patch(transformer, config.method, trainable=True, backend=config.backend, **options) as p:
         losses, times, optimizer = train_steps(transformer, params, samples, config, out, start, losses, optimizer,
                                                progress, flow)
         stats = p.stats.as_dict()
     transformer.eval()
+    if not stats["sparse_calls"] or abs((stats["sparse_density"] or 1.0) - 1.0) < 1e-3 or not any(losses):
+        notes.append(f"{config.method} ran every training call at density 1 (its mask covers the whole latent grid: "
+                     "the options do not fit this grid's size); the student equals the dense target and the adapter "
+                     "learns nothing: choose a smaller tile / window or another method")
+        warnings.warn(f"fastdit.train: {notes[-1]}", stacklevel=2)
+    extra = {"stats": stats, "resumed_from": start, "videos_kept": kept, "options_trained": options, "notes": notes}
     save_checkpoint(out, transformer, optimizer, config.steps, losses, config)
-    save_outputs(pipe, out, losses, times, config, {"stats": stats, "resumed_from": start, "videos_kept": kept})
-    return {"losses": losses, "seconds_per_step": times, "stats": stats, "resumed_from": start, "videos_kept": kept}
+    save_outputs(pipe, out, losses, times, config, extra)
+    return {"losses": losses, "seconds_per_step": times, **extra}
