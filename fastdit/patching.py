@@ -4,7 +4,9 @@ Everything is instance-level: on each patched attention module an instance ``for
 processors that dispatch through diffusers' backends, a backend of fastdit's own set on the
 processor instance (``fastdit/intercept.py``); a forward pre-hook on the transformer that publishes
 the call's latent grid and step to the attention calls (``fastdit/context.py``); and
-reference-counted step tracking on the scheduler (``fastdit/steps.py``). No class
+reference-counted step tracking on the scheduler (``fastdit/steps.py``; a scheduler swapped in
+after patching, ``pipe.scheduler = type(s).from_config(s.config)``, is tracked from the next call
+on and the old one released, so ``dense_steps`` holds across the swap). No class
 attribute changes and no upstream ``forward`` is copied; ``remove()`` undoes each of these.
 
 Per attention call (inside the custom op, outside any compiled graph): the layout (the video grid
@@ -31,6 +33,7 @@ from fastdit.context import (
     TransformerCall,
     active_call,
     bare_call_state,
+    begin_pipeline_call,
     release_bare_call_state,
     reset_bare_call_state,
     set_transformer_call,
@@ -92,6 +95,7 @@ class Patch:
         self.stats = PatchStats(method)
         self.layers, self._layers = [], []
         self._transformers, self._scheduler = transformers, scheduler
+        self._untrack, self._swap_lock = None, threading.Lock()
         self._pipeline = target if scheduler is not None else None
         self._records = {}
         self._undo = []
@@ -124,7 +128,31 @@ class Patch:
             hook = torch.compiler.disable(self._on_transformer_call)
             self._undo.append(transformer.register_forward_pre_hook(hook, with_kwargs=True).remove)
         if self._scheduler is not None:
-            self._undo.append(track_scheduler(self._scheduler))
+            self._untrack = track_scheduler(self._scheduler)
+            self._undo.append(self._untrack_scheduler)
+
+    def _untrack_scheduler(self):
+        untrack, self._untrack = self._untrack, None
+        if untrack is not None:
+            untrack()
+
+    def _follow_scheduler_swap(self):
+        """``pipe.scheduler = ...`` since the patch was made (``type(s).from_config(s.config)``):
+        release the old scheduler, track the new one, and start this pipeline call from the new
+        scheduler's schedule (its ``set_timesteps`` for this call ran before it was tracked).
+        Returns the new call's state, or None when the scheduler is the tracked one."""
+        current = getattr(self._pipeline, "scheduler", None)
+        if current is None or current is self._scheduler:
+            return None
+        with self._swap_lock:
+            if current is not self._scheduler:
+                self._untrack_scheduler()
+                self._scheduler = current
+                self._untrack = track_scheduler(current)
+        order = getattr(current, "order", 1) or 1
+        timesteps = getattr(current, "timesteps", None)
+        count = None if timesteps is None else len(timesteps) // order
+        return begin_pipeline_call(count, order, timesteps)
 
     def _intercept(self, module, layer):
         """Route the module's attention to fastdit (see ``fastdit/intercept.py``); returns the undo."""
@@ -181,7 +209,9 @@ class Patch:
     # -- per transformer call (eager, before the compiled graph) ------------------------------
     def _on_transformer_call(self, transformer, args, kwargs):
         self._keep_backends_pinned()
-        state = active_call() if self._scheduler is not None else None
+        state = self._follow_scheduler_swap() if self._pipeline is not None else None
+        if state is None and self._scheduler is not None:
+            state = active_call()
         if state is None:
             state = bare_call_state(self.id, self._bare_num_steps)
             branch = state.on_bare_timestep(self.adapter.timestep(args, kwargs), self.branches_per_step)

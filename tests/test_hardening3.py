@@ -74,3 +74,40 @@ def test_item1_a_mask_covering_the_grid_is_reported(tmp_path):
         result = train_lora(_pipe(), _train_config(options={"dense_steps": 0}, steps=1), tmp_path / "run",
                             progress=False)
     assert any("learns nothing" in note for note in result["notes"])
+
+
+# -- 2. dense_steps after a scheduler swap -------------------------------------------------------
+def _run_counts(pipe, patch):
+    patch.reset_stats()
+    pipe("a cat", **{**CALL, "num_inference_steps": 4}, output_type="latent", generator=torch.Generator().manual_seed(0))
+    return patch.stats.dense_calls, patch.stats.sparse_calls
+
+
+@pytest.mark.parametrize("dense_steps", [0.5, 2])
+def test_item2_dense_steps_survive_a_scheduler_swap(dense_steps):
+    """``pipe.scheduler = type(s).from_config(s.config)`` after patching (diffusers' idiom): the
+    dense steps are honoured on the first run after the swap (in a fresh context, where a fraction
+    used to raise 'a bare transformer was patched') and on later runs (where the previous run's
+    step counter used to go on: no dense call at all)."""
+    import contextvars
+
+    import fastdit
+
+    reference_pipe = _pipe()
+    with fastdit.patch(reference_pipe, "sta", tile=(1, 2, 2), window=(1, 1, 1), dense_steps=dense_steps) as p:
+        expected = _run_counts(reference_pipe, p)
+    assert expected[0] > 0 and expected[1] > 0
+
+    pipe = _pipe()
+    p = fastdit.patch(pipe, "sta", tile=(1, 2, 2), window=(1, 1, 1), dense_steps=dense_steps)
+    try:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        assert contextvars.Context().run(_run_counts, pipe, p) == expected  # first run, fresh context
+        assert _run_counts(pipe, p) == expected
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # swapped after a run
+        assert _run_counts(pipe, p) == expected
+        assert _run_counts(pipe, p) == expected
+    finally:
+        p.remove()
+    swapped = pipe.scheduler
+    assert "step" not in swapped.__dict__ and "set_timesteps" not in swapped.__dict__  # untracked on remove
