@@ -284,3 +284,19 @@ def test_compare_reports_the_guard_writes_a_contact_sheet_and_warns(tmp_path, ca
     assert "adherence" in quality_warning({"method": "x", "psnr_db": 30.0, "adherence": 0.5},
                                           {"method": "dense", "adherence": 0.7})
     assert quality_warning({"method": "x", "psnr_db": 30.0, "adherence": 0.65}, {"method": "dense", "adherence": 0.7}) is None
+
+
+def test_the_estimate_and_its_bound_against_a_direct_computation():
+    from fastdit.methods.guard import estimate
+
+    gen = torch.Generator().manual_seed(11)
+    ref = torch.randn(2, 3, 40, 8, generator=gen, dtype=torch.float64)
+    out = ref + 0.2 * torch.randn(2, 3, 40, 8, generator=gen, dtype=torch.float64)
+    out[1, 2, :5] += 3.0  # a few bad rows
+    lse = torch.zeros(2, 3, 40, dtype=torch.float64)
+    error, bound, mass, live = estimate(out, ref, lse, lse_rows=lse - 0.1)
+    direct = ((out - ref).pow(2).sum((-1, -2)) / ref.pow(2).sum((-1, -2))).sqrt()
+    assert torch.allclose(error, direct)
+    assert (bound > error).all() and torch.allclose(mass, torch.full_like(mass, math.exp(-0.1)))
+    assert bound[1, 2] / error[1, 2] > bound[0, 0] / error[0, 0]  # concentrated errors: a wider bound
+    assert torch.equal(live, torch.ones_like(live))

@@ -22,7 +22,8 @@ each call instead. Per (batch, head) it
    per-row squared errors over the head; a head whose error sits in a few rows that no stratum
    drew (one sharp row in 128) is under-estimated. With ``n >= S / 128`` a block-level failure
    (a whole 128-token stretch attended wrongly) is always sampled.
-4. **acts per head**: a head fails when ``err > guard`` or ``mass < promise - 0.05`` (``promise``:
+4. **acts per head**: a head fails when the upper 95% confidence bound of ``err`` (``estimate``)
+   exceeds ``guard`` or ``mass < promise - 0.05`` (``promise``:
    the method's own ``cdf`` / ``top_p``; other methods promise no mass). A failed head is re-run
    at the method's next wider setting (``Method.guard_widened``: a higher ``cdf`` / ``top_p``, a
    lower pruning ratio, ...) and checked again on fresh rows; when no wider setting is left or it
@@ -133,25 +134,43 @@ def exact_rows(q, k, v, rows, key_mask=None, scale=None, engine=None):
     return out, lse
 
 
+#: One-sided normal quantile of the error's upper confidence bound (95%): a head fails when the
+#: bound exceeds ``guard``, so a head whose true error is above ``guard`` passes in at most about 5%
+#: of calls (sampling error of the estimate; measured by ``eval.bench.guard``).
+CONFIDENCE_Z = 1.645
+
+
 def estimate(out_rows, ref_out, ref_lse, lse_rows=None, query_valid=None):
-    """Per (batch, head): ``(error, kept_mass, live)`` float tensors ``(B, H)`` from the method's
-    output rows (and their lse, when the method has one) against the exact rows. ``kept_mass`` is
-    1 where the method reports no lse; ``live`` is 1 where at least one sampled row has a key."""
+    """Per (batch, head): ``(error, error_bound, kept_mass, live)`` float tensors ``(B, H)`` from the
+    method's output rows (and their lse, when the method has one) against the exact rows.
+
+    ``error = sqrt(R)``, ``R = sum_i e_i / sum_i r_i`` over the live sampled rows (``e_i`` the row's
+    squared error, ``r_i`` its squared dense output): the relative L2 error of the sampled rows.
+    ``error_bound = sqrt(R + z * se(R))`` with the ratio estimator's standard error
+    ``se(R) = sd_i(e_i - R r_i) / (sqrt(n) * mean_i r_i)`` and ``z = CONFIDENCE_Z``: an upper 95%
+    confidence bound of the head's error over all its rows (stratified rows make it conservative).
+    ``kept_mass`` is 1 where the method reports no lse; ``live`` is 1 where a sampled row has a key."""
     live = torch.isfinite(ref_lse)
     if query_valid is not None:
         live = live & query_valid[:, None, :]
-    weight = live.to(ref_out.dtype)[..., None]
-    diff = (out_rows.to(ref_out.dtype) - ref_out) * weight
-    ref = ref_out * weight
-    error = diff.pow(2).sum((-1, -2)).sqrt() / ref.pow(2).sum((-1, -2)).sqrt().clamp_min(1e-30)
-    rows = live.to(ref_out.dtype).sum(-1)
+    weight = live.to(ref_out.dtype)
+    row_err = ((out_rows.to(ref_out.dtype) - ref_out).pow(2).sum(-1) * weight).nan_to_num(float("inf"))
+    row_ref = ref_out.pow(2).sum(-1) * weight
+    rows = weight.sum(-1)
+    n = rows.clamp_min(1)
+    ratio = row_err.sum(-1) / row_ref.sum(-1).clamp_min(1e-30)
+    resid = (row_err - ratio[..., None] * row_ref) * weight
+    var = (resid.pow(2).sum(-1) - resid.sum(-1).pow(2) / n) / (n - 1).clamp_min(1)
+    se = var.clamp_min(0).sqrt() / (n.sqrt() * (row_ref.sum(-1) / n).clamp_min(1e-30))
+    error = ratio.sqrt()
+    bound = (ratio + CONFIDENCE_Z * se.nan_to_num(0.0)).sqrt()
     if lse_rows is None:
         mass = torch.ones_like(error)
     else:
         fraction = torch.exp(lse_rows.to(ref_lse.dtype) - torch.where(live, ref_lse, torch.zeros_like(ref_lse)))
         fraction = torch.where(live, fraction.nan_to_num(0.0), torch.zeros_like(fraction))
-        mass = torch.where(rows > 0, fraction.sum(-1) / rows.clamp_min(1), torch.ones_like(error))
-    return error, mass, (rows > 0).to(error.dtype)
+        mass = torch.where(rows > 0, fraction.sum(-1) / n, torch.ones_like(error))
+    return error, bound, mass, (rows > 0).to(error.dtype)
 
 
 def _finite(*tensors):
@@ -219,17 +238,19 @@ def guarded_call(method, ctx, q, k, v, run):
     ref_out, ref_lse = exact_rows(q, k, v, rows, ctx.key_mask, ctx.scale)
     lse = ctx.info.get("lse")
     query_valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, rows)
-    error, mass, live = estimate(out.index_select(2, rows), ref_out, ref_lse,
-                                 None if lse is None else lse.index_select(2, rows), query_valid)
+    error, upper, mass, live = estimate(out.index_select(2, rows), ref_out, ref_lse,
+                                        None if lse is None else lse.index_select(2, rows), query_valid)
     finite = _finite(q, k, v)
-    failed = (error > bound) | torch.isnan(error)
+    failed = (upper > bound) | torch.isnan(upper)
     if promise is not None:
         failed = failed | (mass < promise - MASS_TOLERANCE)
     failed = failed & (live > 0)
-    summary = torch.stack([error.double().amax(0), mass.double().amin(0), failed.any(0).double()])
+    summary = torch.stack([error.double().amax(0), mass.double().amin(0), failed.any(0).double(),
+                           upper.double().amax(0)])
     summary, finite = summary.cpu(), bool(finite)  # the call's one host synchronisation
     errors, masses, fails = summary[0].tolist(), summary[1].tolist(), summary[2].tolist()
-    first = dict(first_error=list(errors), first_kept_mass=list(masses))  # the method's own, before any action
+    # the method's own, before any action
+    first = dict(first_error=list(errors), first_error_bound=summary[3].tolist(), first_kept_mass=list(masses))
     n = rows.numel()
     extra = n / seq  # the check's share of dense work, every head
     actions = ["remembered" if level else "pass" for level in levels]
@@ -262,10 +283,10 @@ def guarded_call(method, ctx, q, k, v, run):
             extra += check.numel() / seq / heads
             head_lse = head_ctx.info.get("lse")
             valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, check)
-            e, m, alive = estimate(result.index_select(2, check), ref_o, ref_l,
-                                   None if head_lse is None else head_lse.index_select(2, check), valid)
+            e, e_upper, m, alive = estimate(result.index_select(2, check), ref_o, ref_l,
+                                            None if head_lse is None else head_lse.index_select(2, check), valid)
             wider_promise = wider.guard_promise()
-            bad = (e > bound) | torch.isnan(e)
+            bad = (e_upper > bound) | torch.isnan(e_upper)
             if wider_promise is not None:
                 bad = bad | (m < wider_promise - MASS_TOLERANCE)
             bad = bool((bad & (alive > 0)).any())
