@@ -121,6 +121,37 @@ def test_training_script_runs_resumes_and_writes_a_loadable_pipeline(tmp_path):
     assert frames.shape == (5, 32, 32, 3) and np.isfinite(frames).all()
 
 
+def test_warm_start_at_a_larger_frame_continues_from_a_saved_pipeline(tmp_path):
+    """The ``large`` preset's code path: weights of a saved pipeline start a run at another frame
+    size (the VAE kept: vae_steps=0); a folder of another model size or a missing file is refused."""
+    from safetensors.torch import load_file
+
+    from fastdit.pipelines.train_tiny import PRESETS, TrainConfig, build_pipeline, load_weights, main
+
+    small = tmp_path / "small"
+    assert main(["--preset", "test", "--work", str(tmp_path / "w1"), "--out", str(small), "--no-progress"]) == 0
+    big = tmp_path / "big"
+    argv = ["--preset", "test", "--work", str(tmp_path / "w2"), "--out", str(big), "--no-progress",
+            "--set", "height=48", "--set", "width=48", "--set", "vae_steps=0", "--set", f"init_from={small}",
+            "--set", "steps=1"]
+    assert main(argv) == 0
+    saved_vae = load_file(str(small / "vae/diffusion_pytorch_model.safetensors"))
+    new_vae = load_file(str(big / "vae/diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(saved_vae[k], new_vae[k]) for k in saved_vae)  # the VAE is kept as it was
+    start = torch.load(tmp_path / "w2" / "dit.pt", weights_only=False)
+    assert start["step"] == 1 and np.isfinite(start["losses"]).all()
+    # the transformer started from the saved one: one step away from it, not from a fresh init
+    saved = load_file(str(small / "transformer/diffusion_pytorch_model.safetensors"))
+    fresh = build_pipeline(TrainConfig(**PRESETS["test"]))
+    key = next(k for k in saved if k.endswith("proj_out.weight"))
+    moved = (start["transformer"][key] - saved[key]).abs().max()
+    assert moved < (fresh.transformer.state_dict()[key] - saved[key]).abs().max()
+    with pytest.raises(FileNotFoundError, match="vae/diffusion_pytorch_model.safetensors"):
+        load_weights(build_pipeline(TrainConfig()), str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="other shapes"):
+        load_weights(build_pipeline(TrainConfig()), str(small))  # the test preset is a smaller model
+
+
 # -- the shipped weights -----------------------------------------------------------------------
 
 def test_shipped_weights_load_offline_and_generate_one_step(monkeypatch):
