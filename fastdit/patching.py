@@ -74,6 +74,43 @@ class _Layer:
     transformer: object  # weakref.ref to the transformer
 
 
+_MISSING = object()
+
+
+class _UnpatchedState:
+    """Instance ``__getstate__`` of an object the patch changed (the transformer, each patched
+    attention module, each processor whose backend it pinned): the object's state without the
+    patch, so that ``copy.deepcopy``, ``copy.copy`` and pickling (``torch.save``) make an unpatched
+    object while the original stays patched. ``changes``: attribute -> (fastdit's value, a callable
+    giving the value to put back, ``_MISSING`` for none); ``hook_id``: the patch's forward pre-hook."""
+
+    def __init__(self, obj, changes, hook_id=None):
+        self.ref = weakref.ref(obj)
+        self.changes = changes
+        self.hook_id = hook_id
+
+    def __call__(self):
+        obj = self.ref()
+        base = type(obj).__getstate__(obj)
+        if not isinstance(base, dict):  # pragma: no cover - slots or a custom state: nothing to filter
+            return base
+        state = dict(base)
+        state.pop("__getstate__", None)
+        state.pop(_MARK, None)
+        for name, (ours, previous) in self.changes.items():
+            if state.get(name, _MISSING) is ours:
+                value = previous()
+                if value is _MISSING:
+                    state.pop(name)
+                else:
+                    state[name] = value
+        if self.hook_id is not None:
+            for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+                if isinstance(state.get(name), dict):
+                    state[name] = type(state[name])((k, v) for k, v in state[name].items() if k != self.hook_id)
+        return state
+
+
 class Patch:
     """A live patch of one pipeline (or transformer). Use ``remove()`` or a ``with`` block.
 
@@ -126,7 +163,9 @@ class Patch:
             # The hook runs eagerly even inside torch.compile: it reads Python-side state (grid,
             # step) that the compiled graph must not bake in.
             hook = torch.compiler.disable(self._on_transformer_call)
-            self._undo.append(transformer.register_forward_pre_hook(hook, with_kwargs=True).remove)
+            handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+            self._undo.append(handle.remove)
+            self._unpatched_state(transformer, {}, handle.id)
         if self._scheduler is not None:
             self._untrack = track_scheduler(self._scheduler)
             self._undo.append(self._untrack_scheduler)
@@ -158,7 +197,9 @@ class Patch:
         """Route the module's attention to fastdit (see ``fastdit/intercept.py``); returns the undo."""
         processor = getattr(module, "processor", None)
         if processor is None or not hasattr(processor, "_attention_backend"):
-            return AttentionForward(module, self.id, layer, mode=True).remove  # legacy: calls SDPA directly
+            forward = AttentionForward(module, self.id, layer, mode=True)  # legacy: calls SDPA directly
+            self._unpatched_forward(module, forward)
+            return forward.remove
         if backend_route_available():
             route = BackendRoute(self.id, layer)
             self._pin_backend(processor, route.member)
@@ -167,6 +208,7 @@ class Patch:
             route = None
             self._pin_backend(processor, "native")
             forward = AttentionForward(module, self.id, layer, mode=True)
+        self._unpatched_forward(module, forward)
 
         def undo():
             forward.remove()
@@ -175,11 +217,30 @@ class Patch:
 
         return undo
 
+    def _unpatched_state(self, obj, changes, hook_id=None):
+        """Give ``obj`` an instance ``__getstate__`` without the patch (``_UnpatchedState``); undone
+        by ``remove()``."""
+        getstate = _UnpatchedState(obj, changes, hook_id)
+        obj.__dict__["__getstate__"] = getstate
+
+        def undo():
+            if obj.__dict__.get("__getstate__") is getstate:
+                del obj.__dict__["__getstate__"]
+
+        self._undo.append(undo)
+
+    def _unpatched_forward(self, module, forward):
+        """A copy of ``module`` gets the ``forward`` it had before the patch (none, or the user's)."""
+        previous = forward._previous
+        self._unpatched_state(module, {"forward": (forward, lambda: _MISSING if previous is forward._missing
+                                                   else previous)})
+
     def _pin_backend(self, processor, value):
-        missing = object()
+        missing = _MISSING
         entry = [processor, value, processor.__dict__.get("_attention_backend", missing)]
         processor._attention_backend = value
         self._pinned.append(entry)
+        self._unpatched_state(processor, {"_attention_backend": (value, lambda: entry[2])})
 
         def restore(entry=entry, missing=missing):
             processor, ours, previous = entry
@@ -469,6 +530,9 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
 
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
+        ``copy.deepcopy`` / ``copy.copy`` / ``torch.save`` of a patched transformer (or pipeline)
+        give the *unpatched* model (an EMA copy, a checkpoint); the original stays patched, and a
+        copy can be patched on its own.
 
     Every option is checked here, against the model (e.g. per-head windows against its head
     count), before anything is installed: a bad option raises and leaves the model untouched.

@@ -111,3 +111,160 @@ def test_item2_dense_steps_survive_a_scheduler_swap(dense_steps):
         p.remove()
     swapped = pipe.scheduler
     assert "step" not in swapped.__dict__ and "set_timesteps" not in swapped.__dict__  # untracked on remove
+
+
+# -- 3. copies of a patched model --------------------------------------------------------------
+def _transformer_output(transformer):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, transformer.config.in_channels, 3, 8, 8, generator=gen)
+    text = torch.randn(1, 16, transformer.config.text_dim, generator=gen)
+    with torch.no_grad():
+        return transformer(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=text,
+                           return_dict=False)[0]
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_item3_a_patched_transformer_copies_and_saves_unpatched(tmp_path, trainable):
+    """``copy.deepcopy`` and ``torch.save`` of a patched transformer (an EMA copy during training)
+    used to fail on the patch's lock / bound hook; the copy (and the saved model) is now the
+    unpatched model, the original stays patched, and the copy can be patched on its own."""
+    import copy
+
+    import fastdit
+
+    transformer = _pipe().transformer
+    options = dict(tile=(1, 2, 2), window=(1, 1, 1), dense_steps=0)
+    dense = _transformer_output(transformer)
+    with fastdit.patch(transformer, "sta", trainable=trainable, **options) as p:
+        sparse = _transformer_output(transformer)
+        assert (sparse - dense).abs().max() > 1e-4
+        clone = copy.deepcopy(transformer)
+        torch.save(transformer, tmp_path / "model.pt")
+        shallow = copy.copy(transformer)
+        assert getattr(clone, "_fastdit_patch", None) is None and getattr(shallow, "_fastdit_patch", None) is None
+        calls = p.stats.sparse_calls
+        torch.testing.assert_close(_transformer_output(clone), dense)
+        assert p.stats.sparse_calls == calls  # the copy's calls are not the patch's
+        torch.testing.assert_close(_transformer_output(transformer), sparse)  # the original is still patched
+        assert p.stats.sparse_calls > calls
+        with fastdit.patch(clone, "sta", **options):
+            torch.testing.assert_close(_transformer_output(clone), sparse)
+        torch.testing.assert_close(_transformer_output(clone), dense)
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert getattr(loaded, "_fastdit_patch", None) is None
+    torch.testing.assert_close(_transformer_output(loaded), dense)
+    assert "__getstate__" not in transformer.__dict__  # remove() takes everything off
+    torch.testing.assert_close(_transformer_output(transformer), dense)
+
+
+# -- 4. INT8 with non-finite values ----------------------------------------------------------
+def _quant_inputs(mode):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 128, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
+    if mode == "k_inf":
+        k[0, 0, 5, 3] = float("inf")  # key block 0 of head 0
+    elif mode == "k_nan":
+        k[0, 1, 70, 0] = float("nan")  # key block 2 of head 1
+    elif mode == "v_nan":
+        v[0, 0, 40, 7] = float("nan")  # key block 1 of head 0
+    elif mode == "v_inf":
+        v[0, 1, 100, 2] = float("-inf")  # key block 3 of head 1
+    # query block m attends key blocks m and (m + 1) % 4
+    m = torch.arange(4, dtype=torch.int32)
+    idx = torch.stack([m, (m + 1) % 4], -1).expand(1, 1, 4, 2).contiguous()
+    cnt = torch.full((1, 1, 4), 2, dtype=torch.int32)
+    return q, k, v, idx, cnt
+
+
+def _affected(out, clean, tol):
+    """Rows (and channels) with a non-finite output or one that moved by more than ``tol``."""
+    out, clean = out.float(), clean.float()
+    return ~torch.isfinite(out) | ((out - clean).abs() > tol)
+
+
+@pytest.mark.parametrize("mode", ["k_inf", "k_nan", "v_nan", "v_inf"])
+@pytest.mark.parametrize("quant", ["int8", "int8-fp8"])
+def test_item4_a_nonfinite_input_affects_the_same_rows_under_quant(mode, quant):
+    """One inf in K used to turn the whole head NaN under ``quant`` (the key mean used for smoothing
+    became inf); one NaN in V every row of the emulation. Now the rows affected (for V: the rows
+    and channels) are exactly those the unquantised engine changes, they are non-finite (an inf
+    key is not hidden: the engine itself may return those rows finite but wrong), and the other
+    rows keep their quantised values (up to one INT8 step where the key mean moved)."""
+    from fastdit.kernels import block_sparse_attention
+    from fastdit.kernels.quant.emulation import allowed_blocks, fixed_blocks, quant_attention_emulated
+
+    q, k, v, idx, cnt = _quant_inputs(mode)
+    q0, k0, v0, _, _ = _quant_inputs("none")
+    plain = block_sparse_attention(q, k, v, idx, cnt, 32, 32, backend="torch", return_lse=False)
+    plain_clean = block_sparse_attention(q0, k0, v0, idx, cnt, 32, 32, backend="torch", return_lse=False)
+    allowed = allowed_blocks(idx, cnt, 1, 2, 4)
+    blocks = fixed_blocks(128, 32, q.device)
+    # int8-fp8 runs on sm_89+ only: its formulas are checked through the emulation directly
+    out = quant_attention_emulated(q, k, v, blocks, blocks, allowed, 32 ** -0.5, None, quant)[0]
+    clean = quant_attention_emulated(q0, k0, v0, blocks, blocks, allowed, 32 ** -0.5, None, quant)[0]
+    expected = _affected(plain, plain_clean, 0)
+    if mode.startswith("k"):
+        expected = expected.any(-1, keepdim=True).expand_as(expected)  # a key moves whole rows
+    assert expected.any() and not expected.all()
+    assert torch.equal(_affected(out, clean, 0.05), expected)
+    assert torch.equal(~torch.isfinite(out.float()), expected)
+    if mode.startswith("v"):  # V's other keys and channels are untouched: bit for bit
+        assert torch.equal(out[~expected], clean[~expected])
+
+
+def test_item4_inf_key_under_the_engine_op_leaves_the_other_heads_and_rows():
+    """Through ``block_sparse_attention(..., quant="int8")`` on the PyTorch backend: only head 0's
+    rows that attend the inf key's block are NaN (it was the whole head); their lse is NaN too (a
+    merge through the lse cannot hide them), the others are finite."""
+    from fastdit.kernels import block_sparse_attention
+
+    q, k, v, idx, cnt = _quant_inputs("k_inf")
+    out, lse = block_sparse_attention(q, k, v, idx, cnt, 32, 32, backend="torch", quant="int8")
+    bad_rows = ~torch.isfinite(out.float()).all(-1)
+    expected = torch.zeros_like(bad_rows)
+    expected[0, 0, :32] = expected[0, 0, 96:] = True  # query blocks 0 and 3 list key block 0
+    assert torch.equal(bad_rows, expected)
+    assert torch.isnan(lse[expected]).all() and torch.isfinite(lse[~expected]).all()
+
+
+# -- 5. training that diverges, resume, checkpoints ------------------------------------------------
+def test_item5_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    """``lr=1e8``: the losses went ``[0.0008, nan, nan, ...]`` with NaN adapters and checkpoints
+    saved. Now the run stops at the first non-finite loss or gradient, before the optimizer step,
+    naming the step and lr; every checkpoint left holds finite weights, and no adapter is saved."""
+    pytest.importorskip("peft")
+    from fastdit.train import train_lora
+    from fastdit.train.recipe import TrainingDiverged
+
+    out = tmp_path / "run"
+    with pytest.raises(TrainingDiverged, match=r"training diverged at step \d+: .*lr=100000000.0"):
+        train_lora(_pipe(), _train_config(lr=1e8, steps=6, checkpoint_every=1), out, progress=False)
+    assert not (out / "pytorch_lora_weights.safetensors").exists() and not (out / "losses.json").exists()
+    for path in (out / "checkpoints").glob("step-*.pt"):
+        state = torch.load(path, weights_only=False)
+        assert all(torch.isfinite(t).all() for t in state["lora"].values()), path
+        assert all(math.isfinite(x) for x in state["losses"]), path
+
+
+def test_item5_resume_refuses_another_configuration_and_skips_a_truncated_checkpoint(tmp_path):
+    """``resume`` with another method or lr silently mixed two runs; a truncated latest
+    ``step-*.pt`` failed with a raw ``PytorchStreamReader`` error although an earlier one was
+    intact. Now the differing settings are named (before any work), the truncated file is skipped
+    with a warning naming it, and checkpoints are written through a rename."""
+    pytest.importorskip("peft")
+    from fastdit.train import train_lora
+
+    out = tmp_path / "run"
+    first = train_lora(_pipe(), _train_config(steps=2, checkpoint_every=1), out, progress=False)
+    assert not list((out / "checkpoints").glob("*.partial"))
+    with pytest.raises(ValueError, match=r"lr: checkpoint 0\.01, this run 0\.1"):
+        train_lora(_pipe(), _train_config(steps=3, lr=0.1), out, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"method: checkpoint 'sta', this run 'window'"):
+        train_lora(_pipe(), _train_config(steps=3, method="window"), out, resume=True, progress=False)
+    latest = out / "checkpoints" / "step-000002.pt"
+    latest.write_bytes(latest.read_bytes()[:200])  # truncated
+    with pytest.warns(UserWarning, match="skipped unreadable checkpoint.*step-000002.pt.*step-000001.pt"):
+        resumed = train_lora(_pipe(), _train_config(steps=2, checkpoint_every=1), out, resume=True, progress=False)
+    assert resumed["resumed_from"] == 1
+    assert resumed["losses"] == pytest.approx(first["losses"], rel=1e-6, abs=1e-9)
+    json.loads((out / "losses.json").read_text(), parse_constant=lambda name: pytest.fail(f"non-standard {name}"))
