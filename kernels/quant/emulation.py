@@ -13,6 +13,13 @@ blocks of the offsets), in float32 unless said otherwise:
     out_i     = (sum_j half(p_ij) v_j) / sum_j p_ij                  ("int8": P, V in q's half dtype)
     lse_i     = max_j s_ij + log sum_j p_ij + scale * (q_i . mu)
 
+Non-finite inputs (the unquantised engine's rows, not the whole head): ``mu`` is the mean over the
+finite entries of each channel where the plain mean is not finite; a key with a non-finite entry is
+quantised as 0 and its block's scale ``sk_b`` is NaN, so exactly the rows that attend that block
+come out NaN (the unquantised engine's rows; it may return them finite but wrong); a non-finite
+value ``v_jc`` is NaN in channel ``c`` of exactly the rows that attend its block (as the engine's
+``P.V`` over the block gives). The FP8 scale ``sv_c`` is the maximum over finite values.
+
 ``rne`` rounds to the nearest integer, ties to even. The last term of ``lse`` undoes the smoothing:
 ``lse`` is the exact log-sum-exp of the quantised scores of the *unsmoothed* keys
 (``s_ij + scale q_i . mu``), so partial results merge exactly (corrections, ring attention).
@@ -33,11 +40,48 @@ QMAX = 127.0
 FP8_MAX = 448.0  # largest finite float8 e4m3 (the "fn" variant, what tl.float8e4nv is)
 
 
+def key_mean(k):
+    """float32 ``(B, H, 1, D)``: the mean of ``k`` over the sequence, or, in a channel where that is
+    not finite (an inf or NaN key), the mean of its finite entries (no host synchronisation)."""
+    if not k.shape[2]:
+        return torch.zeros_like(k[:, :, :1], dtype=torch.float32)
+    mu = k.mean(dim=2, keepdim=True, dtype=torch.float32)
+    finite = torch.isfinite(k)
+    finite_mu = (torch.where(finite, k, torch.zeros_like(k)).sum(dim=2, keepdim=True, dtype=torch.float32)
+                 / finite.sum(dim=2, keepdim=True).clamp_(min=1))
+    return torch.where(torch.isfinite(mu), mu, finite_mu)
+
+
+def nonfinite_keys(k):
+    """``(k_clean, bad)``: ``k`` with every key that has a non-finite entry set to 0, and bool
+    ``(B, H, Nk)`` marking those keys."""
+    bad = ~torch.isfinite(k).all(-1)
+    return k.masked_fill(bad.unsqueeze(-1), 0), bad
+
+
+def poison_scales(scales, bad, blocks):
+    """``scales`` ``(B, H, M)`` with NaN for every block holding a ``bad`` row (``blocks``: the block
+    of each row ``(B|1, H|1, L)``): every score against that block is then NaN."""
+    if not bad.shape[-1]:
+        return scales
+    batch, heads, n_blocks = scales.shape
+    hit = torch.zeros(batch, heads, n_blocks, dtype=torch.float32, device=scales.device)
+    hit = hit.scatter_reduce(2, blocks.expand(batch, heads, bad.shape[-1]), bad.float().expand(batch, heads, -1),
+                             "amax", include_self=True)
+    return torch.where(hit > 0, torch.full_like(scales, float("nan")), scales)
+
+
+def fp8_value_scale(v):
+    """float32 ``(B, H, 1, D)``: V's per-channel e4m3 scale, ``max |v_c| / 448`` over finite values (1 if 0)."""
+    v_scale = v.float().abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=2, keepdim=True) / FP8_MAX
+    return torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
+
+
 def smooth_keys(k):
-    """``(k - mu, mu)`` with ``mu`` the float32 mean of ``k`` over the sequence ``(B, H, 1, D)``."""
-    k32 = k.float()
-    mu = k.mean(dim=2, keepdim=True, dtype=torch.float32) if k.shape[2] else torch.zeros_like(k32[:, :, :1])
-    return k32 - mu, mu
+    """``(k - mu, mu)`` with ``mu`` the float32 mean of ``k`` over the sequence ``(B, H, 1, D)``
+    (``key_mean``: finite entries where the mean is not finite)."""
+    mu = key_mean(k)
+    return k.float() - mu, mu
 
 
 def quantize_blocks(x, blocks, n_blocks):
@@ -79,17 +123,27 @@ def quant_attention_emulated(q, k, v, q_blocks, k_blocks, allowed, scale, kv_val
     if n_k == 0 or batch * heads * n_q == 0:
         return out, lse
     n_qblocks, n_kblocks = allowed.shape[2], allowed.shape[3]
+    bad_k = nonfinite_keys(k)[1]
     k_s, mu = smooth_keys(k)
+    k_s = k_s.masked_fill(bad_k.unsqueeze(-1), 0)
     q32 = q.float()
     q8, q_row_scale, _ = quantize_blocks(q32, q_blocks, n_qblocks)
-    k8, k_row_scale, _ = quantize_blocks(k_s, k_blocks, n_kblocks)
+    k8, _, k_scale = quantize_blocks(k_s, k_blocks, n_kblocks)
+    k_row_scale = poison_scales(k_scale, bad_k, k_blocks).gather(2, k_blocks.expand(batch, heads, n_k))
     shift = scale * torch.matmul(q32, mu.transpose(-1, -2)).squeeze(-1)  # (B, H, N): the smoothing term
+    bad_v = ~torch.isfinite(v)
     if mode == "int8-fp8":
-        v_scale = v.float().abs().amax(dim=2, keepdim=True) / FP8_MAX
-        v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
+        v_scale = fp8_value_scale(v)
         v_used = (v.float() / v_scale).to(torch.float8_e4m3fn).float()
     else:
         v_used = v.float()
+    # a non-finite value: NaN in its channel of the rows attending its block (the engine's P.V per block)
+    v_poison = None
+    if bool(bad_v.any()):
+        v_used = v_used.masked_fill(bad_v, 0)
+        v_poison = torch.zeros(batch, heads, n_kblocks, dim, dtype=torch.float32, device=q.device)
+        v_poison = v_poison.scatter_reduce(2, k_blocks.expand(batch, heads, n_k)[..., None].expand(-1, -1, -1, dim),
+                                           bad_v.float().expand(batch, heads, -1, -1), "amax", include_self=True)
     k_cols = k_blocks.expand(batch, heads, n_k)
     key_ok = None if kv_valid is None else kv_valid.to(torch.bool).view(-1, 1, 1, n_k)
     q_rows = q_blocks.expand(batch, heads, n_q)
@@ -111,9 +165,12 @@ def quant_attention_emulated(q, k, v, q_blocks, k_blocks, allowed, scale, kv_val
             acc = torch.matmul((p * FP8_MAX).to(torch.float8_e4m3fn).float(), v_used) * (v_scale / FP8_MAX)
         else:
             acc = torch.matmul(p.to(q.dtype).float(), v_used)
+        if v_poison is not None:
+            acc = acc.masked_fill(torch.matmul(rows.float(), v_poison) > 0, float("nan"))
         out[:, :, r0:r1] = (acc / torch.where(denom > 0, denom, torch.ones_like(denom))).to(q.dtype)
         block_lse = (row_max + denom.log()).squeeze(-1) + shift[:, :, r0:r1]
-        lse[:, :, r0:r1] = torch.where(denom.squeeze(-1) > 0, block_lse, torch.full_like(block_lse, float("-inf")))
+        # a row with no attended key: -inf; a NaN row (a non-finite key) keeps its NaN lse
+        lse[:, :, r0:r1] = torch.where(denom.squeeze(-1) == 0, torch.full_like(block_lse, float("-inf")), block_lse)
     return out, lse
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..triton_tuning import _next_pow2
+from .emulation import fixed_blocks, fp8_value_scale, key_mean, nonfinite_keys, poison_scales, varlen_blocks
 
 LOG2E = 1.4426950408889634
 RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + RNE) - RNE rounds a float32 |y| < 2**22 to the nearest integer, ties to even
@@ -224,13 +225,16 @@ def tiles(block_m, block_n, interpreted):
 def prepare_quant(q, k, v, scale, quant, q_blocks, k_blocks, q_offsets=None, k_offsets=None):
     """The device-side prologue both engines share: key mean, INT8 Q and K with their scales, the
     smoothing term of the lse and, for ``"int8-fp8"``, V in e4m3 with its per-channel scales."""
-    mu = k.mean(dim=2, keepdim=True, dtype=torch.float32)
+    mu = key_mean(k)  # finite where an inf / NaN key would make the plain mean (and every row) NaN
     q8, q_scales, shift = quantize_triton(q, q_blocks, mean=mu, q_for_shift=True, shift_scale=scale,
                                           offsets=q_offsets)
-    k8, k_scales = quantize_triton(k, k_blocks, mean=mu, offsets=k_offsets)
+    k_clean, bad_k = nonfinite_keys(k)  # such a key: quantised as 0, its block's scale NaN (emulation.py)
+    k8, k_scales = quantize_triton(k_clean, k_blocks, mean=mu, offsets=k_offsets)
+    n_k = k.shape[2]
+    key_blocks = (varlen_blocks(k_offsets, n_k) if k_offsets is not None else fixed_blocks(n_k, k_blocks, k.device))
+    k_scales = poison_scales(k_scales, bad_k, key_blocks)
     if quant == "int8-fp8":
-        v_scale = v.abs().amax(dim=2, keepdim=True).float() / 448.0
-        v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
+        v_scale = fp8_value_scale(v)
         v_used = (v.float() / v_scale).to(torch.float8_e4m3fn)
     else:
         v_scale, v_used = q_scales, v  # V's scales unread without FP8
