@@ -212,14 +212,17 @@ def test_item4_a_nonfinite_input_affects_the_same_rows_under_quant(mode, quant):
         assert torch.equal(out[~expected], clean[~expected])
 
 
-def test_item4_inf_key_under_the_engine_op_leaves_the_other_heads_and_rows():
-    """Through ``block_sparse_attention(..., quant="int8")`` on the PyTorch backend: only head 0's
-    rows that attend the inf key's block are NaN (it was the whole head); their lse is NaN too (a
-    merge through the lse cannot hide them), the others are finite."""
-    from fastdit.kernels import block_sparse_attention
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_item4_inf_key_under_the_engine_op_leaves_the_other_heads_and_rows(backend):
+    """Through ``block_sparse_attention(..., quant="int8")`` (Triton: in the interpreter on a CPU):
+    only head 0's rows that attend the inf key's block are NaN (it was the whole head); their lse
+    is NaN too (a merge through the lse cannot hide them), the others are finite."""
+    from fastdit.kernels import available_backends, block_sparse_attention
 
+    if backend not in available_backends():
+        pytest.skip(f"{backend} backend not available here")
     q, k, v, idx, cnt = _quant_inputs("k_inf")
-    out, lse = block_sparse_attention(q, k, v, idx, cnt, 32, 32, backend="torch", quant="int8")
+    out, lse = block_sparse_attention(q, k, v, idx, cnt, 32, 32, backend=backend, quant="int8")
     bad_rows = ~torch.isfinite(out.float()).all(-1)
     expected = torch.zeros_like(bad_rows)
     expected[0, 0, :32] = expected[0, 0, 96:] = True  # query blocks 0 and 3 list key block 0
