@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from fastdit.jsonutil import dump_json, to_json
 from fastdit.methods.base import check_int, check_number
 
 
@@ -188,8 +190,12 @@ def train_steps(transformer, params, samples, config, out=None, start=0, losses=
         loss = _loss(transformer, sample)
         if flow:
             loss = loss + config.flow_weight * _loss(transformer, flow[step % len(flow)])
+        if not torch.isfinite(loss):
+            raise TrainingDiverged(_diverged(step, f"the loss is {loss.item()}", config, out))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if not all(torch.isfinite(p.grad).all() for p in params if p.grad is not None):
+            raise TrainingDiverged(_diverged(step, "a gradient is not finite", config, out))
         optimizer.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
@@ -198,6 +204,45 @@ def train_steps(transformer, params, samples, config, out=None, start=0, losses=
         if out is not None and config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps:
             save_checkpoint(out, transformer, optimizer, done, losses, config)
     return losses, times, optimizer
+
+
+class TrainingDiverged(FloatingPointError):
+    """A non-finite loss or gradient: training stopped before the optimizer step, no checkpoint or
+    adapter of the diverged state was written."""
+
+
+def _diverged(step, what, config, out):
+    """The message; a checkpoint of the state that gave the non-finite value (written after step
+    ``step``) is renamed ``step-N.pt.diverged``, so that ``resume`` takes the one before."""
+    last = latest_checkpoint(out) if out is not None else None
+    if last is not None and last.name == f"step-{step:06d}.pt":
+        os.replace(last, last.with_name(last.name + ".diverged"))
+        last = latest_checkpoint(out)
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+    return (f"training diverged at step {step + 1}: {what} (method {config.method!r}, lr={config.lr}); stopped before "
+            f"updating the adapter, {kept}; try a lower lr")
+
+
+#: Fields a resumed run may change: how long it runs, how often it saves, the kernel backend.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "backend")
+
+
+def _comparable(record):
+    return json.loads(json.dumps(to_json(record), sort_keys=True))
+
+
+def check_resume(state, config, checkpoint):
+    """ValueError naming each setting in which ``config`` differs from the run that wrote
+    ``checkpoint`` (its record ``state["config"]``), except ``RESUMABLE_CHANGES``: a resumed run
+    must continue the same run, not mix two."""
+    saved = _comparable(state.get("config") or {})
+    current = _comparable(_config_record(config))
+    differ = [name for name in sorted(current) if name not in RESUMABLE_CHANGES and saved.get(name) != current[name]]
+    if differ:
+        detail = "; ".join(f"{name}: checkpoint {saved.get(name)!r}, this run {current[name]!r}" for name in differ)
+        raise ValueError(f"--resume / resume=True: {checkpoint} was written by a run with other settings ({detail}); "
+                         "resume with the same settings (only steps, checkpoint_every and backend may change) or use another "
+                         "output folder")
 
 
 def _config_record(config):
@@ -213,14 +258,40 @@ def save_checkpoint(out, transformer, optimizer, step, losses, config):
 
     folder = Path(out) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:06d}.pt"
+    partial = path.with_name(path.name + ".partial")  # written whole, then renamed: never a truncated step-N.pt
     torch.save({"lora": get_peft_model_state_dict(transformer), "optimizer": optimizer.state_dict(), "step": step,
-                "losses": losses, "config": _config_record(config)}, folder / f"step-{step:06d}.pt")
+                "losses": losses, "config": _config_record(config)}, partial)
+    os.replace(partial, path)
 
 
 def latest_checkpoint(out):
     folder = Path(out) / "checkpoints"
     found = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
     return found[-1] if found else None
+
+
+def load_latest_checkpoint(out):
+    """``(path, state)`` of the newest readable checkpoint in ``out`` (None, None when there is none);
+    an unreadable newer one (truncated, damaged) is skipped with a warning naming it."""
+    folder = Path(out) / "checkpoints"
+    found = sorted(folder.glob("step-*.pt"), reverse=True) if folder.is_dir() else []
+    broken = []
+    for path in found:
+        try:
+            state = torch.load(path, weights_only=False)
+            if not isinstance(state, dict) or not {"lora", "optimizer", "step", "losses"} <= set(state):
+                raise ValueError("not a fastdit.train checkpoint")
+        except Exception as error:  # noqa: BLE001 - a damaged file: the next older one is tried
+            broken.append(f"{path.name} ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''})")
+            continue
+        if broken:
+            warnings.warn(f"fastdit.train: resume: skipped unreadable checkpoint(s) {', '.join(broken)}; resuming from "
+                          f"{path.name}", stacklevel=2)
+        return path, state
+    if broken:
+        raise ValueError(f"resume: no readable checkpoint in {folder}: {', '.join(broken)}")
+    return None, None
 
 
 def save_outputs(pipe, out, losses, times, config, extra=None):
@@ -231,7 +302,7 @@ def save_outputs(pipe, out, losses, times, config, extra=None):
     out.mkdir(parents=True, exist_ok=True)
     type(pipe).save_lora_weights(out, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer))
     record = {"config": _config_record(config), "losses": losses, "seconds_per_step": times, **(extra or {})}
-    (out / "losses.json").write_text(json.dumps(record, indent=1, default=str))
+    dump_json(out / "losses.json", record, indent=1)  # standard JSON (no NaN), written atomically
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,6 +338,9 @@ def train_lora(pipe, config, out, resume=False, progress=True):
     out = Path(out)
     options, note = training_options(pipe.transformer, config.method, config.options)
     notes = [note] if note else []
+    checkpoint, state = load_latest_checkpoint(out) if resume else (None, None)
+    if checkpoint is not None:  # before any work
+        check_resume(state, config, checkpoint)
     samples = make_samples(pipe, config)
     flow, kept = None, []
     if config.videos:
@@ -277,11 +351,9 @@ def train_lora(pipe, config, out, resume=False, progress=True):
     params = add_lora(transformer, config)
     optimizer = torch.optim.AdamW(params, lr=config.lr)
     start, losses = 0, []
-    checkpoint = latest_checkpoint(out) if resume else None
     if checkpoint is not None:
         from peft.utils import set_peft_model_state_dict
 
-        state = torch.load(checkpoint, weights_only=False)
         set_peft_model_state_dict(transformer, state["lora"])
         optimizer.load_state_dict(state["optimizer"])
         start, losses = state["step"], state["losses"]
