@@ -151,15 +151,13 @@ def dense_call(gpu, batch, heads, n_q, n_k, head_dim, elt=2):
     return CallPrediction("dense", flops, ms, 0.0, 1.0)
 
 
-def guard_share(gpu, seq, head_dim, rows_fraction=0.005, batch=1, heads=1, elt=2):
+def guard_share(gpu, seq, head_dim, rows, batch=1, heads=1, elt=2):
     """The quality guard's check (``fastdit/methods/guard.py``) over dense attention's time for one
-    call of ``seq`` tokens: ``n = guard.row_count(seq, rows_fraction)`` sampled rows per head
+    call of ``seq`` tokens: ``rows`` sampled rows per head (``guard.row_count``)
     attend every key through the engine (tensor cores, ``kernel_eff``), plus one read of q, k, v
     for the finiteness test and the rows' copy; re-runs of failed heads are not included (they
     are what the guard buys). Returns ``(share, check_ms, dense_ms)``."""
-    from fastdit.methods.guard import row_count
-
-    n = row_count(seq, rows_fraction)
+    n = rows
     flops = 4.0 * batch * heads * n * seq * head_dim
     nbytes = (2 * n + 2 * seq) * batch * heads * head_dim * elt + 3 * batch * heads * seq * head_dim * elt
     check = _seconds_ms(flops, gpu.peak_tflops, gpu.kernel_eff, 0.0, gpu.bandwidth_gbs)

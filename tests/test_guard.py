@@ -300,3 +300,26 @@ def test_the_estimate_and_its_bound_against_a_direct_computation():
     assert (bound > error).all() and torch.allclose(mass, torch.full_like(mass, math.exp(-0.1)))
     assert bound[1, 2] / error[1, 2] > bound[0, 0] / error[0, 0]  # concentrated errors: a wider bound
     assert torch.equal(live, torch.ones_like(live))
+
+
+def test_exact_rows_plain_path_equals_the_fused_one(monkeypatch):
+    from fastdit.methods import guard
+
+    q, k, v = qkv(seq=90, heads=2, dim=8, seed=9, batch=2)
+    key_mask = torch.ones(2, 90, dtype=torch.bool)
+    key_mask[1, 30:] = False
+    rows = torch.tensor([0, 44, 89])
+    fused = exact_rows(q, k, v, rows, key_mask)
+    monkeypatch.setattr(guard, "_CPU_FLASH", None)
+    plain = exact_rows(q, k, v, rows, key_mask)
+    ref_out, ref_lse = dense64(q, k, v, key_mask)
+    for out, lse in (fused, plain):
+        assert rel(out, ref_out[:, :, rows]) < 1e-5 and torch.allclose(lse.double(), ref_lse[:, :, rows], atol=1e-5)
+
+
+def test_cost_model_predicts_a_small_share_at_real_sizes():
+    from fastdit.costmodel import GPUS, guard_share
+
+    for gpu in GPUS.values():
+        share, check, dense = guard_share(gpu, 75600, 128, row_count(75600, 0.005), heads=24)
+        assert 0 < share < 0.03 and check < dense

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 from fastdit.plan import run_plan
 
+from .guard_hooks import GuardHooks
+
 _REGISTRY = {}
 #: The quality guard's default bound (relative L2 error of a head's output on sampled rows) for
 #: the methods that have it on by default (dynamic and token methods); see ``guard.py``.
@@ -223,7 +225,7 @@ def bucket_start(starts, step):
     return starts[index] if index >= 0 else None
 
 
-class Method:
+class Method(GuardHooks):
     """Base class of attention methods (see the module docstring for the protocol).
 
     Subclasses set ``name``, ``config_cls`` and ``default_options`` (values for options left at
@@ -390,44 +392,6 @@ class Method:
     def attend_dense(self, ctx, q, k, v):
         """A dense step or dense layer: the model's own attention."""
         return ctx.dense()
-
-    # -- the quality guard (fastdit/methods/guard.py) ----------------------------------------------
-    def guard_promise(self):
-        """The kept attention mass this method's options promise (``cdf``, ``top_p``), or None."""
-        return None
-
-    def guard_levels(self):
-        """How many wider settings the guard may try on a failed head before dense (0: dense at once)."""
-        return 0
-
-    def guard_widened(self, level):
-        """This method at its ``level``-th wider setting (1-based; ``guard_widen_options``), or None."""
-        options = self.guard_widen_options(level)
-        if options is None:
-            return None
-        cache = self.__dict__.setdefault("_guard_wider", {})
-        if level not in cache:
-            config = dataclasses.replace(self.config, layer_settings=None, guard=False, dense_steps=0, dense_layers=0,
-                                         **options)
-            cache[level] = type(self)(type(self).make_config(config))
-        return cache[level]
-
-    def guard_widen_options(self, level):
-        """Options of the ``level``-th wider setting (e.g. ``{"cdf": 0.99}``), or None."""
-        return None
-
-    def guarded(self, ctx):
-        """Whether this call runs under the guard (a number in ``config.guard``)."""
-        guard = getattr(self.config, "guard", None)
-        return guard is not None and guard is not False
-
-    def run_checked(self, ctx, q, k, v):
-        """``attend`` under the guard when it is on (see ``guard.guarded_call``)."""
-        if not self.guarded(ctx):
-            return self.attend(ctx, q, k, v)
-        from .guard import guarded_call
-
-        return guarded_call(self, ctx, q, k, v, self.attend)
 
     def is_dense_call(self, ctx):
         """Dense layers and dense steps run the model's own attention."""

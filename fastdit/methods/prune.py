@@ -35,42 +35,16 @@ block means ``(B, H, n_blocks, D)`` in float32.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from fastdit.kernels import block_sparse_attention
-from fastdit.plan import BlockPlan
+from fastdit.plan import ENGINE_BLOCK, BlockPlan, _dense_plan, dense_plan  # noqa: F401 (ENGINE_BLOCK, _dense_plan: re-exported)
 
 from . import base
 from .base import Method, MethodConfig, check_int, check_number, option, register_method
-
-#: Query / key block of the dense-over-keys plans on GPUs: a fixed size, so that the Triton
-#: autotuner (keyed by the block sizes) tunes once, whatever the number of kept rows.
-ENGINE_BLOCK = 128
-
-
-def dense_plan(n_q, n_k, device):
-    """Every query attending every key. On the CPU one block pair of all rows and all keys (the CPU
-    engine then runs a single fused attention call instead of a loop over query blocks); elsewhere
-    ``ENGINE_BLOCK`` blocks, each query block listing every key block."""
-    return _dense_plan(n_q, n_k, device, torch.device(device).type == "cpu")
-
-
-@functools.lru_cache(maxsize=64)
-def _dense_plan(n_q, n_k, device, single_block):
-    if single_block:
-        block_m, block_n = max(n_q, 1), max(n_k, 1)
-    else:
-        block_m = block_n = ENGINE_BLOCK
-    n_qb, n_kb = -(-n_q // block_m), -(-n_k // block_n)
-    indices = torch.arange(n_kb, dtype=torch.int32, device=device).expand(1, 1, n_qb, n_kb).contiguous()
-    counts = torch.full((1, 1, n_qb), n_kb, dtype=torch.int32, device=device)
-    return BlockPlan(kv_indices=indices, kv_counts=counts, block_m=block_m, block_n=block_n, seq_len=n_q,
-                     name="dense_over_keys", info={"dense": True})
-
 
 def compact_attention(q_rows, k, v, key_mask, scale, backend):
     """Rows ``q_rows`` ``(B, H, R, D)`` attending every (valid) key of ``k, v``: one engine call."""

@@ -181,8 +181,10 @@ def cost(args):
 
     dense = common.time_fn(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.runs, 1, False)
     checked = common.time_fn(check, args.runs, 1, False)
-    predicted = {name: guard_share(gpu, seq, 128, heads=24)[0] for name, gpu in GPUS.items()}
-    predicted_75k = {name: guard_share(gpu, 75600, 128, heads=24)[0] for name, gpu in GPUS.items()}
+    rows = guard_module.row_count(seq, 0.005)
+    predicted = {name: guard_share(gpu, seq, 128, rows, heads=24)[0] for name, gpu in GPUS.items()}
+    rows_75k = guard_module.row_count(75600, 0.005)
+    predicted_75k = {name: guard_share(gpu, 75600, 128, rows_75k, heads=24)[0] for name, gpu in GPUS.items()}
     return {"tokens": seq, "dense_ms": dense, "check_ms": checked, "share": checked / dense,
             "rows": guard_module.row_count(seq, 0.005), "load": os.getloadavg()[0],
             "gpu_predicted_share": predicted, "gpu_predicted_share_75600": predicted_75k}
@@ -273,6 +275,3 @@ def main(argv=None):
     run(args)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,4 @@
+"""``python -m fastdit.eval.bench.guard``."""
+from . import main
+
+raise SystemExit(main())
