@@ -204,7 +204,7 @@ def call_info(ctx, batch, heads, seq, keys):
         head_density = (pairs.expand(batch, heads).mean(0) / total).tolist()
     guard = ctx.info.get("guard")
     if guard is not None and not guard["nonfinite"]:  # heads the guard re-ran: what was computed in the end
-        head_density = [1.0 if action == "dense" else d for action, d in zip(guard["action"], head_density)]
+        head_density = [d if final is None else final for final, d in zip(guard["head_density"], head_density)]
     info = {"density": sum(head_density) / heads, "head_density": head_density,
             "dense": bool(ctx.info.get("dense")), "plan": plan}
     for name in ("skipped_subtiles", "walked_subtiles", "guard"):

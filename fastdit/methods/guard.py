@@ -281,6 +281,7 @@ def guarded_call(method, ctx, q, k, v, run):
     actions = ["remembered" if level else "pass" for level in levels]
     if not finite:
         report = dict(error=errors, kept_mass=masses, **first, rows=n, action=["nonfinite"] * heads, nonfinite=True,
+                      head_density=[None] * heads,
                       levels=levels, bound=bound, promise=promise, extra_density=extra,
                       seconds=time.perf_counter() - started)
         ctx.info["guard"] = report
@@ -288,6 +289,7 @@ def guarded_call(method, ctx, q, k, v, run):
     todo = {h: (levels[h] if levels[h] else (1 if fails[h] else 0)) for h in range(heads)}
     todo = {h: level for h, level in todo.items() if level}
     replaced = {}
+    final_density = [None] * heads  # per head: what a re-run computed (None: the method's own call)
     round_index = 1
     while todo:
         next_todo = {}
@@ -299,10 +301,12 @@ def guarded_call(method, ctx, q, k, v, run):
                 replaced[h] = _dense_head(qh, kh, vh, head_ctx)
                 errors[h], masses[h], levels[h] = 0.0, 1.0, top
                 actions[h] = "dense"
+                final_density[h] = 1.0
                 extra += 1.0 / heads
                 continue
             result = wider.attend(head_ctx, qh, kh, vh)
-            extra += _run_density(head_ctx.info, heads) / heads
+            run_density = _run_density(head_ctx.info, heads)
+            extra += run_density / heads
             check = sample_rows(seq, fraction, key + (round_index, ctx.head_offset + h), q.device)  # global head: Ulysses ranks agree
             ref_o, ref_l = exact_rows(qh, kh, vh, check, ctx.key_mask, ctx.scale)
             extra += check.numel() / seq / heads
@@ -319,6 +323,7 @@ def guarded_call(method, ctx, q, k, v, run):
                 next_todo[h] = level + 1
                 continue
             replaced[h] = (result, head_ctx.info.get("lse"))
+            final_density[h] = run_density
             errors[h], masses[h], levels[h] = float(e.amax()), float(m.amin()), level
             actions[h] = "widened" if actions[h] == "pass" else actions[h]
         todo = next_todo
@@ -338,6 +343,7 @@ def guarded_call(method, ctx, q, k, v, run):
         if actions[h] == "remembered":
             actions[h] = "dense" if levels[h] >= top else "widened"
     ctx.info["guard"] = dict(error=errors, kept_mass=masses, **first, rows=n, action=actions, nonfinite=False, levels=levels,
+                             head_density=final_density,
                              bound=bound, promise=promise, extra_density=extra,
                              seconds=time.perf_counter() - started)
     return out
