@@ -43,6 +43,11 @@ def card_text(cfg, preset, vae_losses, vae_seconds, latent_seconds, state, param
         return f"{np.mean(values[-k:]):.4f}" if len(values) else "n/a"
 
     dit = state["losses"]
+    warm = ""
+    if getattr(cfg, "init_from", ""):
+        warm = (f"- Warm start: the VAE, text encoder and transformer weights of `{cfg.init_from}` (a pipeline saved "
+                f"by this script at another frame size){'; its VAE kept as it was (no VAE steps)' if not vae_losses else ''}; "
+                f"the loss curve below starts there.\n")
     tokens = cfg.latent_frames * (cfg.height // 4) * (cfg.width // 4)  # VAE factor 4, patch 1
     return f"""# tiny-shapes
 
@@ -67,7 +72,7 @@ Load it offline: `fastdit.pipelines.loading.load_pipeline("tiny-shapes")` (or `-
 - Scheduler: `UniPCMultistepScheduler`, flow prediction, flow shift {cfg.flow_shift}.
 
 ## Training (preset `{preset}`, seed {cfg.seed}, {cfg.threads} torch thread(s))
-- VAE: {len(vae_losses)} steps x batch {cfg.vae_batch} of {cfg.vae_clip_frames}-frame {cfg.vae_crop} x {cfg.vae_crop} crops, AdamW lr {cfg.vae_lr};
+{warm}- VAE: {len(vae_losses)} steps x batch {cfg.vae_batch} of {cfg.vae_clip_frames}-frame {cfg.vae_crop} x {cfg.vae_crop} crops, AdamW lr {cfg.vae_lr};
   {vae_seconds / 60:.1f} min; reconstruction loss (saturation-weighted L1 + MSE on [-1, 1] pixels) first {vae_losses[0] if vae_losses else float('nan'):.4f},
   last-100 mean {tail(vae_losses)}.
 - Latents: {cfg.num_videos} videos encoded (posterior mean) in {latent_seconds / 60:.1f} min, normalised per channel.
