@@ -222,3 +222,37 @@ def test_compare_reports_adherence_for_tiny_shapes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--model", "tiny-shapes", "--prompt", "a fox", "--out", str(out)])
     assert "tiny-shapes takes captions like" in capsys.readouterr().err
+
+
+def test_shipped_presets_load_and_a_mismatched_file_is_refused(tmp_path):
+    """``presets.json`` beside a trained model's weights: methods' options (and plan files) for
+    ``fastdit compare`` / ``eval`` / the app; a file for another model or naming a missing plan
+    is refused naming it; a random-weight tiny model keeps its own labelled presets."""
+    import json
+
+    from fastdit.calibration.plan_file import PlanError
+    from fastdit.eval.runner.settings import method_presets, tiny_method_presets
+    from fastdit.pipelines.loading import trained_presets
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert trained_presets("tiny-shapes", str(folder)) == {}  # none shipped: the methods' defaults
+    (folder / "plans").mkdir()
+    (folder / "plans" / "auto.json").write_text("{}")
+    (folder / "presets.json").write_text(json.dumps({"model": "tiny-shapes", "grid": [9, 32, 32],
+                                                     "methods": {"sparge": {"cdf": 0.95}},
+                                                     "plans": {"auto": "plans/auto.json"}}))
+    presets = trained_presets("tiny-shapes", str(folder))
+    assert presets["sparge"] == {"cdf": 0.95} and presets["auto"] == {"plan": str(folder / "plans" / "auto.json")}
+    (folder / "presets.json").write_text(json.dumps({"model": "tiny-wan", "methods": {}}))
+    with pytest.raises(PlanError, match="tiny-wan"):
+        trained_presets("tiny-shapes", str(folder))
+    (folder / "presets.json").write_text(json.dumps({"model": "tiny-shapes", "plans": {"auto": "plans/none.json"}}))
+    with pytest.raises(PlanError, match="none.json"):
+        trained_presets("tiny-shapes", str(folder))
+    (folder / "presets.json").write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        trained_presets("tiny-shapes", str(folder))
+    presets, label = method_presets("tiny-wan")
+    assert "random-weight" in label and presets["sparge"]["topk"] == 0.125
+    assert tiny_method_presets("tiny-wan", ["sparge"], {"sparge": {"topk": 0.5}})["sparge"]["topk"] == 0.5  # user wins
