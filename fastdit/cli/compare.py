@@ -95,6 +95,11 @@ def cmd_compare(args):
             raise CLIError(f"argument --cache: {error}") from None
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
     print(f"model {args.model} on {pipe.device}: {shown}")
+    from fastdit.eval.runner.settings import method_presets
+
+    presets, label = method_presets(args.model)
+    if presets and any(m in presets for m in methods):
+        print(f"method presets: {label}")
     report = compare(pipe, methods, args.prompt, args.seed, call_kwargs, args.out, model_name=args.model,
                      method_options=options, backend=args.backend, fps=args.fps, warmup=not args.no_warmup,
                      parallel=parallel, adherence=shapes, cache=cache,
