@@ -294,6 +294,35 @@ def _native_targets():
     return [name]
 
 
+def _items(text):
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _check_args(parser, args):
+    """Every value checked before anything is compiled: a one-line error naming the flag."""
+    for flag, given, known in (("--kernels", args.kernels, list(KERNELS)), ("--dtypes", args.dtypes, list(DTYPES))):
+        names = _items(given)
+        unknown = [name for name in names if name not in known]
+        if not names or unknown:
+            parser.error(f"{flag}: {'unknown ' + repr(unknown) if unknown else 'none given'}; "
+                         f"a comma list of {', '.join(known)}")
+    try:
+        dims = [int(x) for x in _items(args.head_dims)]
+    except ValueError:
+        dims = []
+    if not dims or any(d < 1 for d in dims):
+        parser.error(f"--head-dims: a comma list of positive ints (default {','.join(map(str, HEAD_DIMS))}), "
+                     f"got {args.head_dims!r}")
+    if not _items(args.targets):
+        parser.error(f"--targets: none given; a comma list of {', '.join(TARGETS)}, or all, ci, native")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    table = Path(args.table)
+    if table.is_dir() or (not table.exists() and not (args.update or args.fresh != "none")):
+        parser.error(f"--table {args.table!r}: {'a folder' if table.is_dir() else 'no such file'}; it takes the "
+                     "table's JSON file (--update writes a new one)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="all", help=f"comma list of {', '.join(TARGETS)}, 'all', 'ci' "
@@ -312,6 +341,7 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="write the compiled entries and failures here")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown and exit")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
 
     from triton.runtime.jit import JITFunction
     if not all(isinstance(fn, JITFunction) for fn in KERNELS.values()):
@@ -336,8 +366,8 @@ def main(argv=None):
     names, skipped = supported_targets(names)
     for s in skipped:
         print(f"[offline] {s['target']}: skipped ({s['reason']})")
-    all_cases = cases(names, args.kernels.split(","), [int(x) for x in args.head_dims.split(",")],
-                      args.dtypes.split(","), args.configs)
+    all_cases = cases(names, _items(args.kernels), [int(x) for x in _items(args.head_dims)], _items(args.dtypes),
+                      args.configs)
     todo = stale_or_missing(all_cases, table) if args.update or args.fresh != "none" else []
     if args.fresh == "all":
         todo = all_cases

@@ -271,3 +271,93 @@ def test_item5_resume_refuses_another_configuration_and_skips_a_truncated_checkp
     assert resumed["resumed_from"] == 1
     assert resumed["losses"] == pytest.approx(first["losses"], rel=1e-6, abs=1e-9)
     json.loads((out / "losses.json").read_text(), parse_constant=lambda name: pytest.fail(f"non-standard {name}"))
+
+
+# -- 7. values checked before any work ------------------------------------------------------------
+@pytest.mark.parametrize("argv, flag", [
+    (["--options", "{bad"], "--options: not valid JSON"),
+    (["--options", "[1, 2]"], "--options must be a JSON object"),
+    (["--options", '{"tile": 5}'], "--options: tile must be"),
+    (["--method", "bogus"], "--method: unknown method"),
+    (["--eval-seeds", "abc"], "--eval-seeds must be comma-separated integers"),
+    (["--prompts", '"abc"'], "--prompts must be a JSON list of non-empty strings"),
+    (["--held-out", "[1]"], "--held-out must be a JSON list"),
+    (["--call", "[]"], "--call must be a JSON object"),
+    (["--videos", '[["a car", "/nonexistent.mp4"]]'], "--videos: '/nonexistent.mp4' is not a file"),
+    (["--steps", "0"], "--steps: steps must be an int >= 1"),
+    (["--lr", "-1"], "--lr: lr must be a number > 0"),
+    (["--time-dense", "-2"], "--time-dense must be >= 0"),
+])
+def test_item7_train_command_checks_every_value_before_loading(argv, flag, tmp_path, monkeypatch, capsys):
+    """Every ``python -m fastdit.train`` input error was a raw traceback (some only after training);
+    now a one-line error naming the flag, before any model loads."""
+    import fastdit.train.__main__ as train_main
+
+    monkeypatch.setattr(train_main, "_pipeline", lambda args: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        train_main.main(["--tiny", "wan", "--out", str(tmp_path / "run"), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flag in err[-1], err
+
+
+def test_item7_train_out_that_is_a_file_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    import fastdit.train.__main__ as train_main
+
+    monkeypatch.setattr(train_main, "_pipeline", lambda args: pytest.fail("a model was loaded"))
+    existing = tmp_path / "a_file"
+    existing.write_text("x")
+    with pytest.raises(SystemExit):
+        train_main.main(["--tiny", "wan", "--out", str(existing)])
+    assert "--out" in capsys.readouterr().err and existing.read_text() == "x"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kernels", "bogus"], "--kernels: unknown ['bogus']"),
+    (["--head-dims", "0"], "--head-dims: a comma list of positive ints"),
+    (["--targets", ""], "--targets: none given"),
+    (["--table", "/nonexistent.json"], "--table '/nonexistent.json': no such file"),
+    (["--dtypes", "int8"], "--dtypes: unknown ['int8']"),
+])
+def test_item7_offline_compile_checks_its_values(argv, flag, capsys):
+    """``python -m fastdit.kernels.offline --kernels bogus`` (``--head-dims 0``, ``--targets ""``,
+    ``--table /nonexistent.json``) exited 0 with 0 cases, ``--dtypes int8`` a KeyError."""
+    from fastdit.kernels import offline
+
+    with pytest.raises(SystemExit) as exit_info:
+        offline.main(argv)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+# -- 6. auto plans: keys and encodings ------------------------------------------------------------
+AUTO_CANDIDATES = [{"method": "sta", "tile": (1, 2, 2), "window": (1, 1, 1)}, {"method": "todo", "factor": 2}]
+
+
+def _auto_plan(choices):
+    return {"format": "fastdit-plan", "version": 2, "method": "auto", "step_buckets": [0], "options": {},
+            "model": {"family": "wan", "transformer": "WanTransformer3DModel", "layers": 1, "heads": 1, "grids": []},
+            "candidates": AUTO_CANDIDATES, "choices": choices}
+
+
+@pytest.mark.parametrize("key", ["\u00b2_0_0", "\u0660_0_0", "00_0_0"])
+def test_item6_plan_keys_are_ascii_decimal(key):
+    """A choices key ``"²_0_0"`` gave a raw ``int()`` error; ``"٠_0_0"`` (Arabic-Indic zero) was
+    accepted as a second ``0_0_0``. Both, and leading zeros, are refused naming the entry."""
+    from fastdit.calibration.plan_file import PlanError, load_plan
+    from fastdit.methods.base import get_method
+
+    with pytest.raises(PlanError, match="choices entry .*ASCII digits"):
+        load_plan(_auto_plan({"0_0_0": 0, key: 1}))
+    with pytest.raises(ValueError, match="choices entry .*ASCII digits"):
+        get_method("auto").make_config(candidates=AUTO_CANDIDATES, choices={key: 0})
+
+
+def test_item6_a_non_utf8_plan_file_is_a_plan_error(tmp_path):
+    """A non-UTF-8 plan file gave a raw ``UnicodeDecodeError``; docs promise a PlanError naming the file."""
+    from fastdit.calibration.plan_file import PlanError, load_plan
+
+    path = tmp_path / "plan.json"
+    path.write_bytes(b'{"format": "fastdit-plan", "method": "\xff\xfe"}')
+    with pytest.raises(PlanError, match=r"plan .*plan\.json: not UTF-8"):
+        load_plan(path)

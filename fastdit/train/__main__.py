@@ -43,6 +43,72 @@ def _shapes_captions(count, seed):
     return distinct_captions(count, seed, max_shapes=2)
 
 
+def _json_arg(parser, flag, text, kind):
+    """``text`` parsed as JSON of ``kind`` (``"object"``, ``"strings"``: a non-empty list of
+    strings, ``"pairs"``: a list of ``[caption, video file]``), or a one-line error naming ``flag``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        parser.error(f"{flag}: not valid JSON ({error}): {text!r}")
+    if kind == "object" and not isinstance(value, dict):
+        parser.error(f"{flag} must be a JSON object ({{\"name\": value, ...}}), got {type(value).__name__}: {text!r}")
+    if kind == "strings" and not (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
+        parser.error(f"{flag} must be a JSON list of non-empty strings (e.g. '[\"a red fox\", \"waves\"]'), got {text!r}")
+    if kind == "pairs" and not (isinstance(value, list) and all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v) for v in value)):
+        parser.error(f"{flag} must be a JSON list of [caption, video file] pairs, got {text!r}")
+    return value
+
+
+def _check_args(parser, args):
+    """Every input checked before any model loads: ``(options, notes, eval_seeds, json values)``."""
+    from fastdit.methods.base import get_method
+
+    from .recipe import LoraTrainConfig
+
+    notes = []
+    if args.options is None and args.tiny and args.method in TINY_OPTIONS:
+        options = dict(TINY_OPTIONS[args.method])
+        notes.append(f"--tiny: {args.method}'s default window covers the whole tiny latent grid; using {options} "
+                     "(pass --options to choose)")
+    else:
+        options = {key: tuple(v) if isinstance(v, list) else v
+                   for key, v in _json_arg(parser, "--options", args.options or "{}", "object").items()}
+    try:
+        get_method(args.method).make_config(None, **options)
+    except (ValueError, TypeError) as error:
+        flag = "--method" if "unknown method" in str(error) else "--options"
+        parser.error(f"{flag}: {error}")
+    call = _json_arg(parser, "--call", args.call, "object") if args.call else {}
+    prompts = tuple(_json_arg(parser, "--prompts", args.prompts, "strings")) if args.prompts else None
+    held_out = tuple(_json_arg(parser, "--held-out", args.held_out, "strings")) if args.held_out else None
+    videos = tuple(tuple(v) for v in _json_arg(parser, "--videos", args.videos, "pairs")) if args.videos else ()
+    for _, video in videos:
+        if not Path(video).is_file():
+            parser.error(f"--videos: {video!r} is not a file")
+    try:
+        eval_seeds = tuple(int(s) for s in args.eval_seeds.split(","))
+    except ValueError:
+        parser.error(f"--eval-seeds must be comma-separated integers (e.g. 100,101), got {args.eval_seeds!r}")
+    for flag, value in (("--out", args.out), ("--json", args.json)):
+        if value is None:
+            continue
+        path = Path(value)
+        if (flag == "--out" and path.exists() and not path.is_dir()) or (flag == "--json" and path.is_dir()):
+            parser.error(f"{flag} {value!r} is an existing {'file' if flag == '--out' else 'folder'}; "
+                         f"--out takes a folder, --json a file")
+    if args.time_dense < 0:
+        parser.error(f"--time-dense must be >= 0 (0: off), got {args.time_dense}")
+    try:
+        LoraTrainConfig(method=args.method, options=options, steps=args.steps, samples=args.samples, lr=args.lr,
+                        rank=args.rank, checkpoint_every=args.checkpoint_every, videos=videos,
+                        flow_weight=args.flow_weight, **({"prompts": prompts} if prompts else {}))
+    except ValueError as error:
+        field = str(error).split()[0]  # the config's messages start with the field: the flag of the same name
+        parser.error(f"--{field.replace('_', '-')}: {error}")
+    return options, notes, eval_seeds, call, prompts, held_out, videos
+
+
 def main(argv=None):
     from .evaluate import dense_videos, layer_errors, output_error, video_fidelity
     from .recipe import LoraTrainConfig, add_lora, make_samples, train_lora, train_steps
@@ -77,27 +143,18 @@ def main(argv=None):
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-
-    notes = []
-    if args.options is None and args.tiny and args.method in TINY_OPTIONS:
-        options = dict(TINY_OPTIONS[args.method])
-        notes.append(f"--tiny: {args.method}'s default window covers the whole tiny latent grid; using {options} "
-                     "(pass --options to choose)")
-    else:
-        options = {key: tuple(v) if isinstance(v, list) else v for key, v in json.loads(args.options or "{}").items()}
+    options, notes, eval_seeds, call_override, prompts_given, held_given, videos = _check_args(parser, args)
     pipe, call = _pipeline(args)
     pipe.set_progress_bar_config(disable=True)
-    if args.call:
-        call.update(json.loads(args.call))
+    call.update(call_override)
     prompts, held_out = None, HELD_OUT
     if args.model == "tiny-shapes":  # its own grammar: the tiny text encoder knows nothing else
         prompts, held_out = _shapes_captions(8, seed=7), _shapes_captions(4, seed=8)
-    prompts = tuple(json.loads(args.prompts)) if args.prompts else prompts
-    held_out = tuple(json.loads(args.held_out)) if args.held_out else held_out
-    eval_seeds = tuple(int(s) for s in args.eval_seeds.split(","))
+    prompts = prompts_given or prompts
+    held_out = held_given or held_out
     config = LoraTrainConfig(method=args.method, options=options, steps=args.steps, samples=args.samples, lr=args.lr,
                              rank=args.rank, checkpoint_every=args.checkpoint_every, call_kwargs=call,
-                             backend=args.backend, videos=tuple(tuple(v) for v in json.loads(args.videos or "[]")),
+                             backend=args.backend, videos=videos,
                              flow_weight=args.flow_weight, **({"prompts": prompts} if prompts else {}))
     result = {"method": args.method, "options": options, "call": call, "prompts": config.prompts,
               "held_out": held_out, "eval_seeds": eval_seeds}
@@ -112,7 +169,12 @@ def main(argv=None):
                                           args.backend)
         result["before"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
         result["before"]["output_error"] = output_error(pipe.transformer, held_all, args.method, options, args.backend)
-    trained = train_lora(pipe, config, args.out, resume=args.resume, progress=not args.no_progress)
+    from .recipe import TrainingDiverged
+
+    try:
+        trained = train_lora(pipe, config, args.out, resume=args.resume, progress=not args.no_progress)
+    except (ValueError, TrainingDiverged) as error:  # resume mismatch, unreadable checkpoints, divergence
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
     times = trained["seconds_per_step"][1:] or trained["seconds_per_step"]
     result.update(loss_first=trained["losses"][0], loss_last=trained["losses"][-1], steps=len(trained["losses"]),
                   sparse_step_s=statistics.median(times) if times else None, stats=trained["stats"],
