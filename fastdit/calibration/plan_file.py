@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from fastdit.methods.base import get_method
 from fastdit.methods.sta import PLAN_FORMAT, PLAN_VERSION, choose_tile, normalize_strategy
@@ -71,9 +72,20 @@ def load_plan(path):
             plan = json.load(handle)
     except json.JSONDecodeError as error:
         raise PlanError(f"plan {path}: not valid JSON (truncated or malformed): {error}") from None
+    except UnicodeDecodeError as error:
+        raise PlanError(f"plan {path}: not UTF-8 text ({error.reason} at byte {error.start}); a plan is a JSON "
+                        "file written by fastdit calibrate") from None
     except OSError as error:
         raise PlanError(f"plan {path}: cannot read it: {error.strerror or error}") from None
     return check_plan(plan, path)
+
+
+def index_key(key, parts):
+    """The ints of a ``'a_b[_c]'`` key of ``parts`` ASCII decimal numbers without leading zeros, or
+    None (``'²_0_0'`` and ``'٠_0_0'`` are no keys: one would not parse, the other would repeat ``0_0_0``)."""
+    if not isinstance(key, str) or not re.fullmatch(r"(0|[1-9][0-9]*)" + r"_(0|[1-9][0-9]*)" * (parts - 1), key):
+        return None
+    return tuple(int(x) for x in key.split("_"))
 
 
 def _int(value, low=0):
@@ -149,8 +161,8 @@ def check_plan(plan, source=""):
         if not isinstance(settings, dict) or not settings:
             raise PlanError(f"{where}: entry 'settings' must be a non-empty object {{'step_layer': {{options}}}}")
         for key, value in settings.items():
-            parts = key.split("_") if isinstance(key, str) else []
-            if len(parts) != 2 or not all(p.isdigit() for p in parts) or not (value is None or isinstance(value, dict)):
+            parts = index_key(key, 2)
+            if parts is None or not (value is None or isinstance(value, dict)):
                 raise PlanError(f"{where}: settings entry {key!r}: keys are 'step_layer' (two ints) and values "
                                 f"objects of options, or null (dense)")
             if int(parts[0]) not in buckets or int(parts[1]) >= model["layers"]:
@@ -175,10 +187,10 @@ def _check_auto(plan, where, buckets, model):
         raise PlanError(f"{where}: entry 'choices' must be a non-empty object {{'step_layer_head': index or null}}")
     named = {}
     for key in choices:
-        parts = key.split("_")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise PlanError(f"{where}: choices entry {key!r}: keys are 'step_layer_head' (three ints)")
-        step, layer, head = map(int, parts)
+        parts = index_key(key, 3)
+        if parts is None:
+            raise PlanError(f"{where}: choices entry {key!r}: keys are 'step_layer_head' (three ints, ASCII digits)")
+        step, layer, head = parts
         if step not in buckets or layer >= model["layers"] or head >= model["heads"]:
             raise PlanError(f"{where}: choices entry {key!r} is outside the plan's step buckets {buckets}, "
                             f"{model['layers']} layers or {model['heads']} heads")

@@ -72,10 +72,12 @@ class AutoConfig(MethodConfig):
                 raise ValueError(f"auto: candidate {index} {candidate!r}: {error}") from None
         if not isinstance(self.choices, dict) or not self.choices:
             raise ValueError("auto: choices must be a non-empty dict {'step_layer_head': candidate index or None}")
+        from fastdit.calibration.plan_file import index_key
+
         for key, value in self.choices.items():
-            parts = key.split("_") if isinstance(key, str) else []
-            if len(parts) != 3 or not all(p.isdigit() for p in parts):
-                raise ValueError(f"auto: choices entry {key!r}: keys are 'step_layer_head' (three ints >= 0)")
+            if index_key(key, 3) is None:
+                raise ValueError(f"auto: choices entry {key!r}: keys are 'step_layer_head' (three ints >= 0, ASCII "
+                                 "digits)")
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not 0 <= value < len(self.candidates)):
                 raise ValueError(f"auto: choices entry {key!r} = {value!r} is no candidate index (0 to "
