@@ -361,3 +361,19 @@ def test_item6_a_non_utf8_plan_file_is_a_plan_error(tmp_path):
     path.write_bytes(b'{"format": "fastdit-plan", "method": "\xff\xfe"}')
     with pytest.raises(PlanError, match=r"plan .*plan\.json: not UTF-8"):
         load_plan(path)
+
+
+def test_item6_set_applies_on_top_of_an_auto_plan(tmp_path):
+    """``fastdit compare --methods dense,auto --plan auto.json --set auto.dense_steps=1`` was refused
+    with "method 'auto' needs a plan" although --plan was given (docs/calibration.md: --set applies
+    on top); the options are now checked with the plan's under them."""
+    from fastdit.cli.common import CLIError, parse_options
+
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps(_auto_plan({"0_0_0": 0})))
+    assert parse_options(["auto.dense_steps=1"], ["dense", "auto"], str(path)) == {"auto": {"dense_steps": 1}}
+    with pytest.raises(CLIError, match="needs a plan"):  # without --plan it is still refused
+        parse_options(["auto.dense_steps=1"], ["dense", "auto"])
+    with pytest.raises(CLIError, match="argument --plan: .*not UTF-8"):
+        (tmp_path / "bad.json").write_bytes(b"\xff\xfe")
+        parse_options(["auto.dense_steps=1"], ["dense", "auto"], str(tmp_path / "bad.json"))

@@ -128,8 +128,19 @@ def apply_plan_argument(path, methods, options, user_options):
     return {**options, method: {"plan": path, **user_options.get(method, {})}}
 
 
-def parse_options(settings, methods):
-    """``["sta.tile=6,8,8", ...]`` -> ``{"sta": {"tile": (6, 8, 8)}}``."""
+def parse_options(settings, methods, plan=None):
+    """``["sta.tile=6,8,8", ...]`` -> ``{"sta": {"tile": (6, 8, 8)}}``. ``plan``: the ``--plan`` file,
+    whose method's options are checked with the plan's own under them (``auto`` has no config
+    without its plan's candidates and choices)."""
+    base = {}
+    if plan is not None:
+        from fastdit.calibration.plan_file import PlanError, load_plan, plan_options
+
+        try:
+            planned = load_plan(plan)["method"]
+            base = {planned: plan_options(plan, planned)}
+        except PlanError as error:
+            raise CLIError(f"argument --plan: {error}") from None
     options = {}
     for setting in settings or []:
         key, sep, value = setting.partition("=")
@@ -139,10 +150,10 @@ def parse_options(settings, methods):
         if method not in methods:
             raise CLIError(f"argument --set: {setting!r} names method {method!r}, which is not in --methods "
                            f"{','.join(methods)}")
-        check_method_options(method, {option: parse_value(value)}, f"--set {setting}")
+        check_method_options(method, {**base.get(method, {}), option: parse_value(value)}, f"--set {setting}")
         options.setdefault(method, {})[option] = parse_value(value)
     for method, values in options.items():
-        check_method_options(method, values, f"--set {method}.*")
+        check_method_options(method, {**base.get(method, {}), **values}, f"--set {method}.*")
     return options
 
 

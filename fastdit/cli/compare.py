@@ -45,7 +45,7 @@ def cmd_compare(args):
         from fastdit.methods.auto import NEEDS_PLAN
 
         raise CLIError(f"argument --methods: {NEEDS_PLAN}; pass it here with --plan plan.json")
-    options = parse_options(args.set, methods)
+    options = parse_options(args.set, methods, args.plan)
     check_generation_arguments(args)
     shapes = trained_name(args.model) == "tiny-shapes"
     if args.prompt is None:

@@ -131,7 +131,7 @@ def config_from_args(args):
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
                        f"{', '.join(fastdit.method_names())}")
-    options = parse_options(args.set, methods)
+    options = parse_options(args.set, methods, args.plan)
     grid = parse_grid(args.grid, methods)
     for method, values in grid.items():
         for option, choices in values.items():
