@@ -233,7 +233,6 @@ def test_causal_with_a_key_mask_combines_both():
 
 
 @pytest.mark.parametrize("static, per, kwargs, message", [
-    ({"windw": (1, 3, 3)}, {}, {}, "unknown option"),
     ({"window": (2, 3, 3)}, {}, {}, "window"),
     ({"correction": "cached"}, {}, {}, "layer identity"),
     ({"dense_layers": 2}, {}, {}, "layer identity"),
@@ -269,3 +268,22 @@ def test_dispatcher_refuses_without_capabilities():
             dispatch("fastdit_sta", q, k, v, attn_mask=torch.ones(1, 8, dtype=torch.bool))
     finally:
         fn.capabilities = saved
+
+
+def test_unknown_params_keys_are_ignored_with_one_warning():
+    """Issue 45 item 9: an engine that adds a per-call key to the params broke every call with
+    "unknown option"; the key is now ignored (the output is the one without it) with one warning
+    naming it and the valid options."""
+    import warnings
+
+    q, k, v = bsnd(1, math.prod(GRID), seed=23)
+    state = per_forward(1, 1)
+    options = dict(OPTIONS["sta"], dense_steps=0)
+    expected = dispatch("fastdit_sta", q, k, v, options, state)
+    with pytest.warns(UserWarning, match=r"ignoring params keys \['engine_extra', 'windw'\].*valid: \[") as seen:
+        out = dispatch("fastdit_sta", q, k, v, {**options, "engine_extra": 1, "windw": (1, 3, 3)}, state)
+    torch.testing.assert_close(out, expected)
+    assert sum("ignoring params keys" in str(w.message) for w in seen) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: not again
+        dispatch("fastdit_sta", q, k, v, {**options, "engine_extra": 2, "windw": (1, 3, 3)}, state)

@@ -34,9 +34,10 @@ are not offered). One call:
   rows) for all.
 * **Step.** ``denoise_step_idx`` (0-based) and ``total_denoise_steps`` drive ``dense_steps``; a
   step index is required when ``dense_steps`` is not 0, the total when it is a fraction.
-* **Options** are the static params with the names and validation of ``fastdit.patch`` (an
-  unknown option, or a bad value, raises ``ValueError`` at the first call). The other keys the
-  contract defines (listed in ``CONTRACT_KEYS``) are read or ignored.
+* **Options** are the static params with the names and validation of ``fastdit.patch`` (a bad
+  value raises ``ValueError`` at the first call). The other keys the contract defines (listed in
+  ``CONTRACT_KEYS``) are read or ignored; any other key (a per-call extra an engine adds, or a
+  misspelt option) is ignored with one warning naming it and the valid options.
 * **Runs dense, counted in ``fn.stats`` (a ``PatchStats``) with the reason:** no geometry, a grid
   that does not match the sequence, spans that are neither a prefix nor a suffix, a mask that is
   not a key mask (run with the mask as given), ``is_causal=True`` (causal dense attention),
@@ -56,6 +57,7 @@ The result is ``fastdit.attention`` of the same call in model order (BHSD), bit 
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 
@@ -122,13 +124,23 @@ class SparseAttentionPlugin:
     def options(self, params):
         """The method options in ``params`` (every key outside ``CONTRACT_KEYS``), validated as
         ``fastdit.patch`` validates them, plus the plugin defaults; cached per distinct options."""
+        cls = self._method_cls
+        prefix = f"vllm-omni plugin {self.__name__}"
+        fields = {f.name for f in dataclasses.fields(cls.config_cls)}
         given = {name: value for name, value in params.items() if name not in CONTRACT_KEYS}
+        extras = sorted(str(name) for name in given if name not in fields)
+        if extras:  # per-call extras an engine adds: not options of the method, ignored (warned once per set)
+            given = {name: value for name, value in given.items() if name in fields}
+            with self._lock:
+                first = ("extras", tuple(extras)) not in self._warned
+                self._warned.add(("extras", tuple(extras)))
+            if first:
+                warnings.warn(f"fastdit: {prefix}: ignoring params keys {extras}: neither options of {self.method!r} "
+                              f"(valid: {sorted(fields)}) nor keys of the plugin contract", stacklevel=3)
         key = repr(sorted(given.items()))
         cached = self._options.get(key)
         if cached is not None:
             return cached
-        cls = self._method_cls
-        prefix = f"vllm-omni plugin {self.__name__}"
         try:
             config = cls.make_config(None, **given)
         except (ValueError, TypeError) as error:
