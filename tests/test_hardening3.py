@@ -377,3 +377,13 @@ def test_item6_set_applies_on_top_of_an_auto_plan(tmp_path):
     with pytest.raises(CLIError, match="argument --plan: .*not UTF-8"):
         (tmp_path / "bad.json").write_bytes(b"\xff\xfe")
         parse_options(["auto.dense_steps=1"], ["dense", "auto"], str(tmp_path / "bad.json"))
+
+
+# -- 8. quiet wrong turns ---------------------------------------------------------------------------
+def test_item8_an_empty_set_value_means_none():
+    """``--set sparge.topk=`` was refused though the option table says "empty: use cdf"."""
+    from fastdit.cli.common import CLIError, parse_options
+
+    assert parse_options(["sparge.topk="], ["sparge"]) == {"sparge": {"topk": None}}
+    with pytest.raises(CLIError, match="--set sparge.topk=2"):
+        parse_options(["sparge.topk=2"], ["sparge"])

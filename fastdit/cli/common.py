@@ -150,8 +150,10 @@ def parse_options(settings, methods, plan=None):
         if method not in methods:
             raise CLIError(f"argument --set: {setting!r} names method {method!r}, which is not in --methods "
                            f"{','.join(methods)}")
-        check_method_options(method, {**base.get(method, {}), option: parse_value(value)}, f"--set {setting}")
-        options.setdefault(method, {})[option] = parse_value(value)
+        # empty: None, what the option tables' "empty: ..." means (format_value writes None as "")
+        parsed = None if not value.strip() else parse_value(value)
+        check_method_options(method, {**base.get(method, {}), option: parsed}, f"--set {setting}")
+        options.setdefault(method, {})[option] = parsed
     for method, values in options.items():
         check_method_options(method, {**base.get(method, {}), **values}, f"--set {method}.*")
     return options
