@@ -287,3 +287,19 @@ def test_unknown_params_keys_are_ignored_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: not again
         dispatch("fastdit_sta", q, k, v, {**options, "engine_extra": 2, "windw": (1, 3, 3)}, state)
+
+
+def test_engine_input_mistakes_get_clear_answers():
+    """Issue 45 item 9: batch 0 gave a torch.cat error (now the empty output); a negative
+    latent_shape a confusing grid message (now a ValueError naming latent_shape); a BHSD tensor
+    with a text suffix span "text_len=-254 does not fit" (now a ValueError naming the layout)."""
+    seq = math.prod(GRID)
+    q, k, v = bsnd(1, seq, seed=29)
+    options = dict(OPTIONS["sta"], dense_steps=0)
+    empty = dispatch("fastdit_sta", q[:0], k[:0], v[:0], options, per_forward(0, 1))
+    assert empty.shape == (0, seq, HEADS, DIM)
+    with pytest.raises(ValueError, match=r"latent_shape \[-12, 16, 16\] .* must be positive"):
+        dispatch("fastdit_sta", q, k, v, options, per_forward(1, 1, latent=(-12, 16, 16)))
+    qb, kb, vb = model_order(*bsnd(1, seq + 4, seed=31))  # BHSD by mistake, with a 4-token text suffix
+    with pytest.raises(ValueError, match=r"starts past the \d+ tokens.*\[batch, seq_len, num_heads, head_dim\]"):
+        dispatch("fastdit_sta", qb, kb, vb, options, per_forward(1, 1), full_attn_spans=[[(seq, seq + 4)]])

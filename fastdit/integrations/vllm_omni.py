@@ -166,6 +166,8 @@ class SparseAttentionPlugin:
         params = dict(params or {})
         options = self.options(params)
         batch, seq, heads, _ = query.shape
+        if batch == 0 or seq == 0:  # nothing to attend: the empty output
+            return query.new_zeros(batch, seq, heads, value.shape[-1])
         keys = key.shape[1]
         mask = _mask_4d(params.get("attn_mask"), batch, heads, seq, keys, self.__name__)
         q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
@@ -257,7 +259,11 @@ class SparseAttentionPlugin:
             latent, patch = _rows(latent, 3, batch, "latent_shape"), _rows(patch, 3, batch, "patch_size")
             if isinstance(latent, str) or isinstance(patch, str):
                 return latent if isinstance(latent, str) else patch
-            return [tuple(int(x) // max(int(p), 1) for x, p in zip(latent[b], patch[b])) for b in range(batch)]
+            for b in range(batch):
+                if min(int(x) for x in latent[b]) < 1 or min(int(x) for x in patch[b]) < 1:
+                    raise ValueError(f"{self.__name__}: latent_shape {list(latent[b])} and patch_size {list(patch[b])} "
+                                     "must be positive ints (T, H, W)")
+            return [tuple(int(x) // int(p) for x, p in zip(latent[b], patch[b])) for b in range(batch)]
         frames, per_frame = params.get("total_latent_frames"), params.get("patches_per_frame")
         if frames is not None and per_frame is not None:
             if METHODS[self.method]:
@@ -328,6 +334,10 @@ def _layout(grid, spans, seq):
     text_len, position = 0, "none"
     if spans:
         start, end = spans[0]
+        if start >= seq:
+            raise ValueError(f"full_attn_spans [{start}, {end}) starts past the {seq} tokens of the call: is the query "
+                             "[batch, seq_len, num_heads, head_dim]? (a [batch, num_heads, seq_len, head_dim] tensor "
+                             "puts the heads in seq_len)")
         end = min(end, seq)
         if start == 0 and end >= seq:
             return "all"
