@@ -133,34 +133,34 @@ def head_sets(args):
 
 
 def model_calls(args):
-    """Every self-attention call (q, k, v, layout) of one dense tiny-shapes run."""
+    """Every self-attention call (q, k, v, layout) of one dense tiny-shapes run (CFG branch 0)."""
+    from fastdit.methods.base import _REGISTRY, register_method
     from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
 
     pipe = load_pipeline(args.model, "cpu")
-    captured = []
-    method = _Capture(captured, args.max_calls)
+    _Capture.store, _Capture.limit = [], args.max_calls
+    register_method(_Capture)
     call = {**TRAINED_DEFAULTS[args.model], "num_inference_steps": args.model_steps, "output_type": "latent"}
-    patch = fastdit.patch(pipe, method)
+    patch = fastdit.patch(pipe, _Capture.name, dense_steps=0, dense_layers=0)
     try:
         with torch.no_grad():
             pipe(prompt="a red circle moving right and a blue square moving down",
                  generator=torch.Generator().manual_seed(0), **call)
     finally:
         patch.remove()
-    return captured
+        _REGISTRY.pop(_Capture.name, None)
+    return _Capture.store
 
 
 class _Capture(fastdit.methods.base.Method):
-    """Records each call's q, k, v (CFG branch 0) and runs the model's own attention."""
+    """Records each call's q, k, v (CFG branch 0, batch element 0) and runs the model's own attention."""
 
     name = "_guard_bench_capture"
-
-    def __init__(self, store, limit):
-        super().__init__(None, dense_steps=0, dense_layers=0)
-        self.store, self.limit = store, limit
+    listed = False
+    store, limit = [], 0
 
     def attend(self, ctx, q, k, v):
-        if len(self.store) < self.limit and ctx.branch == 0 and q.shape[0] >= 1:
+        if len(self.store) < self.limit and ctx.branch == 0:
             self.store.append((q[:1].clone(), k[:1].clone(), v[:1].clone(), ctx.layout))
         ctx.info["dense"] = True
         return ctx.dense()
