@@ -387,3 +387,17 @@ def test_item8_an_empty_set_value_means_none():
     assert parse_options(["sparge.topk="], ["sparge"]) == {"sparge": {"topk": None}}
     with pytest.raises(CLIError, match="--set sparge.topk=2"):
         parse_options(["sparge.topk=2"], ["sparge"])
+
+
+@pytest.mark.parametrize("method, beside", [("sta", "plan.json.partial.json"), ("auto", "plan.png")])
+def test_item7_calibrate_refuses_a_folder_where_it_writes_beside_out(method, beside, tmp_path, capsys, monkeypatch):
+    """``OUT.partial.json`` or (auto) ``OUT.png`` existing as a folder failed late, left temp files
+    or exited 1 after writing the plan; now refused before any model loads."""
+    from fastdit.cli import main
+    from fastdit.pipelines import loading
+
+    monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / beside).mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "--method", method, "--budget", "0.1", "--out", str(tmp_path / "plan.json")])
+    assert exit_info.value.code == 2 and f"{beside}, which is a folder" in capsys.readouterr().err

@@ -138,6 +138,12 @@ def cmd_calibrate(args):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir) or os.path.isdir(args.out):
         raise CLIError(f"argument --out: {args.out} must be a file in an existing folder")
+    # the files written beside it: the resume record, and auto's picture
+    beside = [f"{args.out}.partial.json"] + ([os.path.splitext(args.out)[0] + ".png"] if auto else [])
+    for path in beside:
+        if os.path.isdir(path):
+            raise CLIError(f"argument --out: calibrate also writes {path}, which is a folder; move it or choose "
+                           "another --out")
     check_device(args.device)
     try:
         check_requested_size(args.model, args.frames, args.height, args.width)
