@@ -16,7 +16,8 @@ from .functional import attention
 from .layout import TokenLayout
 from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, OptiPruneConfig, PruneConfig, RadialConfig, SpargeConfig,
                       STAConfig, SVG2Config, SVGConfig, ToDoConfig, ToMeConfig, WindowConfig, method_names)
-from .patching import AlreadyPatchedError, Patch, patch
+from .apply import patch
+from .patching import AlreadyPatchedError, Patch
 from .stats import PatchStats
 from .plan import BlockPlan, run_plan
 

@@ -319,7 +319,7 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     so exactly as in one process), then one ring step per key shard (``ring_attend``)."""
     from fastdit.context import AttentionContext, transformer_call
     from fastdit.layout import TokenLayout
-    from fastdit.masks import key_mask_from_attn_mask
+    from fastdit.layout import key_mask_from_attn_mask
     from fastdit.methods.base import Method
     from fastdit.methods.parallel import ring_attend, ring_refusal as refusal, ring_shards
 

@@ -1,4 +1,4 @@
-"""``fastdit.patch`` (defined here, exported by the package): replace the attention of a diffusers DiT pipeline in one line, reversibly.
+"""The ``Patch`` that ``fastdit.patch`` (``fastdit/apply.py``) installs: replace the attention of a diffusers DiT pipeline in one line, reversibly.
 
 Everything is instance-level: on each patched attention module an instance ``forward`` and, for
 processors that dispatch through diffusers' backends, a backend of fastdit's own set on the
@@ -39,15 +39,14 @@ from fastdit.context import (
     set_transformer_call,
     transformer_call,
 )
-from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_backend,
-                               check_parallelism, check_ring_split, register_patch, unregister_patch)
-from fastdit.layout import TokenLayout, shard_order
-from fastdit.masks import key_mask_from_attn_mask
-from fastdit.methods.base import OptionError, get_method
+from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_ring_split, register_patch,
+                               unregister_patch)
+from fastdit.layout import TokenLayout, key_mask_from_attn_mask, shard_order
+from fastdit.methods.base import OptionError
 from fastdit.stats import PatchStats
 from fastdit.steps import track_scheduler
 
-_MARK = "_fastdit_patch"
+PATCH_MARK = "_fastdit_patch"
 _ENGINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -96,7 +95,7 @@ class _UnpatchedState:
             return base
         state = dict(base)
         state.pop("__getstate__", None)
-        state.pop(_MARK, None)
+        state.pop(PATCH_MARK, None)
         for name, (ours, previous) in self.changes.items():
             if state.get(name, _MISSING) is ours:
                 value = previous()
@@ -154,8 +153,8 @@ class Patch:
     def _install(self, modules_per_transformer):
         multi = len(self._transformers) > 1
         for (attr_name, transformer), modules in zip(self._transformers, modules_per_transformer):
-            setattr(transformer, _MARK, self)
-            self._undo.append(lambda t=transformer: t.__dict__.pop(_MARK, None))
+            setattr(transformer, PATCH_MARK, self)
+            self._undo.append(lambda t=transformer: t.__dict__.pop(PATCH_MARK, None))
             for local_index, (name, module) in enumerate(modules):
                 self.layers.append(f"{attr_name}.{name}" if multi else name)
                 self._layers.append(_Layer(self.layers[-1], local_index, weakref.ref(transformer)))
@@ -483,112 +482,3 @@ class Patch:
 def _in_model_order(original, order):
     """The model's own attention of a Ulysses call, returned in model token order."""
     return lambda: original().index_select(2, order)
-
-
-def _unwrap(module):
-    """The module behind ``torch.compile(module)``."""
-    return getattr(module, "_orig_mod", module) if isinstance(module, torch.nn.Module) else module
-
-
-def _targets(target):
-    """``([(attr_name, transformer)], scheduler)`` of a pipeline or a bare transformer."""
-    if isinstance(target, torch.nn.Module) and not hasattr(target, "transformer"):
-        return [("transformer", _unwrap(target))], None
-    transformer = getattr(target, "transformer", None)
-    if transformer is None:
-        unet = " (it has a UNet: fastdit patches DiT transformers only)" if getattr(target, "unet", None) is not None else ""
-        raise ValueError(f"{type(target).__name__} has no `transformer`{unet}; pass a diffusers DiT pipeline or its transformer")
-    found = [("transformer", _unwrap(transformer))]
-    second = getattr(target, "transformer_2", None)
-    if second is not None:
-        found.append(("transformer_2", _unwrap(second)))
-    return found, getattr(target, "scheduler", None)
-
-
-def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", plan=None, trainable=False,
-          **options):
-    """Replace the DiT attention of a diffusers pipeline (or transformer) with ``method``.
-
-    Args:
-        target: a diffusers pipeline (its ``transformer``, and ``transformer_2`` for Wan 2.2, are
-            patched with one step counter) or a transformer (also one wrapped by ``torch.compile``).
-        method: a name from ``fastdit.method_names()``.
-        config: the method's config dataclass (e.g. ``fastdit.STAConfig(...)``); keyword
-            ``options`` override its fields.
-        record_masks: keep each layer's latest plan so ``Patch.mask(layer, head)`` can draw it.
-        backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
-        plan: a plan file written by ``fastdit.calibrate`` or ``fastdit.methods.sta.load_strategy``
-            (a path, or the loaded dict): its settings per (step bucket, layer, head) become the
-            method's options. Options the plan sets (its ``options``, sta's ``strategy`` and so
-            ``window``, the ``layer_settings`` and every option they name) cannot be passed beside
-            it (PlanError naming them); other keyword ``options`` apply on top. A plan for another
-            method, model family, transformer class, layer or head count is refused, naming the
-            mismatch, and so is a grid where its settings would change meaning (at the first call
-            on each new grid).
-        trainable: calls needing gradients run the method with them (plans are constants; docs/training.md),
-            not the model's attention (a counted fallback); a method that cannot is refused (OptionError).
-
-    Returns:
-        a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
-        ``copy.deepcopy`` / ``copy.copy`` / ``torch.save`` of a patched transformer (or pipeline)
-        give the *unpatched* model (an EMA copy, a checkpoint); the original stays patched, and a
-        copy can be patched on its own.
-
-    Every option is checked here, against the model (e.g. per-head windows against its head
-    count), before anything is installed: a bad option raises and leaves the model untouched.
-
-    Example::
-
-        p = fastdit.patch(pipe, "sta", tile=(6, 8, 8), window=(3, 3, 3), dense_steps=0.25)
-        video = pipe(prompt).frames
-        p.remove()
-    """
-    from fastdit.pipelines import find_adapter
-
-    if plan is not None:  # checked against the model before anything is installed
-        from fastdit.calibration.plan_file import load_plan, plan_options_for, with_plan
-
-        plan_source = plan if isinstance(plan, (str, os.PathLike)) else ""
-        options = with_plan(plan_options_for(plan, target, method), options, plan_source)
-        plan = (load_plan(plan), plan_source)  # its grids are checked at the first call on each grid
-    method_cls = get_method(method)
-    config = method_cls.make_config(config, **options)
-    transformers, scheduler = _targets(target)
-    check_backend(backend, transformers)
-    adapters = [find_adapter(t) for _, t in transformers]
-    adapter = adapters[0]
-    for _, transformer in transformers:
-        existing = getattr(transformer, _MARK, None)
-        if existing is not None:
-            raise AlreadyPatchedError(
-                f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
-            )
-    config = method_cls.resolve(config, adapter)
-    method_obj = method_cls(config)
-    for _, transformer in transformers:
-        check_parallelism(transformer, method_obj)
-    for variant in method_obj.variants():  # per-layer settings (layer_settings) are checked like the base
-        method_cls.check_family(adapter, variant.config)
-        if trainable and variant.trainable_refusal():
-            raise OptionError(f"method {method!r} cannot run with trainable=True: {variant.trainable_refusal()}")
-    modules_per_transformer = []
-    for _, transformer in transformers:
-        modules = adapter.attention_modules(transformer)
-        if not modules:
-            raise ValueError(f"{type(transformer).__name__}: found no attention module matching "
-                             f"{adapter.attention_pattern!r} for family {adapter.family!r}")
-        for heads in sorted({getattr(m, "heads", None) for _, m in modules} - {None}):
-            for variant in method_obj.variants():
-                variant.check_heads(heads)
-        modules_per_transformer.append(modules)
-    n_layers = sum(len(modules) for modules in modules_per_transformer)
-    for variant in method_obj.variants():
-        variant.check_layers(n_layers)
-    result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
-    result._plan, result.trainable = plan, bool(trainable)
-    try:
-        result._install(modules_per_transformer)
-    except BaseException:
-        result.remove()
-        raise
-    return result

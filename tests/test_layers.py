@@ -5,7 +5,7 @@ Layers, bottom to top (docs/architecture.md draws them):
   0 kernels                       fastdit.kernels.*
   1 data types and utilities      layout, plan, context, stats, masks, jsonutil, cpu_load, costmodel
   2 methods                       fastdit.methods.*
-  3 patch and model adapters      patching, intercept, steps, functional, calibration.plan_file, pipelines.*
+  3 patch and model adapters      patching, apply, intercept, steps, functional, calibration.plan_file, pipelines.*
   4 libraries with entry points   compare, parallel, support, options, media.*, calibration.* (search,
                                   candidates), eval.* (bench, metrics, runner), app.*, caches,
                                   integrations.* (vllm-omni plugins), train.* (the LoRA recipe)
@@ -22,10 +22,10 @@ import fastdit
 
 LAYERS = [
     ("fastdit.kernels",),
-    ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.masks", "fastdit.jsonutil",
+    ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.jsonutil",
      "fastdit.cpu_load", "fastdit.costmodel"),
     ("fastdit.methods",),
-    ("fastdit.patching", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
+    ("fastdit.patching", "fastdit.apply", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
      "fastdit.calibration.plan_file"),
     ("fastdit.compare", "fastdit.parallel", "fastdit.support", "fastdit.options", "fastdit.media",
      "fastdit.calibration", "fastdit.eval", "fastdit.app", "fastdit.integrations", "fastdit.train"),

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
-from fastdit.methods.base import get_method
+from fastdit.methods.base import get_method, index_key  # noqa: F401 (index_key: the plan-key rule, re-exported)
 from fastdit.methods.sta import PLAN_FORMAT, PLAN_VERSION, choose_tile, normalize_strategy
 
 #: Plan versions this fastdit reads (2 added method ``auto``; a version 1 plan means what it meant).
@@ -78,14 +77,6 @@ def load_plan(path):
     except OSError as error:
         raise PlanError(f"plan {path}: cannot read it: {error.strerror or error}") from None
     return check_plan(plan, path)
-
-
-def index_key(key, parts):
-    """The ints of a ``'a_b[_c]'`` key of ``parts`` ASCII decimal numbers without leading zeros, or
-    None (``'²_0_0'`` and ``'٠_0_0'`` are no keys: one would not parse, the other would repeat ``0_0_0``)."""
-    if not isinstance(key, str) or not re.fullmatch(r"(0|[1-9][0-9]*)" + r"_(0|[1-9][0-9]*)" * (parts - 1), key):
-        return None
-    return tuple(int(x) for x in key.split("_"))
 
 
 def _int(value, low=0):

@@ -345,7 +345,7 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
     Returns:
         the plan (a dict, as written to ``out``).
     """
-    from fastdit.patching import patch
+    from fastdit.apply import patch
 
     method_cls, prompts, steps, candidates = _check_arguments(method, prompts, budget, steps, candidates, rows)
     name = method_cls.name

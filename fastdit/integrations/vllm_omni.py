@@ -66,7 +66,7 @@ import torch
 from fastdit.functional import run_call
 from fastdit.intercept import plain_sdpa
 from fastdit.layout import TokenLayout
-from fastdit.masks import key_mask_from_attn_mask
+from fastdit.layout import key_mask_from_attn_mask
 from fastdit.methods.base import get_method
 from fastdit.stats import PatchStats
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastdit.methods.base import Method, MethodConfig, bucket_start, get_method, option, register_method
+from fastdit.methods.base import Method, MethodConfig, bucket_start, get_method, index_key, option, register_method
 
 NEEDS_PLAN = ("method 'auto' needs a plan of per-head choices: calibrate one first, e.g. `fastdit calibrate --model "
               "MODEL --method auto --budget 0.1 --out plan.json` or `fastdit.calibrate(pipe, \"auto\", prompts, "
@@ -72,8 +72,6 @@ class AutoConfig(MethodConfig):
                 raise ValueError(f"auto: candidate {index} {candidate!r}: {error}") from None
         if not isinstance(self.choices, dict) or not self.choices:
             raise ValueError("auto: choices must be a non-empty dict {'step_layer_head': candidate index or None}")
-        from fastdit.calibration.plan_file import index_key
-
         for key, value in self.choices.items():
             if index_key(key, 3) is None:
                 raise ValueError(f"auto: choices entry {key!r}: keys are 'step_layer_head' (three ints >= 0, ASCII "

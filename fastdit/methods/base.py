@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import json
 import math
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -173,6 +174,14 @@ class MethodConfig:
 #: setting is looked up (``dense_steps``, ``dense_layers``), or they are the per-layer table itself.
 #: A (bucket, layer) that should run dense is written as ``None``.
 NOT_PER_LAYER = ("dense_steps", "dense_layers", "layer_settings", "guard_refresh")
+
+
+def index_key(key, parts):
+    """The ints of a ``'a_b[_c]'`` key of ``parts`` ASCII decimal numbers without leading zeros, or
+    None (``'²_0_0'`` and ``'٠_0_0'`` are no keys: one would not parse, the other would repeat ``0_0_0``)."""
+    if not isinstance(key, str) or not re.fullmatch(r"(0|[1-9][0-9]*)" + r"_(0|[1-9][0-9]*)" * (parts - 1), key):
+        return None
+    return tuple(int(x) for x in key.split("_"))
 
 
 def _parse_layer_key(key):
