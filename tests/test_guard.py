@@ -323,3 +323,16 @@ def test_cost_model_predicts_a_small_share_at_real_sizes():
     for gpu in GPUS.values():
         share, check, dense = guard_share(gpu, 75600, 128, row_count(75600, 0.005), heads=24)
         assert 0 < share < 0.03 and check < dense
+
+
+def test_training_runs_without_the_guard_unless_asked():
+    from tiny_transformers import tiny_wan
+
+    from fastdit.train.recipe import training_options
+
+    model = tiny_wan()
+    options, note = training_options(model, "sparge", {"dense_steps": 0})
+    assert options["guard"] is False and "guard" in note
+    options, note = training_options(model, "sparge", {"dense_steps": 0, "guard": 0.2})
+    assert options["guard"] == 0.2 and note is None
+    assert "guard" not in training_options(model, "sta", {"dense_steps": 0})[0]  # off by default already

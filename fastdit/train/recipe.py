@@ -92,20 +92,31 @@ def training_options(transformer, method, options):
     run, so ``dense_steps`` (which steps of a run are dense) has no meaning there (a fraction even
     has no number of steps to resolve against): the recipe trains every sample under the sparse
     mask (``dense_steps=0``). The adapter is then used with the method's own ``dense_steps`` at
-    inference, where the dense steps run the model's attention (with the adapter). The options
+    inference, where the dense steps run the model's attention (with the adapter). The quality
+    guard is off while training unless ``options`` set it (it would swap learnt sparse heads for
+    dense ones). The options
     are checked here, against the model, before any work (``OptionError`` / ``ValueError``)."""
     from fastdit.methods.base import get_method
     from fastdit.pipelines import find_adapter
 
     cls = get_method(method)
     config = cls.resolve(cls.make_config(None, **options), find_adapter(transformer))
-    dense_steps = getattr(config, "dense_steps", 0)
-    if not dense_steps:
+    changed, notes = {}, []
+    if getattr(config, "dense_steps", 0):
+        changed["dense_steps"] = 0
+        notes.append(f"{method}: dense_steps={config.dense_steps!r} names steps of a denoising run; training samples "
+                     "are single transformer calls at random noise levels, so the recipe trains every sample sparse "
+                     "(dense_steps=0); pass dense_steps at inference as usual")
+    guard = getattr(config, "guard", False)
+    if guard is not None and guard is not False and "guard" not in options:
+        # the quality guard re-runs failing heads dense: the adapter would learn to match dense where the
+        # method failed instead of learning the sparse mask; trained off unless asked, used at inference
+        changed["guard"] = False
+        notes.append(f"{method}: the quality guard (guard={guard!r}) is off while training (it would replace the "
+                     "sparse heads the adapter is meant to learn); it applies at inference as usual")
+    if not changed:
         return dict(options), None
-    note = (f"{method}: dense_steps={dense_steps!r} names steps of a denoising run; training samples are single "
-            "transformer calls at random noise levels, so the recipe trains every sample sparse (dense_steps=0); "
-            "pass dense_steps at inference as usual")
-    return {**options, "dense_steps": 0}, note
+    return {**options, **changed}, "; ".join(notes)
 
 
 def _embed(pipe, prompt, call_kwargs):
