@@ -30,7 +30,9 @@ def method_options(method, family):
         return {"dense_steps": 0, **STA[family]}
     cls = get_method(method)
     fields = cls.config_cls.__dataclass_fields__
-    options = {**cls.tiny_options, "dense_steps": 0, "dense_layers": 0}
+    # guard off on both sides: the worker processes do not see tests/conftest.py's default (the
+    # guard's own Ulysses equivalence is tests/test_guard.py's)
+    options = {**cls.tiny_options, "dense_steps": 0, "dense_layers": 0, "guard": False}
     if method == "radial":
         options["block_size"] = 64
     return {k: v for k, v in options.items() if k in fields}
