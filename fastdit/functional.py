@@ -28,7 +28,7 @@ def _instance(method_cls, config):
 
 
 def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num_steps=None, state=None,
-              backend="auto", return_info=False, scale=None, layer=0, **options):
+              backend="auto", return_info=False, scale=None, layer=0, timestep=None, **options):
     """Run ``method`` on one attention call.
 
     Args:
@@ -66,6 +66,8 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
             ``exp(lse - lse_dense)``, with ``lse_dense`` computed exactly (float32, or float64 for
             float64 inputs) by ``dense_lse``: a dense pass of scores, so only when asked.
         scale: the softmax scale (default ``1/sqrt(D)``). layer: the layer index (``dense_layers``).
+        timestep: the call's denoising timestep (a number or tensor, as the transformer gets it), for
+            methods whose per-step randomness is keyed to it (optiprune); None: keyed to ``step``.
 
     Returns:
         ``(B, H, S, D)``, or ``(out, info)`` with ``return_info=True``.
@@ -114,7 +116,7 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         raise OptionError(f"dense_steps={config.dense_steps} is a fraction of the denoising steps: pass num_steps= "
                           "(and step=) to fastdit.attention, or dense_steps as an int count")
     out, ctx = run_call(q, k, v, method, config, layout=layout, key_mask=key_mask, step=step, num_steps=num_steps,
-                        state=state, backend=backend, scale=scale, layer=layer)
+                        state=state, backend=backend, scale=scale, layer=layer, timestep=timestep)
     if not return_info:
         return out
     info = call_info(ctx, batch, heads, seq, k.shape[2])
@@ -132,7 +134,7 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
 
 
 def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num_steps=None, state=None,
-             backend="auto", scale=None, layer=0, **options):
+             backend="auto", scale=None, layer=0, timestep=None, **options):
     """``fastdit.attention`` without the argument checks: ``(out, ctx)``, the finished
     ``AttentionContext`` (``ctx.info`` says what ran, for counting without a host synchronisation).
     Shared with the vllm-omni plugin (``fastdit.integrations.vllm_omni``), so both compute the same."""
@@ -150,7 +152,7 @@ def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num
         layer=layer, layer_name=f"layer{layer}", step=int(step), num_steps=num_steps, branch=0, layout=layout,
         call=call, local_layer=layer, key_mask=key_mask, query_mask=None, head_offset=0, num_heads=heads,
         total_heads=heads, scale=scale, state={} if state is None else state, backend=backend,
-        dense_fn=lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale),
+        dense_fn=lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale), timestep=timestep,
     )
     return instance(ctx, q, k, v), ctx
 

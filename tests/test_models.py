@@ -161,7 +161,8 @@ def test_other_methods_equal_functional_attention_on_the_observed_layout(case, m
             layout = observed[name].layout(grid)
             valid = key_validity(case, kwargs, layout)
             expected = fastdit.attention(q, k, v, method, p.config, layout=layout, scale=scale, backend="torch",
-                                         key_mask=None if valid is None else valid[None])
+                                         key_mask=None if valid is None else valid[None],
+                                         timestep=kwargs.get("timestep"))  # optiprune's draw is keyed to it
             rows = valid if valid is not None and CASE_FAMILY[case] in QUERY_MASKED else slice(None)
             assert torch.allclose(got[:, :, rows], expected[:, :, rows], rtol=1e-5, atol=1e-6), name
     finally:
