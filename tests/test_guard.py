@@ -35,14 +35,9 @@ def rel(a, b):
 def adversarial_heads(grid=(4, 16, 16), heads=2, dim=32, seed=0):
     """Heads the project's own generator does not make: key norms spread over three orders of
     magnitude and a logit offset that grows with the key's position (a distance bias)."""
-    gen = torch.Generator().manual_seed(seed)
-    seq = grid[0] * grid[1] * grid[2]
-    q, k, v = (torch.randn(1, heads, seq, dim, generator=gen) for _ in range(3))
-    norms = 10 ** (torch.rand(1, heads, seq, 1, generator=gen) * 3 - 1.5)
-    k = k / k.norm(dim=-1, keepdim=True) * norms * dim ** 0.25
-    q[..., 0] = 4.0
-    k[..., 0] = k[..., 0] + torch.linspace(0, 3, seq)
-    return q, k, v, TokenLayout(grid)
+    from fastdit.eval.bench.guard import offset_norm_heads
+
+    return offset_norm_heads(grid, heads, dim, seed)
 
 
 @dataclass

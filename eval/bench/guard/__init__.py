@@ -53,8 +53,9 @@ MASS_TOLERANCE = guard_module.MASS_TOLERANCE
 
 
 def offset_norm_heads(grid, heads=2, dim=64, seed=0):
-    """q, k, v with position-dependent logit offsets and key norms over three orders of magnitude."""
-    gen = torch.Generator().manual_seed(1000 + seed)
+    """q, k, v with position-dependent logit offsets and key norms over three orders of magnitude
+    (``torch.Generator`` seeded with ``seed``; the benchmark draws seed ``1000 + --seeds``)."""
+    gen = torch.Generator().manual_seed(seed)
     seq = grid[0] * grid[1] * grid[2]
     q, k, v = (torch.randn(1, heads, seq, dim, generator=gen) for _ in range(3))
     norms = 10 ** (torch.rand(1, heads, seq, 1, generator=gen) * 3 - 1.5)
@@ -125,7 +126,7 @@ def head_sets(args):
         for seed in args.seeds:
             for kind in args.kinds:
                 if kind == "offset_norms":
-                    yield kind, tokens, seed, offset_norm_heads(grid, args.heads, args.head_dim, seed)
+                    yield kind, tokens, seed, offset_norm_heads(grid, args.heads, args.head_dim, 1000 + seed)
                 else:
                     x = structured_qkv(grid, heads=args.heads, head_dim=args.head_dim, kinds=[kind] * args.heads,
                                        seed=seed)
