@@ -226,7 +226,7 @@ def _dense_head(q, k, v, ctx):
     return out.to(q.dtype), lse.float()
 
 
-def _run_density(info, heads_total):
+def _run_density(info):
     """Share of one head's dense work a re-run computed (1 for dense), from its ``ctx.info``."""
     if info.get("dense"):
         return 1.0
@@ -305,7 +305,7 @@ def guarded_call(method, ctx, q, k, v, run):
                 extra += 1.0 / heads
                 continue
             result = wider.attend(head_ctx, qh, kh, vh)
-            run_density = _run_density(head_ctx.info, heads)
+            run_density = _run_density(head_ctx.info)
             extra += run_density / heads
             check = sample_rows(seq, fraction, key + (round_index, ctx.head_offset + h), q.device)  # global head: Ulysses ranks agree
             ref_o, ref_l = exact_rows(qh, kh, vh, check, ctx.key_mask, ctx.scale)
