@@ -296,12 +296,12 @@ class Patch:
 
     def _check_plan_grid(self, grid):
         """The first call on a grid the plan was not calibrated for: PlanError naming both grids
-        unless its settings mean the same there (``plan_file._grid_reason``). Raised before any
+        unless its settings mean the same there (``plan_file.grid_reason``). Raised before any
         attention runs, from the transformer's pre-hook: the call stops, the patch stays removable."""
-        from fastdit.calibration.plan_file import PlanError, _grid_reason
+        from fastdit.calibration.plan_file import PlanError, grid_reason
 
         plan, source = self._plan
-        reason = _grid_reason(plan, [grid])
+        reason = grid_reason(plan, [grid])
         if reason is not None:
             raise PlanError(f"plan{' ' + os.fspath(source) if source else ''} cannot be applied to grid {grid}: {reason}")
         self._plan_grids.add(grid)

@@ -18,9 +18,10 @@ TINY_ALIASES = {"tiny-hunyuan": "hunyuan_video", "tiny-hunyuanvideo": "hunyuan_v
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 TRAINED_MODELS = {"tiny-shapes": "tiny-shapes"}
 #: Their native call (``pipe(prompt=..., **TRAINED_DEFAULTS[name], output_type="np")``):
-#: tiny-shapes: 17 frames of 64 x 64 -> latent 9 x 16 x 16 -> patch (1, 1, 1) -> 2304 video tokens.
+#: tiny-shapes: 17 frames of 128 x 128 -> latent 9 x 32 x 32 -> patch (1, 1, 1) -> 9216 video tokens
+#: (retrained at this size in issue 40, warm-started from the 64 x 64 model of issue 24).
 TRAINED_DEFAULTS = {
-    "tiny-shapes": dict(num_frames=17, height=64, width=64, num_inference_steps=12, guidance_scale=4.0,
+    "tiny-shapes": dict(num_frames=17, height=128, width=128, num_inference_steps=12, guidance_scale=4.0,
                         max_sequence_length=48),
 }
 #: How to re-create each trained model's weights.
@@ -68,14 +69,18 @@ def builtin_model(model):
     return trained_name(model) is not None or tiny_name(model) is not None
 
 
-def trained_presets(name, folder=None):
+def trained_presets(name, folder=None, grid=None):
     """``{method: options}`` shipped with the trained model ``name`` (``presets.json`` beside its
     weights; ``{}`` when there is none). A method whose preset is a calibrated plan gets
     ``{"plan": <absolute path>}``. The file records the model and the latent grid it was made for;
-    ``PlanError`` names both when they are not this model's."""
+    ``PlanError`` names both when they are not this model's.
+
+    ``grid``: the latent grid of the run (None: the native one). A plan whose settings do not carry
+    over to it (``plan_file.grid_reason``: all but sta windows in a fixed tile) gives way to the
+    method's entry under ``"methods"`` (options found on the native grid; ``{}``: its defaults)."""
     import json
 
-    from fastdit.calibration.plan_file import PlanError
+    from fastdit.calibration.plan_file import PlanError, grid_reason, load_plan
 
     folder = folder or os.path.join(WEIGHTS_DIR, TRAINED_MODELS[name])
     path = os.path.join(folder, PRESETS_FILE)
@@ -88,18 +93,25 @@ def trained_presets(name, folder=None):
         raise PlanError(f"preset file {path} is not valid JSON ({error}); restore it with git checkout -- {path}") from None
     if data.get("model") != name:
         raise PlanError(f"preset file {path} was made for model {data.get('model')!r}, not {name!r}")
+    native = trained_grid(name) if name in TRAINED_DEFAULTS else None
+    if native is not None and "grid" in data and list(data["grid"] or []) != list(native):
+        raise PlanError(f"preset file {path} was made for the latent grid {data['grid']} of {name}; {name}'s "
+                        f"native grid is {list(native)}: re-calibrate it (see its model card)")
     presets = {method: dict(options) for method, options in (data.get("methods") or {}).items()}
     for method, rel in (data.get("plans") or {}).items():
         plan = os.path.join(folder, rel)
         if not os.path.isfile(plan):
             raise PlanError(f"preset file {path} names the plan {plan} for {method!r}, which is missing")
-        presets[method] = {"plan": plan}
+        if grid is None or tuple(grid) == tuple(native or ()) or grid_reason(load_plan(plan), [tuple(grid)]) is None:
+            presets[method] = {"plan": plan}
     return presets
 
 
-def trained_grid(name):
-    """The latent grid (frames, height, width) of the trained model's native call."""
-    call = TRAINED_DEFAULTS[name]
+def trained_grid(name, call=None):
+    """The latent grid (frames, height, width) of the trained model's native call, or of ``call``
+    (``num_frames`` / ``height`` / ``width``; those it leaves out are the native ones). tiny-shapes:
+    VAE factors 2 in time and 4 in space, patch (1, 1, 1)."""
+    call = {**TRAINED_DEFAULTS[name], **{k: v for k, v in (call or {}).items() if v is not None}}
     return ((call["num_frames"] - 1) // 2 + 1, call["height"] // 4, call["width"] // 4)
 
 

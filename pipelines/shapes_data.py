@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COLORS", "SHAPES", "DIRECTIONS", "ShapeSpec", "VideoSpec", "sample_spec", "render", "caption",
+__all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "ShapeSpec", "VideoSpec", "sample_spec", "render", "caption",
            "parse_caption", "sample_video", "random_caption", "distinct_captions"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
@@ -33,6 +33,8 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "yellow": (235, 215, 30),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+#: The caption the demos (``fastdit compare``, the app) use on tiny-shapes unless given another.
+DEMO_CAPTION = "a red circle moving right and a blue square moving down"
 # unit motion in image coordinates (x to the right, y downwards)
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 

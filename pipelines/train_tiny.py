@@ -6,7 +6,7 @@ procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
 1. **VAE** (``AutoencoderKLWan``, spatial factor 4, temporal factor 2): trained on random
    9-frame, 32 x 32 crops with an L1 + MSE reconstruction loss of the decoded posterior mean
    (pixels weighted by ``1 + vae_colour_weight * saturation``) and a small KL term.
-2. **Latents**: ``num_videos`` videos (17 frames of 64 x 64) encoded once (posterior mean) and
+2. **Latents**: ``num_videos`` videos (17 frames of ``height`` x ``width``) encoded once (posterior mean) and
    normalised per channel; the channel means / stds go into the VAE config (``latents_mean`` /
    ``latents_std``), which is where ``WanPipeline`` reads them when decoding.
 3. **Transformer** (``WanTransformer3DModel``, patch (1, 1, 1)) and the tiny UMT5 text encoder
@@ -19,8 +19,9 @@ procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    frames: cheaper), the rest on the whole clip.  The exported weights are an EMA of the training
    weights.
 
-The native size is 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and one 2x
-stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call.
+The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
+one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
+``large`` (the shipped model, issue 40) continues from it at 128 x 128 -> 9 x 32 x 32 -> 9216 tokens.
 
 Every phase checkpoints into ``--work`` and the run resumes from there (same seed -> same run);
 ``--out`` receives the pipeline (``save_pretrained``, safetensors) every ``export_every`` steps

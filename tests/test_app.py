@@ -51,10 +51,10 @@ def compare(client, **kwargs):
 
 
 def unpack(result):
-    dense, method, cards, mask, mask_caption, notes, table, _scatter, metrics = result
+    dense, method, cards, mask, mask_caption, notes, table, _scatter, metrics, sheet = result
     path = lambda v: v["video"] if isinstance(v, dict) and "video" in v else (v["value"] if isinstance(v, dict) else v)  # noqa: E731
     return dict(dense=path(dense), method=path(method), cards=cards, mask=mask, caption=mask_caption, notes=notes,
-                table=table, metrics=metrics)
+                table=table, metrics=metrics, sheet=path(sheet))
 
 
 def request(**overrides):
@@ -192,6 +192,31 @@ def test_failed_and_stopped_runs_leave_the_model_unpatched(app):
     assert np.array_equal(after.method_frames, fresh.method_frames)
     assert not np.array_equal(after.method_frames, after.dense_frames)
     assert after.metrics["effective_density"] == pytest.approx(1 / 3)
+    check_contact_sheet(after)
+
+
+def check_contact_sheet(out):
+    """The run's contact sheet: a PNG whose rows hold dense's and the method's first / middle / last
+    frames, pixel for pixel (frames this small are not scaled down; the two runs differ, so a
+    swapped or repeated row fails)."""
+    from PIL import Image
+
+    from fastdit.media.contact_sheet import FRAME_PIXELS, LABEL_WIDTH
+
+    with Image.open(out.contact_sheet) as image:
+        assert image.format == "PNG"
+        sheet = np.asarray(image.convert("RGB"))
+    frames, height, width = out.dense_frames.shape[:3]
+    factor = max(1, FRAME_PIXELS // max(height, width))
+    assert sheet.shape[0] == 2 * (height * factor + 4)
+    for row, video in enumerate((out.dense_frames, out.method_frames)):
+        video = (np.clip(video, 0, 1) * 255).round().astype(np.uint8) if video.dtype != np.uint8 else video
+        top = row * (height * factor + 4) + 2
+        for column, index in enumerate((0, (frames - 1) // 2, frames - 1)):
+            left = LABEL_WIDTH + column * (width * factor + 4)
+            tile = sheet[top:top + height * factor:factor, left:left + width * factor:factor]
+            # one level of rounding apart at most (x.5 rounds either way)
+            assert np.abs(tile.astype(int) - video[index].astype(int)).max() <= 1, (row, index)
 
 
 def test_stop_button_cancels_the_sessions_run():

@@ -115,7 +115,7 @@ def test_cli_refusals(extra, message, capsys):
 
 def test_cli_refuses_blocks_that_do_not_fit(capsys, tmp_path):
     with pytest.raises(SystemExit) as raised:
-        cli_main(["compare", "--methods", "dense", "--frames", str(SIZE["num_frames"]), "--height",
+        cli_main(["compare", "--model", "tiny-wan", "--methods", "dense", "--frames", str(SIZE["num_frames"]), "--height",
                   str(SIZE["height"]), "--width", str(SIZE["width"]), "--steps", "2", "--cache", "dbcache",
                   "--cache-set", "Fn_compute_blocks=5", "--out", str(tmp_path)])
     assert raised.value.code == 2

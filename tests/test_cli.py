@@ -13,7 +13,7 @@ from fastdit.cli.common import parse_options, parse_value
 
 def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
     out = tmp_path / "cmp"
-    code = main(["compare", "--frames", "9", "--height", "80", "--width", "112", "--steps", "2",
+    code = main(["compare", "--model", "tiny-wan", "--frames", "9", "--height", "80", "--width", "112", "--steps", "2",
                  "--methods", "dense,sta", "--set", "sta.tile=1,2,2", "--set", "sta.window=1,3,3",
                  "--set", "sta.dense_steps=0", "--out", str(out), "--no-warmup"])
     assert code == 0
@@ -36,7 +36,7 @@ def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
 
 
 def test_compare_rounds_sizes_with_a_note(tmp_path, capsys):
-    main(["compare", "--frames", "10", "--height", "90", "--width", "100", "--steps", "1", "--methods", "dense",
+    main(["compare", "--model", "tiny-wan", "--frames", "10", "--height", "90", "--width", "100", "--steps", "1", "--methods", "dense",
           "--out", str(tmp_path), "--no-warmup"])
     printed = capsys.readouterr().out
     assert "height 90 -> 96" in printed and "frames 10 -> 9" in printed
@@ -119,7 +119,7 @@ def test_out_that_is_a_file(command, tmp_path, capsys, no_model):
 
 def test_absurd_size_names_the_limit(tmp_path, capsys, no_model):
     with pytest.raises(SystemExit) as info:
-        main(["compare", "--height", "1000000", "--out", str(tmp_path)])
+        main(["compare", "--model", "tiny-wan", "--height", "1000000", "--out", str(tmp_path)])
     line = one_line_error(capsys, info)
     assert line == ("fastdit compare: error: argument --height: 1000000 is too large: 29 frames of 1000000x768 make "
                     "8x62500x48 = 24000000 latent tokens (16 pixels, 4 frames per token); at most 1048576 fit "

@@ -143,7 +143,7 @@ def test_compare_under_torchrun_writes_one_report(tmp_path, flag):
     from cp_worker import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
-           "fastdit.cli", "compare", flag, "2", "--steps", "2", "--frames", "5", "--height", "64", "--width", "96",
+           "fastdit.cli", "compare", "--model", "tiny-wan", flag, "2", "--steps", "2", "--frames", "5", "--height", "64", "--width", "96",
            "--methods", "dense,sta", "--set", "sta.tile=1,2,2", "--set", "sta.window=1,1,1", "--set", "sta.dense_steps=0", "--no-warmup",
            "--out", str(out)]
     # A new session, so that a hung worker is killed with the launcher (not left behind) on timeout.

@@ -188,7 +188,7 @@ def test_compare_with_a_plan_on_another_grid_is_one_line_error(tmp_path, capsys)
     plan["settings"] = {"0_0": {"topk": 0.5}, "0_1": None}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
-    argv = ["compare", "--frames", str(size["num_frames"]), "--height", "96", "--width", str(size["width"]),
+    argv = ["compare", "--model", "tiny-wan", "--frames", str(size["num_frames"]), "--height", "96", "--width", str(size["width"]),
             "--steps", "1", "--methods", "dense,sparge", "--plan", str(path),
             "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_info:

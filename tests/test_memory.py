@@ -104,9 +104,9 @@ def _check_under_limit(tmp_path, args, timeout):
 
 @pytest.mark.slow
 def test_compare_defaults_peak_memory(tmp_path):
-    """`fastdit compare` at its defaults: tiny Wan, 29 frames of 512 x 768, 8 steps, dense and sta."""
+    """`fastdit compare --model tiny-wan` at its defaults: 29 frames of 512 x 768, 8 steps, dense and sta."""
     out = tmp_path / "compare"
-    _check_under_limit(tmp_path, ["compare", "--out", str(out)], timeout=3600)
+    _check_under_limit(tmp_path, ["compare", "--model", "tiny-wan", "--out", str(out)], timeout=3600)
     report = json.loads((out / "report.json").read_text())
     sta = [r for r in report["runs"] if r["method"] == "sta"][0]
     assert report["call"]["num_frames"] == 29 and report["call"]["height"] == 512 and report["call"]["width"] == 768

@@ -162,11 +162,12 @@ def test_shipped_weights_load_offline_and_generate_one_step(monkeypatch):
     call = {**TRAINED_DEFAULTS["tiny-shapes"], "num_inference_steps": 1}
     frames = pipe(prompt="a red circle moving left", generator=torch.Generator().manual_seed(0), **call,
                   output_type="np").frames[0]
-    assert frames.shape == (17, 64, 64, 3) and np.isfinite(frames).all()
-    from fastdit.pipelines.loading import latent_grid
+    assert frames.shape == (17, 128, 128, 3) and np.isfinite(frames).all()
+    from fastdit.pipelines.loading import latent_grid, trained_grid
 
     t, h, w = latent_grid(pipe, call)
-    assert (t, h, w) == (9, 16, 16) and t * h * w >= 2048  # the issue's minimum token count at the native size
+    assert (t, h, w) == (9, 32, 32) == trained_grid("tiny-shapes")
+    assert t * h * w >= 8192  # issue 40's minimum token count at the native size
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(SHAPES_DIR) for f in fs)
     assert total <= 20 * 2**20
 
@@ -206,19 +207,36 @@ def test_missing_or_corrupt_weights_name_the_file_and_the_fix(weights_copy, rel,
     assert "python -m fastdit.pipelines.train_tiny" in message
 
 
-def test_compare_reports_adherence_for_tiny_shapes(tmp_path, capsys):
+def test_compare_without_a_model_runs_tiny_shapes_with_its_presets_and_a_contact_sheet(tmp_path, capsys):
+    """``fastdit compare`` with no ``--model`` and no ``--methods`` (here at a small size of the same
+    model): tiny-shapes, the demo methods at the presets shipped beside its weights, adherence, and
+    a contact sheet whose rows are the runs' frames."""
+    from PIL import Image
+
     from fastdit.cli import main
+    from fastdit.cli.compare import DEFAULT_METHODS
+    from fastdit.pipelines.loading import trained_presets
 
     out = tmp_path / "cmp"
-    code = main(["compare", "--model", "tiny-shapes", "--steps", "1", "--methods", "dense,sta", "--out", str(out),
+    code = main(["compare", "--steps", "1", "--frames", "5", "--height", "64", "--width", "64", "--out", str(out),
                  "--no-warmup"])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "adherence" in printed and "chance" in printed
+    assert "adherence" in printed and "chance" in printed and "method presets: calibrated for tiny-shapes" in printed
     report = json.loads((out / "report.json").read_text())
-    assert report["call"]["num_frames"] == 17 and report["call"]["height"] == 64
+    assert report["model"] == "tiny-shapes"
+    assert report["call"]["num_frames"] == 5 and report["call"]["height"] == 64
+    methods = DEFAULT_METHODS["tiny-shapes"].split(",")
+    assert [run["method"] for run in report["runs"]] == methods and len(methods) >= 4
+    presets = trained_presets("tiny-shapes")
     for run in report["runs"]:
         assert 0.0 <= run["adherence"] <= 1.0
+        for option, value in presets.get(run["method"], {}).items():
+            if option != "plan":
+                assert run["options"][option] == (list(value) if isinstance(value, tuple) else value), (run, option)
+    with Image.open(report["contact_sheet"]) as sheet:
+        assert sheet.format == "PNG" and sheet.size[1] >= len(methods) * 64
+    assert os.path.getsize(report["contact_sheet"]) <= 300 * 1024
     with pytest.raises(SystemExit):
         main(["compare", "--model", "tiny-shapes", "--prompt", "a fox", "--out", str(out)])
     assert "tiny-shapes takes captions like" in capsys.readouterr().err
@@ -250,9 +268,46 @@ def test_shipped_presets_load_and_a_mismatched_file_is_refused(tmp_path):
     (folder / "presets.json").write_text(json.dumps({"model": "tiny-shapes", "plans": {"auto": "plans/none.json"}}))
     with pytest.raises(PlanError, match="none.json"):
         trained_presets("tiny-shapes", str(folder))
+    (folder / "presets.json").write_text(json.dumps({"model": "tiny-shapes", "grid": [9, 16, 16], "methods": {}}))
+    with pytest.raises(PlanError, match=r"\[9, 16, 16\].*\[9, 32, 32\]"):
+        trained_presets("tiny-shapes", str(folder))
     (folder / "presets.json").write_text("{not json")
     with pytest.raises(PlanError, match="not valid JSON"):
         trained_presets("tiny-shapes", str(folder))
     presets, label = method_presets("tiny-wan")
     assert "random-weight" in label and presets["sparge"]["topk"] == 0.125
     assert tiny_method_presets("tiny-wan", ["sparge"], {"sparge": {"topk": 0.5}})["sparge"]["topk"] == 0.5  # user wins
+
+
+def test_the_app_opens_on_tiny_shapes_and_its_run_shows_the_contact_sheet():
+    """The page opens on tiny-shapes with a caption of its grammar; a run there (one step) uses the
+    presets shipped beside the weights and returns the contact sheet of that run with its numbers;
+    at another size, a calibrated plan that does not carry over gives way to the file's options."""
+    from PIL import Image
+
+    from fastdit.app import RunRequest, Runner, build_app
+    from fastdit.pipelines.loading import trained_presets
+    from fastdit.pipelines.shapes_data import parse_caption
+
+    demo = build_app()
+    values = {block.elem_id: block.value for block in demo.blocks.values() if getattr(block, "elem_id", None)}
+    assert values["fd-model"] == "tiny-shapes"
+    assert parse_caption(values["fd-prompt"])  # a caption the model was trained on
+    runner = Runner()
+    method = "sparge"
+    out = runner.compare(RunRequest(model="tiny-shapes", prompt=values["fd-prompt"], steps=1, method=method))
+    metrics = out.metrics
+    assert metrics["size"] == "17x128x128" and metrics["speedup"] > 0 and metrics["psnr_db"] > 0
+    preset = trained_presets("tiny-shapes")[method]
+    if "plan" in preset:
+        assert metrics["plan"] is None and any("plan calibrated for tiny-shapes" in note for note in out.notes)
+        assert metrics["options"]["layer_settings"], metrics["options"]  # the patch runs the plan's settings
+    else:
+        assert all(metrics["options"][k] == v for k, v in preset.items())
+    with Image.open(out.contact_sheet) as sheet:
+        assert sheet.format == "PNG" and sheet.size[1] == 2 * (128 + 4)
+    small = runner.compare(RunRequest(model="tiny-shapes", prompt=values["fd-prompt"], steps=1, frames=5, height=64,
+                                      width=64, method=method))
+    fallback = trained_presets("tiny-shapes", grid=(3, 16, 16)).get(method, {})
+    assert "plan" not in fallback and not small.metrics["options"].get("layer_settings")
+    assert all(small.metrics["options"][k] == v for k, v in fallback.items())

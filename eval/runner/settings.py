@@ -59,27 +59,33 @@ def format_option_value(value):
     return str(value)
 
 
-def method_presets(model):
+def method_presets(model, grid=None):
     """``(presets, label)``: the method presets of one of fastdit's own models. A trained model
     (``tiny-shapes``) uses the presets calibrated on it and shipped beside its weights
-    (``presets.json``; methods it does not name run at their defaults); the random-weight tiny
-    models use each method's ``tiny_options`` (chosen for near-uniform attention); other models none."""
+    (``presets.json``; methods it does not name run at their defaults; ``grid``, the run's latent
+    grid: calibrated plans that do not carry over to it give way to the file's options, see
+    ``trained_presets``); the random-weight tiny models use each method's ``tiny_options`` (chosen
+    for near-uniform attention); other models none."""
     from fastdit.methods import tiny_presets
-    from fastdit.pipelines.loading import builtin_model, trained_name, trained_presets
+    from fastdit.pipelines.loading import builtin_model, trained_grid, trained_name, trained_presets
 
     if trained_name(model):
-        return trained_presets(model), f"calibrated for {model} (presets.json beside its weights)"
+        label = f"calibrated for {model} (presets.json beside its weights)"
+        if grid is not None and tuple(grid) != tuple(trained_grid(model)):
+            label += (f"; on the latent grid {tuple(grid)} the plans calibrated for {tuple(trained_grid(model))} "
+                      f"give way to the file's options, except those that carry over")
+        return trained_presets(model, grid=grid), label
     if builtin_model(model):
         return tiny_presets(), "random-weight tiny-model presets"
     return {}, "none"
 
 
-def tiny_method_presets(model, methods, options):
+def tiny_method_presets(model, methods, options, grid=None):
     """``options`` (method -> options) with the built-in model's method presets underneath
-    (see :func:`method_presets`); else unchanged. A preset that is a plan (``{"plan": path}``)
-    gives way to user options that the plan sets (the user's ``--plan`` replaces it)."""
+    (see :func:`method_presets`; ``grid``: the run's latent grid); else unchanged. A preset that is
+    a plan (``{"plan": path}``) gives way to the user's ``--plan``."""
     options = {method: dict(values) for method, values in options.items()}
-    presets, _ = method_presets(model)
+    presets, _ = method_presets(model, grid)
     if presets:
         for method, preset in presets.items():
             if method in methods:

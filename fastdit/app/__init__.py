@@ -2,11 +2,14 @@
 
     python app.py                 # or: fastdit app [--host 0.0.0.0] [--port 7860] [--share]
 
-It runs out of the box on the embedded tiny models (random weights, no downloads) and takes a hub
-id or a local folder for real models. "Compare" runs the dense pipeline and the chosen method with
-the same seed and shows both videos, latency and speedup, PSNR/SSIM (LPIPS when its weights are
-present) against dense, the effective density and fallbacks of the patch, the attention mask of a
-chosen layer and head, and a table and a speed-against-quality scatter of the session's runs.
+It opens on tiny-shapes (a small video model trained in this repository, with method presets
+calibrated on it), runs out of the box on the embedded random-weight tiny models too (no downloads)
+and takes a hub id or a local folder for real models. "Compare" runs the dense pipeline and the
+chosen method with the same seed and shows both videos, latency and speedup, PSNR/SSIM (LPIPS when
+its weights are present) against dense, a contact sheet (first, middle and last frame of both,
+labelled with the run's speedup and PSNR), the effective density and fallbacks of the patch, the
+attention mask of a chosen layer and head, and a table and a speed-against-quality scatter of the
+session's runs.
 
 Layers, each importing only those below it:
 
@@ -32,7 +35,7 @@ __all__ = ["AppError", "MAX_SEED", "OptionSpec", "PipelineCache", "RunCancelled"
            "method_choices", "option_specs", "parse_option", "parse_options", "plan_call", "pooled_mask"]
 
 
-def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None, concurrency=1, plan=None):
+def build_app(default_model="tiny-shapes", device=None, dtype=None, max_tokens=None, concurrency=1, plan=None):
     """The Gradio app (``fastdit.app.ui.build_app``; imports gradio)."""
     from .ui import build_app as build
 

@@ -15,7 +15,8 @@ def _add_arguments(parser):
     parser.add_argument("--host", default=None, help="server address (default 127.0.0.1; 0.0.0.0 to serve the network)")
     parser.add_argument("--port", type=int, default=None, help="server port (default 7860, or the next free one)")
     parser.add_argument("--share", action="store_true", help="create a public gradio.live link (off by default)")
-    parser.add_argument("--model", default="tiny-wan", help="the model selected when the page opens")
+    parser.add_argument("--model", default="tiny-shapes",
+                        help="the model selected when the page opens (default tiny-shapes, trained here)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=None,

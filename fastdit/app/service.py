@@ -25,24 +25,33 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdit.cpu_load import load_warning
+from fastdit.pipelines.shapes_data import DEMO_CAPTION
 
 from .errors import AppError, RunCancelled
 from .masks import draw_patch_mask
 from .method_options import method_choices, options_text, parse_options
 from .models import PipelineCache, plan_call
 
-__all__ = ["DEFAULT_NEGATIVE", "DEFAULT_PROMPT", "DENSE_CACHE_SIZE", "FPS", "MAX_SEED", "RunRequest", "RunResult",
-           "Runner", "check_seed", "fallback_text", "frames_digest", "patched"]
+__all__ = ["DEFAULT_NEGATIVE", "DEFAULT_PROMPT", "DENSE_CACHE_SIZE", "FPS", "MAX_SEED", "SHAPES_PROMPT", "RunRequest",
+           "RunResult", "Runner", "check_seed", "default_prompt", "fallback_text", "frames_digest", "model_presets",
+           "patched"]
 
 log = logging.getLogger("fastdit.app")
 
 DEFAULT_PROMPT = "A red fox runs through fresh snow in a pine forest at sunrise"
 DEFAULT_NEGATIVE = "blurry, low quality, distorted"
+#: tiny-shapes draws captions of its own grammar only (fastdit.pipelines.shapes_data).
+SHAPES_PROMPT = DEMO_CAPTION
 FPS = 16
 #: Seeds are 0 .. 2**32 - 1: every seed a browser's number box holds exactly (and numpy's range).
 MAX_SEED = 2**32 - 1
 #: Dense results kept for reuse when only the method or its options change.
 DENSE_CACHE_SIZE = 2
+
+
+def default_prompt(model):
+    """The prompt the page shows for ``model``: a shapes caption for tiny-shapes, else the fox."""
+    return SHAPES_PROMPT if model == "tiny-shapes" else DEFAULT_PROMPT
 
 
 def check_seed(seed):
@@ -123,7 +132,9 @@ class RunRequest:
 
 @dataclass
 class RunResult:
-    """Videos (mp4 paths), the mask picture, ``metrics`` (JSON-ready), notes, and the frames."""
+    """Videos (mp4 paths), the mask picture, ``metrics`` (JSON-ready), notes, the frames, and the
+    contact sheet (PNG: first / middle / last frame of dense and the method, labelled with the
+    speedup and the PSNR of this run)."""
 
     dense_video: str
     method_video: str
@@ -133,6 +144,17 @@ class RunResult:
     notes: list
     dense_frames: np.ndarray = None
     method_frames: np.ndarray = None
+    contact_sheet: str | None = None
+
+
+def model_presets(model, grid=None):
+    """``{method: options}`` a built-in model runs a method with unless the user sets them: the
+    presets calibrated for a trained model and shipped with its weights (an option dict, or
+    ``{"plan": path}`` where the plan fits the run's latent ``grid``), the random-weight tiny
+    models' own presets otherwise."""
+    from fastdit.eval.runner.settings import method_presets
+
+    return method_presets(model, grid)[0]
 
 
 def _plan_path(plan):
@@ -275,7 +297,6 @@ class Runner:
 
     def _run_locked(self, entry, request, seed, options, progress, cancel):
         from fastdit.compare import generate
-        from fastdit.methods import tiny_presets
         from fastdit.pipelines.loading import builtin_model, call_parameters
 
         pipe, method = entry.pipe, request.method
@@ -291,7 +312,13 @@ class Runner:
             options = {}
             notes.append(f"plan {os.path.basename(plan)} applied: its settings replace the {method} option boxes")
         elif builtin_model(request.model):
-            options = {**tiny_presets().get(method, {}), **{k: v for k, v in options.items() if v is not None}}
+            from fastdit.pipelines.loading import latent_grid
+
+            preset = dict(model_presets(request.model, latent_grid(pipe, call)).get(method, {}))
+            if "plan" in preset:  # a calibrated plan shipped with the trained model: patch(plan=...) applies it
+                plan = preset.pop("plan")
+                notes.append(f"{method}: the plan calibrated for {request.model} ({os.path.basename(plan)}) applied")
+            options = {**preset, **{k: v for k, v in options.items() if v is not None}}
         n_steps = int(call.get("num_inference_steps", request.steps))
         size = f"{call.get('num_frames', 1)}x{call.get('height', '?')}x{call.get('width', '?')}"
         dense_key = (request.model, request.prompt, call.get("negative_prompt"), seed, repr(sorted(
@@ -361,6 +388,7 @@ class Runner:
 
     def _finish(self, run, started_at):
         from fastdit.compare import fidelity
+        from fastdit.media.contact_sheet import contact_sheet, row_label
         from fastdit.media.video import write_video
 
         dense, result, stats, notes = run["dense"], run["result"], run["stats"], run["notes"]
@@ -368,6 +396,11 @@ class Runner:
         dense_path = write_video(os.path.join(run["out_dir"], "dense.mp4"), dense.frames, fps=FPS)
         method_path = write_video(os.path.join(run["out_dir"], f"{method}.mp4"), result.frames, fps=FPS)
         psnr_db, ssim_value = fidelity(result.frames, dense.frames)
+        speedup = dense.latency_s / result.latency_s
+        sheet = contact_sheet([dense.frames, result.frames],
+                              [row_label({"method": "dense"}),
+                               row_label({"method": method, "speedup": speedup, "psnr_db": psnr_db})],
+                              os.path.join(run["out_dir"], "contact_sheet.png"))
         guard = stats.get("guard") or {}
         if guard.get("head_calls"):
             notes.append(f"quality guard: {guard['widened']} of {guard['head_calls']} head-calls widened, {guard['dense']} "
@@ -386,7 +419,7 @@ class Runner:
             "options_text": options_text(run["config"]), "size": run["size"], "steps": run["steps"],
             "tokens": run["tokens"], "seed": run["seed"],
             "dense_latency_s": dense.latency_s, "method_latency_s": result.latency_s,
-            "speedup": dense.latency_s / result.latency_s, "psnr_db": psnr_db, "ssim": ssim_value,
+            "speedup": speedup, "psnr_db": psnr_db, "ssim": ssim_value,
             "lpips": _lpips(result.frames, dense.frames),
             "effective_density": stats["effective_density"], "sparse_density": stats["sparse_density"],
             "dense_calls": stats["dense_calls"], "sparse_calls": stats["sparse_calls"],
@@ -398,4 +431,4 @@ class Runner:
             "dense_load": dense.load, "method_load": result.load, "notes": list(notes),
         }
         return RunResult(dense_path, method_path, run["mask"], run["mask_caption"], metrics, notes,
-                         dense.frames, result.frames)
+                         dense.frames, result.frames, sheet)

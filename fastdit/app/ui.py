@@ -14,7 +14,8 @@ import gradio as gr
 from .errors import AppError, RunCancelled
 from .method_options import DEFAULT_CHOICE, method_choices, option_specs
 from .models import KNOWN_MODELS, TINY_MODELS, free_cuda, is_oom, size_defaults
-from .service import DEFAULT_NEGATIVE, DEFAULT_PROMPT, MAX_SEED, RunRequest, Runner
+from .service import DEFAULT_NEGATIVE, DEFAULT_PROMPT, MAX_SEED, SHAPES_PROMPT as DEMO_CAPTION, RunRequest, Runner, \
+    default_prompt
 from .views import CSS, HEADER, history_frame, json_safe, metrics_html, scatter_frame
 
 __all__ = ["FIXED_INPUTS", "build_app", "option_widget"]
@@ -26,10 +27,16 @@ FIXED_INPUTS = ["model", "prompt", "negative_prompt", "seed", "steps", "guidance
                 "method", "mask_layer", "mask_head", "reuse_dense", "image", "history", "plan"]
 
 
-def _tiny_presets():
-    from fastdit.methods import tiny_presets
+def _shown_presets(model):
+    """The option presets of ``model`` the option boxes can show (a preset that is a calibrated plan
+    is applied by the service and shows no box values)."""
+    from .service import model_presets
 
-    return tiny_presets()
+    try:
+        presets = model_presets(model) if (model or "").startswith("tiny-") else {}
+    except ValueError:  # an unknown tiny name or a broken preset file: the run itself reports it
+        presets = {}
+    return {method: values for method, values in presets.items() if "plan" not in values}
 
 
 def option_widget(spec, value):
@@ -62,6 +69,12 @@ def _examples(model, sizes, methods):
         return []
     steps, guidance = sizes.get("num_inference_steps", 3), sizes.get("guidance_scale", 5.0)
     frames, height, width = sizes.get("num_frames", 29), sizes.get("height", 384), sizes.get("width", 384)
+    if model == "tiny-shapes":  # captions of its grammar, at its native size (it was trained there)
+        captions = [(DEMO_CAPTION, "sta"), ("a yellow triangle moving left", "sparge"),
+                    ("a green square moving up and a red circle moving left", "radial"),
+                    ("a blue circle moving down and a yellow square moving right and a red triangle moving up", "sta")]
+        return [[caption, "", seed, steps, guidance, frames, height, width, method]
+                for seed, (caption, method) in enumerate(captions) if method in methods]
     tiny = model.startswith("tiny-")
     quick = (9, 256, 256, 2) if tiny else (max((frames - 1) // 2 + 1, 1), height, width, max(steps // 2, 1))
     longer = (45, 256, 256, steps) if tiny else (frames, height, width, steps)
@@ -84,7 +97,11 @@ class _App(gr.Blocks):
         return super().launch(*args, **kwargs)
 
 
-def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None, concurrency=1, plan=None):
+#: The model selected when the page opens: trained here, so its videos can be judged by eye.
+DEFAULT_MODEL = "tiny-shapes"
+
+
+def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=None, concurrency=1, plan=None):
     """The Gradio app (a ``gr.Blocks``; ``.launch()`` it; its ``runner`` is the service).
 
     ``plan``: a plan file (``fastdit calibrate``) preset in the plan input (``--plan PATH``).
@@ -102,7 +119,7 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
         planned = load_plan(plan)["method"]
         default_method = planned if planned in methods else default_method
     sizes = size_defaults(default_model) or {}
-    presets = _tiny_presets() if default_model.startswith("tiny-") else {}
+    presets = _shown_presets(default_model)
     option_widgets = []  # (OptionSpec, component)
     groups = {}
 
@@ -115,7 +132,7 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
                 model = gr.Dropdown(choices=TINY_MODELS + list(KNOWN_MODELS), value=default_model, label="model",
                                     allow_custom_value=True, elem_id="fd-model",
                                     info="built-in tiny models, a hub id or a local folder")
-                prompt = gr.Textbox(value=DEFAULT_PROMPT, label="prompt", lines=2, elem_id="fd-prompt")
+                prompt = gr.Textbox(value=default_prompt(default_model), label="prompt", lines=2, elem_id="fd-prompt")
                 # The primary action sits right under the prompt, so it is on the first screen
                 # whatever the method's option count.
                 with gr.Row(equal_height=True):
@@ -176,6 +193,8 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
                                              tooltip=["run", "speedup", "PSNR (dB)"], title="speed against quality",
                                              label="scatter", height=300, elem_id="fd-scatter")
                 mask_caption = gr.Markdown(label="mask caption")
+                sheet_image = gr.Image(label="contact sheet: first, middle and last frame (speedup, PSNR of this run)",
+                                       type="filepath", interactive=False, elem_id="fd-contact-sheet")
         table = gr.Dataframe(history_frame([]), label="runs in this session", interactive=False, elem_id="fd-table",
                              wrap=True)
         with gr.Accordion("run details (JSON)", open=False):
@@ -193,19 +212,25 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
         method.change(show_options, method, [group for _, group in group_list], queue=False,
                       api_visibility="private")
 
-        preset_widgets = [(spec, c) for spec, c in option_widgets if spec.name in _tiny_presets().get(spec.method, {})]
+        preset_names = {(method, name) for model_name in TINY_MODELS for method, values in
+                        _shown_presets(model_name).items() for name in values}
+        preset_widgets = [(spec, c) for spec, c in option_widgets if (spec.method, spec.name) in preset_names]
 
-        def on_model(selected):
+        def on_model(selected, shown_prompt):
             defaults = size_defaults(selected)
-            tiny = (selected or "").startswith("tiny-")
             size_updates = [gr.update()] * 5 if not defaults else [
                 gr.update(value=defaults.get(key)) for key in
                 ("num_inference_steps", "guidance_scale", "num_frames", "height", "width")]
-            option_updates = [gr.update(value=spec.display(_tiny_presets()[spec.method][spec.name] if tiny
-                                                           else spec.default)) for spec, _ in preset_widgets]
-            return size_updates + option_updates
+            shown = _shown_presets(selected)
+            option_updates = [gr.update(value=spec.display(shown.get(spec.method, {}).get(spec.name, spec.default)))
+                              for spec, _ in preset_widgets]
+            # a caption of the shapes grammar for tiny-shapes; the fox back for the others
+            prompt_update = gr.update(value=default_prompt(selected)) if shown_prompt in (
+                DEFAULT_PROMPT, default_prompt("tiny-shapes")) else gr.update()
+            return size_updates + [prompt_update] + option_updates
 
-        model.change(on_model, model, [steps, guidance, frames, height, width] + [c for _, c in preset_widgets],
+        model.change(on_model, [model, prompt],
+                     [steps, guidance, frames, height, width, prompt] + [c for _, c in preset_widgets],
                      queue=False, api_visibility="private")
 
         def run(*args):
@@ -229,7 +254,7 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
                 gr.Info(note)
             return (out.dense_video, out.method_video, metrics_html(out.metrics), out.mask, out.mask_caption,
                     "\n".join(f"- {note}" for note in out.notes), history_frame(past), scatter_frame(past),
-                    json_safe(out.metrics), past)
+                    json_safe(out.metrics), out.contact_sheet, past)
 
         P = inspect.Parameter
         run.__signature__ = inspect.Signature(
@@ -241,7 +266,7 @@ def build_app(default_model="tiny-wan", device=None, dtype=None, max_tokens=None
         inputs = [model, prompt, negative, seed, steps, guidance, frames, height, width, method, mask_layer, mask_head,
                   reuse_dense, image, history, plan_file] + [c for _, c in option_widgets]
         outputs = [dense_video, method_video, metrics_box, mask_image, mask_caption, notes, table, scatter, details,
-                   history]
+                   sheet_image, history]
         run_event = run_btn.click(run, inputs, outputs, api_name="compare", concurrency_limit=concurrency,
                                   show_progress_on=[dense_video, method_video])
 

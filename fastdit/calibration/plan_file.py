@@ -36,9 +36,8 @@ from fastdit.methods.sta import PLAN_FORMAT, PLAN_VERSION, choose_tile, normaliz
 #: Plan versions this fastdit reads (2 added method ``auto``; a version 1 plan means what it meant).
 READABLE_VERSIONS = (1, 2)
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "load_plan", "options_set_by", "plan_options",
-           "plan_options_for", "with_plan",
-           "write_plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "check_plan", "grid_reason", "load_plan", "options_set_by",
+           "plan_options", "plan_options_for", "with_plan", "write_plan"]
 
 
 class PlanError(ValueError):
@@ -207,7 +206,7 @@ def _decoded(options, plan):
     return decoded
 
 
-def _grid_reason(plan, grids):
+def grid_reason(plan, grids):
     """None when the plan's settings mean the same on ``grids``, else why not."""
     planned = [tuple(g) for g in plan["model"].get("grids") or []]
     others = [tuple(g) for g in grids or [] if tuple(g) not in planned]
@@ -254,7 +253,7 @@ def plan_options(plan, method, *, family=None, transformer=None, layers=None, he
                     "attention layers", "heads": "number of attention heads"}[key]
             raise PlanError(f"{where} does not fit this model: {what} is {actual!r} but the plan was made for "
                             f"{model[key]!r}")
-    reason = _grid_reason(plan, grids)
+    reason = grid_reason(plan, grids)
     if reason is not None:
         raise PlanError(f"{where} cannot be applied to grid {tuple(grids[0]) if len(grids) == 1 else grids}: {reason}")
     options = _decoded(plan.get("options", {}), plan)

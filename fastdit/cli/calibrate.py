@@ -153,10 +153,14 @@ def cmd_calibrate(args):
     if args.no_progress:  # also the pipeline's own per-step bars
         pipe.set_progress_bar_config(disable=True)
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
-    if auto:  # the tiny models' block sizes and tiles under each method's options
-        options = tiny_method_presets(args.model, AUTO_METHODS, options)
+    # The built-in models' presets (block sizes, tiles) under each method's options; a preset that is
+    # a calibrated plan (a trained model's) is what this command re-makes, so it is left out.
+    if auto:
+        options = {method: {k: v for k, v in values.items() if k != "plan"}
+                   for method, values in tiny_method_presets(args.model, AUTO_METHODS, options).items()}
     else:
         options = tiny_method_presets(args.model, [args.method], {args.method: options})[args.method]
+        options = {k: v for k, v in options.items() if k != "plan"}
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
     print(f"calibrating {args.method} on {args.model} ({pipe.device}): {len(prompts)} prompt(s), budget {args.budget}, "
           f"{shown}")

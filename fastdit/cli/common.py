@@ -159,8 +159,10 @@ def parse_options(settings, methods, plan=None):
     return options
 
 
-def add_generation_arguments(parser, steps_default=None):
-    parser.add_argument("--model", default="tiny-wan", help="tiny-wan, tiny-wan-i2v, tiny-hunyuan-video (random weights), tiny-shapes (trained), a hub id or a local folder")
+def add_generation_arguments(parser, steps_default=None, model_default="tiny-wan"):
+    parser.add_argument("--model", default=model_default,
+                        help=f"tiny-shapes (trained here), tiny-wan, tiny-wan-i2v, tiny-hunyuan-video (random weights), "
+                             f"a hub id or a local folder (default {model_default})")
     parser.add_argument("--steps", type=positive_int, default=steps_default, help="denoising steps")
     parser.add_argument("--frames", type=positive_int, default=None, help="video frames (rounded to what the model takes)")
     parser.add_argument("--height", type=positive_int, default=None)

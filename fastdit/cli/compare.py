@@ -1,6 +1,7 @@
 """``fastdit compare``: dense and each method with the same seed; latency, speedup, PSNR, SSIM.
 
-    fastdit compare                                  # tiny Wan model, dense vs sta
+    fastdit compare                                  # tiny-shapes (trained here): dense and its demo methods
+    fastdit compare --model tiny-wan --methods dense,sta   # the random-weight tiny Wan
     fastdit compare --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --frames 81 --height 480 --width 832 \
         --methods dense,sta --set sta.dense_steps=0.25 --out runs/wan
 """
@@ -19,10 +20,17 @@ from fastdit.cli.common import (
     seed_int,
 )
 from fastdit.cpu_load import load_warning
+from fastdit.pipelines.shapes_data import DEMO_CAPTION
 
 
 DEFAULT_PROMPT = "A red fox runs through fresh snow in a pine forest at sunrise"
-SHAPES_PROMPT = "a red circle moving right and a blue square moving down"
+SHAPES_PROMPT = DEMO_CAPTION
+#: The model ``fastdit compare`` runs without ``--model``: trained here, so its videos can be judged by eye.
+DEFAULT_MODEL = "tiny-shapes"
+#: ``--methods`` when it is not given: on tiny-shapes the methods whose shipped presets keep the video
+#: and pay on a CPU (BENCHMARKS.md, "Trained tiny model"); elsewhere dense and sta.
+DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,radial"}
+FALLBACK_METHODS = "dense,sta"
 
 
 def cmd_compare(args):
@@ -32,6 +40,8 @@ def cmd_compare(args):
     from fastdit.eval.runner.settings import tiny_method_presets
     from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline, trained_name
 
+    if args.methods is None:
+        args.methods = DEFAULT_METHODS.get(args.model, FALLBACK_METHODS)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise CLIError(f"argument --methods: no method given in {args.methods!r}; e.g. --methods dense,sta")
@@ -83,7 +93,10 @@ def cmd_compare(args):
             pipe.set_progress_bar_config(disable=True)  # one progress bar, rank 0's
     check_quant_options(options, pipe)
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
-    options = apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options), options)
+    from fastdit.pipelines.loading import latent_grid
+
+    grid = latent_grid(pipe, call_kwargs) if shapes else None  # a trained model's plans fit its native grid
+    options = apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options, grid), options)
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     if cache is not None:  # the fitted settings, checked before any run
@@ -97,7 +110,7 @@ def cmd_compare(args):
     print(f"model {args.model} on {pipe.device}: {shown}")
     from fastdit.eval.runner.settings import method_presets
 
-    presets, label = method_presets(args.model)
+    presets, label = method_presets(args.model, grid)
     if presets and any(m in presets for m in methods):
         print(f"method presets: {label}")
     report = compare(pipe, methods, args.prompt, args.seed, call_kwargs, args.out, model_name=args.model,
@@ -149,8 +162,10 @@ def check_quant_options(options, pipe):
 
 def add_compare_parser(sub):
     compare = sub.add_parser("compare", help="run dense and each method with the same seed; latency, speedup, PSNR, SSIM")
-    add_generation_arguments(compare)
-    compare.add_argument("--methods", default="dense,sta", help="comma-separated methods (dense always runs first)")
+    add_generation_arguments(compare, model_default=DEFAULT_MODEL)
+    compare.add_argument("--methods", default=None,
+                         help=f"comma-separated methods (dense always runs first; default "
+                              f"{DEFAULT_METHODS[DEFAULT_MODEL]} on {DEFAULT_MODEL}, else {FALLBACK_METHODS})")
     compare.add_argument("--set", action="append", metavar="METHOD.OPTION=VALUE",
                          help="method option, e.g. --set sta.tile=6,8,8 --set sta.dense_steps=0.25 (repeatable)")
     compare.add_argument("--seed", type=seed_int, default=0)

@@ -71,6 +71,16 @@ def add_eval_arguments(parser):
     return parser
 
 
+def _trained_call_grid(args):
+    """The latent grid of the sizes asked of a trained built-in model (its presets' plans are for its
+    native grid), else None."""
+    from fastdit.pipelines.loading import trained_grid, trained_name
+
+    if trained_name(args.model) is None:
+        return None
+    return trained_grid(args.model, {"num_frames": args.frames, "height": args.height, "width": args.width})
+
+
 def parse_seeds(text):
     """``"0,1"`` / ``"0-4"`` -> a list of seeds."""
     from fastdit.cli.common import CLIError
@@ -152,7 +162,8 @@ def config_from_args(args):
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
     return EvalConfig(
         out=args.out, model=args.model, methods=methods,
-        options=apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options), options),
+        options=apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options,
+                                                                            _trained_call_grid(args)), options),
         grid=grid, prompts=prompts, prompts_file=args.prompts, seeds=parse_seeds(args.seeds),
         metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
         call={k: v for k, v in call.items() if v is not None}, device=args.device, dtype=args.dtype,

@@ -170,7 +170,7 @@ def _call_kwargs(pipe, prompt, latents, generator):
             kwargs["height"], kwargs["width"] = latents.shape[-2] * spatial, latents.shape[-1] * spatial
     if "guidance_scale" in params and hasattr(type(pipe), "do_classifier_free_guidance"):
         kwargs["guidance_scale"] = 1.0
-    # A pipeline loaded by name carries its native call (tiny-shapes: 48 text tokens, 64 x 64 x 17)
+    # A pipeline loaded by name carries its native call (tiny-shapes: 48 text tokens, 17 frames of 128 x 128)
     native = getattr(pipe, "_fastdit_call_defaults", {})
     for key in ("max_sequence_length", *(("num_frames", "height", "width") if latents is None else ())):
         if key in native:

@@ -137,6 +137,7 @@ def model_calls(args):
     """Every self-attention call (q, k, v, layout) of one dense tiny-shapes run (CFG branch 0)."""
     from fastdit.methods.base import _REGISTRY, register_method
     from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
+    from fastdit.pipelines.shapes_data import DEMO_CAPTION
 
     pipe = load_pipeline(args.model, "cpu")
     _Capture.store, _Capture.limit = [], args.max_calls
@@ -145,8 +146,7 @@ def model_calls(args):
     patch = fastdit.patch(pipe, _Capture.name, dense_steps=0, dense_layers=0)
     try:
         with torch.no_grad():
-            pipe(prompt="a red circle moving right and a blue square moving down",
-                 generator=torch.Generator().manual_seed(0), **call)
+            pipe(prompt=DEMO_CAPTION, generator=torch.Generator().manual_seed(0), **call)
     finally:
         patch.remove()
         _REGISTRY.pop(_Capture.name, None)
