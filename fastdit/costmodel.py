@@ -170,10 +170,10 @@ def kernel_tile(gpu, head_dim, dtype="bf16"):
     """``(BLOCK_M, BLOCK_N)`` the kernel runs without autotuning on ``gpu`` (offline table;
     128 x 64 where Triton is not installed)."""
     try:
-        from fastdit.kernels.triton_tuning import _next_pow2, default_config
+        from fastdit.kernels.triton_tuning import next_pow2, default_config
     except ImportError:
         return 128, 64
-    bm, bn, _, _ = default_config(gpu.capability, max(16, _next_pow2(head_dim)), dtype)
+    bm, bn, _, _ = default_config(gpu.capability, max(16, next_pow2(head_dim)), dtype)
     return bm, bn
 
 

@@ -54,7 +54,7 @@ def unregister_patch(patch_id):
     _PATCHES.pop(patch_id, None)
 
 
-def _is_sdpa(func):
+def is_sdpa(func):
     return func is _SDPA or getattr(func, "__name__", "") == "scaled_dot_product_attention"
 
 
@@ -113,7 +113,7 @@ class SDPAIntercept(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _is_sdpa(func):
+        if not is_sdpa(func):
             return func(*args, **kwargs)
         call = sdpa_arguments(args, kwargs)
         q, k, v = call["query"], call["key"], call["value"]

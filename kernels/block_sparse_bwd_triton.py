@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_triton import LOG2E, _broadcast_strides, _interpreter_enabled
-from .triton_tuning import BWD_PREFERENCE, _next_pow2, bwd_config, dtype_name  # noqa: F401  (offline check)
+from .triton_tuning import BWD_PREFERENCE, next_pow2, bwd_config, dtype_name  # noqa: F401  (offline check)
 
 
 @triton.jit
@@ -196,7 +196,7 @@ def bwd_kernel_args(q, k, v, dout, lse, delta, grad, plan_idx, plan_cnt, kv_vali
     the forward plan for dQ, the transposed one for dK / dV). The offline check builds its launch
     from this too."""
     batch, heads, n_q, dim = q.shape
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     sib, sih = _broadcast_strides(plan_idx, batch, heads)
     scb, sch = _broadcast_strides(plan_cnt, batch, heads)
     has_kv_valid = kv_valid is not None
@@ -240,7 +240,7 @@ def block_sparse_attention_backward_triton(dout, dlse, q, k, v, out, lse, kv_ind
     q_indices, q_counts = transpose_plan(kv_indices, kv_counts, n_kblocks)
 
     interpreted = _interpreter_enabled() or q.device.type != "cuda"
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     for kernel, fn, grad, idx, cnt, n_blocks, plan_block in (
             ("bwd_dq", _bwd_dq_kernel, (dq,), kv_indices, kv_counts, n_qblocks, block_m),
             ("bwd_dkdv", _bwd_dkdv_kernel, (dk, dv), q_indices, q_counts, n_kblocks, block_n)):
@@ -410,7 +410,7 @@ def varlen_bwd_kernel_args(q, k, v, dout, lse, delta, grad, q_off, k_off, plan_i
     from .block_sparse_varlen_triton import _leading_strides
 
     batch, heads, n_q, dim = q.shape
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     has_kv_valid = kv_valid is not None
     if has_kv_valid:
         kvv = kv_valid.contiguous().view(torch.uint8)
@@ -455,7 +455,7 @@ def block_sparse_attention_varlen_backward_triton(dout, dlse, q, k, v, out, lse,
     q_indices, q_counts = transpose_plan(kv_indices, kv_counts, n_kblocks)
 
     interpreted = _interpreter_enabled() or q.device.type != "cuda"
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     for kernel, fn, grad, idx, cnt, offsets, n_blocks, n_tokens in (
             ("varlen_bwd_dq", _varlen_bwd_dq_kernel, (dq,), kv_indices, kv_counts, q_off, n_qblocks, n_q),
             ("varlen_bwd_dkdv", _varlen_bwd_dkdv_kernel, (dk, dv), q_indices, q_counts, k_off, n_kblocks, n_k)):

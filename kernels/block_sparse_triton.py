@@ -52,7 +52,7 @@ from .triton_tuning import (  # noqa: F401  (re-exported: tests and benchmarks r
     _PREFERRED,
     _SMEM_CACHE,
     AUTOTUNE_CONFIGS,
-    _next_pow2,
+    next_pow2,
     _prune_configs,
     _shared_mem_bytes,
     _tile_waste,
@@ -325,7 +325,7 @@ def _forced_config():
 
 def _interpreter_block(plan_block):
     """Small power-of-two tiles for the interpreter (cheap numpy ops, still exercises splitting)."""
-    return max(16, min(32, _next_pow2(plan_block)))
+    return max(16, min(32, next_pow2(plan_block)))
 
 
 def _broadcast_strides(t, batch, heads):
@@ -342,8 +342,8 @@ def skip_tile_sizes(block_m, block_n, skip_tile):
     consecutive entries, the last run cut by the plan block. A power-of-two kernel tile of that
     size does exactly this; a plan block smaller than the skip tile is one run, which a tile of
     ``next_pow2(plan block)`` (at least 16, ``tl.dot``'s minimum) covers the same way."""
-    tile_m = min(int(skip_tile[0]), max(16, _next_pow2(block_m)))
-    tile_n = min(int(skip_tile[1]), max(16, _next_pow2(block_n)))
+    tile_m = min(int(skip_tile[0]), max(16, next_pow2(block_m)))
+    tile_n = min(int(skip_tile[1]), max(16, next_pow2(block_n)))
     return tile_m, tile_n
 
 
@@ -385,12 +385,12 @@ def kernel_args(q, k, v, out, lse, skipped, kv_indices, kv_counts, kv_valid, blo
         kvv = kv_counts  # never read (HAS_KV_VALID=False); any valid pointer
         svb, svn = 0, 0
 
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     # int64 in-head offsets only when a row/key offset could pass 2**31 elements
     max_off = max(n_q * abs(q.stride(2)), n_k * abs(k.stride(2)), n_k * abs(v.stride(2)), n_q * dim,
                   n_k * max(svn, 1))
     big_offsets = max_off >= 2**31 - 1
-    tune_n = _next_pow2(max(n_q, n_k))
+    tune_n = next_pow2(max(n_q, n_k))
     return (
         q, k, v, out, lse, kv_indices, kv_counts, kvv, skipped if skip else lse,  # Skipped: unread without SKIP
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),

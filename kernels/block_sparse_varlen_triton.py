@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_triton import LOG2E, _forced_config, _interpreter_enabled, _online_update
-from .triton_tuning import _next_pow2, dtype_name, table_verdict
+from .triton_tuning import next_pow2, dtype_name, table_verdict
 
 
 @triton.jit
@@ -210,7 +210,7 @@ def varlen_kernel_args(q, k, v, out, lse, q_off, k_off, kv_indices, kv_counts, k
     batch, heads, n_q, dim = q.shape
     n_k = k.shape[2]
     n_qblocks = q_off.shape[-1] - 1
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     has_kv_valid = kv_valid is not None
     if has_kv_valid:
         kvv = kv_valid.view(torch.uint8)
@@ -247,7 +247,7 @@ def block_sparse_attention_varlen_triton(q, k, v, q_offsets, k_offsets, kv_indic
         lse.fill_(float("-inf"))
         return out, lse
 
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     interpreted = _interpreter_enabled() or q.device.type != "cuda"
     if interpreted:
         block_m, block_n, warps, stages = 16, 16, 4, 1

@@ -58,7 +58,7 @@ TABLE_PATH = Path(__file__).with_name("offline_table.json")
 _SMEM_CACHE = {}
 
 
-def _next_pow2(x):
+def next_pow2(x):
     return 1 << max(0, int(x) - 1).bit_length()
 
 
@@ -189,7 +189,7 @@ def prune_for_target(configs, block_m, block_n, block_d, elt, smem, capability=N
     (configs recorded as spilling or over the shared memory there are dropped, and the
     architecture's ``default_config`` joins the short list). The offline check calls this with
     each target's numbers, without ``capability``, to list the configs a target can select."""
-    cap_m, cap_n = max(16, _next_pow2(block_m)), max(16, _next_pow2(block_n))
+    cap_m, cap_n = max(16, next_pow2(block_m)), max(16, next_pow2(block_n))
     full = os.environ.get("FASTDIT_TRITON_AUTOTUNE", "1").lower() == "full"
     preferred = _PREFERRED
     if capability is not None and dtype is not None:  # the architecture's clean default is a candidate too

@@ -121,12 +121,12 @@ def test_autotune_prune(block_m, block_n, dim, dtype, monkeypatch):
 
     monkeypatch.setitem(bst._SMEM_CACHE, 0, 163 * 1024)
     q = torch.empty(1, 1, 8, dim, dtype=dtype)
-    nargs = {"block_m": block_m, "block_n": block_n, "BLOCK_D": max(16, bst._next_pow2(dim)), "Q": q}
+    nargs = {"block_m": block_m, "block_n": block_n, "BLOCK_D": max(16, bst.next_pow2(dim)), "Q": q}
     kept = bst._prune_configs(bst.AUTOTUNE_CONFIGS, nargs)
     assert kept
     for c in kept:
-        assert c.kwargs["BLOCK_M"] <= max(16, bst._next_pow2(block_m))
-        assert c.kwargs["BLOCK_N"] <= max(16, bst._next_pow2(block_n))
+        assert c.kwargs["BLOCK_M"] <= max(16, bst.next_pow2(block_m))
+        assert c.kwargs["BLOCK_N"] <= max(16, bst.next_pow2(block_n))
         assert c.kwargs["BLOCK_M"] >= 16 and c.kwargs["BLOCK_N"] >= 16
     if block_m >= 128 and dtype != torch.float32 and dim <= 128:
         assert any(c.kwargs["BLOCK_M"] == 128 for c in kept), "128-row query tiles must stay candidates"

@@ -83,7 +83,7 @@ def test_bad_options_are_refused():
 
 def test_cli_trains_the_trained_tiny_model_on_its_own_grammar(tmp_path):
     """``python -m fastdit.train --model tiny-shapes``: the shipped trained model loads offline with
-    its native call; training and held-out prompts are captions of its grammar (the only text it
+    its native call (a small size of it here); training and held-out prompts are captions of its grammar (the only text it
     knows), distinct and disjoint; one step at a reduced call runs end to end."""
     from fastdit.pipelines.shapes_data import parse_caption
     from fastdit.train.__main__ import _shapes_captions, main
@@ -94,7 +94,8 @@ def test_cli_trains_the_trained_tiny_model_on_its_own_grammar(tmp_path):
     out = tmp_path / "lora"
     main(["--model", "tiny-shapes", "--method", "sta", "--options",
           json.dumps({"tile": [1, 4, 4], "window": [1, 1, 1], "dense_steps": 0, "dense_layers": 0}),
-          "--call", json.dumps({"num_frames": 5, "num_inference_steps": 1}), "--prompts", json.dumps(train[:1]),
+          "--call", json.dumps({"num_frames": 5, "height": 64, "width": 64, "num_inference_steps": 1}),
+          "--prompts", json.dumps(train[:1]),
           "--steps", "1", "--samples", "1", "--backend", "torch", "--no-progress", "--out", str(out),
           "--json", str(out / "result.json")])
     result = json.loads((out / "result.json").read_text())

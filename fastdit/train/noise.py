@@ -45,7 +45,7 @@ import re
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..intercept import _is_sdpa, sdpa_arguments
+from ..intercept import is_sdpa, sdpa_arguments
 from ..methods.base import check_int, check_number
 
 __all__ = ["optimize_noise", "noise_loss", "find_subjects"]
@@ -116,7 +116,7 @@ class _AttentionMaps(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_sdpa(func):
+        if is_sdpa(func):
             call = sdpa_arguments(args, kwargs)
             self._read(call["query"], call["key"], call["scale"], call["attn_mask"])
         return func(*args, **kwargs)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_tuning import _next_pow2
+from ..triton_tuning import next_pow2
 from .emulation import fixed_blocks, fp8_value_scale, key_mean, nonfinite_keys, poison_scales, varlen_blocks
 
 LOG2E = 1.4426950408889634
@@ -122,7 +122,7 @@ def quantize_kernel_args(x, mean, x8, scales, shift, off_args, blocks, n_blocks,
     _, heads, length, dim = x.shape
     args = (x, mean, x8, scales, shift, off_args[0], *x.stride(), *off_args[1:], heads, length, dim, blocks or 1,
             n_blocks, float(shift_scale))
-    flags = dict(BLOCK_R=QUANTIZE_ROWS, BLOCK_D=max(16, _next_pow2(dim)), SMOOTH=smooth, SHIFT=with_shift,
+    flags = dict(BLOCK_R=QUANTIZE_ROWS, BLOCK_D=max(16, next_pow2(dim)), SMOOTH=smooth, SHIFT=with_shift,
                  VARLEN=varlen)
     return args, flags
 
@@ -218,8 +218,8 @@ def tiles(block_m, block_n, interpreted):
     """``(BLOCK_M, BLOCK_N)`` of the attention kernel: powers of two that split plan blocks (never
     merge them); BLOCK_N at least 32 (the K dimension of an FP8 dot)."""
     if interpreted:
-        return max(16, min(32, _next_pow2(block_m))), 32
-    return max(16, min(128, _next_pow2(block_m))), max(32, min(64, _next_pow2(block_n)))
+        return max(16, min(32, next_pow2(block_m))), 32
+    return max(16, min(128, next_pow2(block_m))), max(32, min(64, next_pow2(block_n)))
 
 
 def prepare_quant(q, k, v, scale, quant, q_blocks, k_blocks, q_offsets=None, k_offsets=None):
@@ -286,7 +286,7 @@ def quant_kernel_args(q8, k8, v_used, q_scales, k_scales, v_scale, out, lse, kv_
             *v_used.stride(), *out.stride(), *plan_strides(kv_indices, batch, heads),
             *plan_strides(kv_counts, batch, heads), svb, svn,
             heads, n_q, n_k, dim, block_m, block_n, -(-n_q // block_m), -(-n_k // block_n), float(scale) * LOG2E)
-    flags = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(32, _next_pow2(dim)), HAS_KV_VALID=kv_valid is not None,
+    flags = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(32, next_pow2(dim)), HAS_KV_VALID=kv_valid is not None,
                  FP8=quant == "int8-fp8", UPCAST=interpreted and out.dtype == torch.bfloat16,
                  num_warps=4 if bm <= 64 else 8, num_stages=1 if interpreted else 2)
     return args, flags

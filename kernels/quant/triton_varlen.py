@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..block_sparse_varlen_triton import row_tile_schedule
-from ..triton_tuning import _next_pow2
+from ..triton_tuning import next_pow2
 from .triton_fixed import LOG2E, _interpreted, _quant_tile, kv_valid_args, plan_strides, prepare_quant
 
 
@@ -130,7 +130,7 @@ def quant_varlen_kernel_args(q8, k8, v_used, q_scales, k_scales, v_scale, out, l
             *plan_strides(k_offsets, batch, heads), *plan_strides(kv_indices, batch, heads),
             *plan_strides(kv_counts, batch, heads), svb, svn, *plan_strides(sched_block, batch, heads),
             heads, n_q, k8.shape[2], dim, q_offsets.shape[-1] - 1, k_offsets.shape[-1] - 1, float(scale) * LOG2E)
-    flags = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(32, _next_pow2(dim)),
+    flags = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(32, next_pow2(dim)),
                  HAS_KV_VALID=kv_valid is not None, FP8=quant == "int8-fp8",
                  UPCAST=interpreted and out.dtype == torch.bfloat16, num_warps=4 if interpreted else 8,
                  num_stages=1 if interpreted else 2)  # 4 warps spill at 64 x 64 (offline check, sm_89)
