@@ -91,7 +91,12 @@ def auto_candidates(layout=None, options=None, methods=AUTO_METHODS):
     sta gets a compact set of windows (its full set is 4 widths per axis): per axis 1 and 3 tiles
     (those below the axis' tile count) and the whole axis (the smallest odd width >= its tile
     count), the whole volume (dense) left out; none without a layout;
-    radial its ``decay`` 0.95, 0.5, 0.25."""
+    radial its ``decay`` 0.95, 0.5, 0.25.
+
+    A base option the user set wins over the candidates' values of it (``todo.factor=1``: ToDo is
+    scored at factor 1 only; the candidates that differed only in it collapse into one), so that
+    the plan holds what was asked for. ``dense_steps`` / ``dense_layers`` are refused per method:
+    a candidate runs where the plan's choices put it (set them on ``auto`` when patching)."""
     import itertools
 
     from fastdit.methods.sta import SlidingTile
@@ -101,6 +106,12 @@ def auto_candidates(layout=None, options=None, methods=AUTO_METHODS):
     if unknown:
         raise ValueError(f"auto: options given for {unknown}, which auto does not choose from; its methods: "
                          f"{list(AUTO_METHODS)}")
+    for name, values in options.items():
+        ignored = sorted({"dense_steps", "dense_layers"} & set(values or {}))
+        if ignored:
+            raise ValueError(f"auto: {name}.{ignored[0]}: a candidate runs on the steps and layers the plan chooses "
+                             f"it for; set {ignored[0]} on auto when patching (e.g. --set auto.{ignored[0]}=1 in "
+                             f"fastdit compare)")
     out = []
     for name in methods:
         base = dict(options.get(name, {}))
@@ -114,7 +125,10 @@ def auto_candidates(layout=None, options=None, methods=AUTO_METHODS):
             found = [{"decay": d} for d in (0.95, 0.5, 0.25)]
         else:
             found = candidates_for(name, layout)
-        out += [{"method": name, **base, **c} for c in found]
+        for c in found:
+            candidate = {"method": name, **c, **base}  # the user's value of an option wins over the candidate's
+            if candidate not in out:
+                out.append(candidate)
     return out
 
 
@@ -165,6 +179,8 @@ def select_plan(prompt_results, candidates, budget, per_head=True):
     return choice, measured
 
 
+#: Relative margin by which a candidate's predicted time must beat dense's (float rounding is no gain).
+TIME_TOLERANCE = 1e-6
 
 
 def select_auto(prompt_results, candidates, budget, allowed=None):
@@ -184,7 +200,11 @@ def select_auto(prompt_results, candidates, budget, allowed=None):
         dense_time = sum(torch.tensor(e["dense_time"], dtype=torch.float64) for e in entries) / len(entries)
         head_error, head_density, head_time = [], [], []
         for head in range(errors.shape[0]):
-            ok = [c for c in usable if errors[head, c] <= budget and time[head, c] < dense_time[head]]
+            # dense is kept where predicted as fast: a candidate must compute fewer pairs and be
+            # predicted faster by more than float rounding (a density-1 radial mask was chosen
+            # over dense by a difference in the last digits of the predicted time)
+            ok = [c for c in usable if errors[head, c] <= budget and float(density[head, c]) < 1.0
+                  and float(time[head, c]) < float(dense_time[head]) * (1.0 - TIME_TOLERANCE)]
             best = min(ok, key=lambda c: (float(time[head, c]), float(errors[head, c])), default=None)
             choice[f"{key}_{head}"] = best
             head_error.append(0.0 if best is None else float(errors[head, best]))

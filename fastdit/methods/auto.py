@@ -26,6 +26,7 @@ run without a plan); ``fastdit.methods.get_method("auto")`` finds it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,25 @@ class AutoConfig(MethodConfig):
         if not isinstance(self.candidates, (list, tuple)) or not all(isinstance(c, dict) for c in self.candidates):
             raise ValueError(f"auto: candidates must be a list of {{'method': name, option: value}} dicts, got "
                              f"{self.candidates!r}")
+        from fastdit.calibration.candidates import AUTO_METHODS
+
         for index, candidate in enumerate(self.candidates):
             options = dict(candidate)
             name = options.pop("method", None)
             if name in (None, "auto"):
                 raise ValueError(f"auto: candidate {index} {candidate!r} must name another method under 'method'")
+            # prune and window reuse results across steps (one call's error, which the plan was
+            # chosen on, says little of them); dense is a choice of its own (null), no candidate
+            if name not in AUTO_METHODS:
+                raise ValueError(f"auto: candidate {index} {candidate!r}: method {name!r} is not one auto chooses "
+                                 f"from; its methods: {list(AUTO_METHODS)} (null in choices: dense)")
+            # a candidate runs on the steps and layers its choices name: its own dense_steps /
+            # dense_layers would be ignored, so they are refused rather than silently dropped
+            ignored = sorted({"dense_steps", "dense_layers"} & set(options))
+            if ignored:
+                raise ValueError(f"auto: candidate {index} {candidate!r} sets {ignored}: a candidate runs where the "
+                                 f"choices put it; set dense_steps / dense_layers on auto itself (they apply to "
+                                 f"every head)")
             try:
                 get_method(name).make_config(**options)
             except (ValueError, TypeError) as error:
@@ -121,6 +136,7 @@ class Auto(Method):
             step, layer, head = map(int, key.split("_"))
             self.table.setdefault((step, layer), {})[head] = value
         self.starts = sorted({step for step, _ in self.table})
+        self._warned_early = False
 
     def check_heads(self, num_heads):
         for (step, layer), heads in sorted(self.table.items()):
@@ -140,8 +156,24 @@ class Auto(Method):
         start = bucket_start(self.starts, step)
         return None if start is None else self.table.get((start, layer))
 
+    def _warn_early(self, ctx):
+        """Warn once when a call comes before the plan's first step bucket: such steps run dense, and
+        a plan whose first bucket lies past the run's last step (``step_buckets: [5]`` on a 2-step
+        run) would otherwise make the whole run dense without a word."""
+        if self._warned_early:
+            return
+        self._warned_early = True
+        first = self.starts[0]
+        steps = getattr(ctx, "num_steps", None)
+        whole = (f": every step of this {steps}-step run does, so the whole run is dense"
+                 if steps is not None and steps <= first else f": steps 0 to {first - 1} run dense")
+        warnings.warn(f"auto: step {ctx.step} comes before the plan's first step bucket ({first}){whole} (the plan "
+                      f"was calibrated for a longer run, or its step_buckets were edited)", UserWarning, stacklevel=2)
+
     def attend(self, ctx, q, k, v):
         row = self.choices_of(ctx.step, ctx.layer)
+        if row is None and self.starts and ctx.step < self.starts[0]:
+            self._warn_early(ctx)
         heads = [None if row is None else row.get(ctx.head_offset + i) for i in range(q.shape[1])]
         groups = {}
         for local, choice in enumerate(heads):
