@@ -178,14 +178,45 @@ def compare(paths, gpu):
     return lines
 
 
+#: The most HunyuanVideo frames ``--hy-frames`` takes: 4x the published 129 (129 latent frames,
+#: 464k tokens); 100000 frames tried to allocate 250 GB for the plans on the CPU.
+MAX_HY_FRAMES = 513
+
+
+def _density(text):
+    """``--dynamic-density``: a finite fraction of the dense pairs, in (0, 1] (2 printed 296x speedups,
+    nan a traceback)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expects a density in (0, 1] (the fraction of dense attention's pairs "
+                                         f"computed), got {text!r}")
+    return value
+
+
+def _frames(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_HY_FRAMES:
+        raise argparse.ArgumentTypeError(f"expects a frame count from 1 to {MAX_HY_FRAMES} (HunyuanVideo's "
+                                         f"published length is 129), got {text!r}")
+    return value
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from fastdit.cli.common import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m fastdit.eval.predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--gpus", default=",".join(GPUS), help=f"comma list of {', '.join(GPUS)}")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--dynamic-density", type=float, default=None,
+    parser.add_argument("--dynamic-density", type=_density, default=None,
                         help="density assumed for dynamic methods (default: sta's plan density on the model)")
-    parser.add_argument("--hy-frames", type=int, default=None, help="HunyuanVideo frames (default 129)")
+    parser.add_argument("--hy-frames", type=_frames, default=None, help="HunyuanVideo frames (default 129)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--compare", nargs="*", default=None, help="benchmark JSON files to compare with")
     parser.add_argument("--gpu", default=None, help="GPU for --compare (default: this machine's)")
@@ -204,10 +235,11 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"method(s) {bad} are not modelled; modelled: {', '.join(METHODS)} (token methods are not)")
     gpus = [GPUS[g] for g in args.gpus.split(",")]
+    unknown = [name for name in args.models.split(",") if name not in MODELS]
+    if unknown:  # all of them before the first model's plans are built
+        raise SystemExit(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
     rows = []
     for name in args.models.split(","):
-        if name not in MODELS:
-            raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
         shape = model_shape(name, args.hy_frames)
         rows += predict_model(shape, gpus, args.methods.split(","), args.dynamic_density)
     print(format_rows(rows))

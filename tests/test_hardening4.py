@@ -110,3 +110,77 @@ def test_item6_a_plan_starting_after_the_run_warns():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             pipe("a cat", **CALL)  # a plan from step 0: no warning
+
+
+# -- 7. values checked before the work ------------------------------------------------------------
+@pytest.mark.parametrize("setting, message", [
+    ("residual_diff_threshold=abc", "residual_diff_threshold: must be a finite number >= 0, got 'abc'"),
+    ("residual_diff_threshold=nan", "residual_diff_threshold: must be a finite number >= 0"),
+    ("Fn_compute_blocks=-1", "Fn_compute_blocks: must be an int >= 1, got -1"),
+    ("max_warmup_steps=1e9", "max_warmup_steps: must be an int >= 0, got 1000000000.0"),
+    ("max_warmup_steps=1000000000", "max_warmup_steps: must be at most the run's 2 steps"),
+    ("bogus=1", "unknown DBCacheConfig field"),
+])
+def test_item7_cache_values_are_checked_before_any_model_loads(setting, message, monkeypatch, capsys):
+    """``--cache-set residual_diff_threshold=abc`` (``nan``, ``Fn_compute_blocks=-1``,
+    ``max_warmup_steps=1e9``) failed with a TypeError / AssertionError after the dense run had
+    finished; now a one-line error naming the flag before the model loads."""
+    pytest.importorskip("cache_dit")
+    from fastdit.cli import main
+    from fastdit.pipelines import loading
+
+    monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--model", "tiny-wan", "--steps", "2", "--cache", "dbcache", "--cache-set", setting])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --cache-set" in err[0] and message in err[0], err
+
+
+def test_item7_cache_warmup_past_the_models_default_steps_is_refused_before_the_run():
+    """Without ``--steps`` the run's steps are known once the model is: ``cache_settings`` (called
+    before any generation) refuses more warm-up steps than the run has."""
+    pytest.importorskip("cache_dit")
+    from fastdit.integrations.caches import cache_settings
+
+    with pytest.raises(ValueError, match="max_warmup_steps: must be at most the run's 4 steps"):
+        cache_settings("dbcache", _pipe(), 4, {"max_warmup_steps": 10})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dynamic-density", "2"], "argument --dynamic-density: expects a density in (0, 1]"),
+    (["--dynamic-density", "-1"], "argument --dynamic-density"),
+    (["--dynamic-density", "0"], "argument --dynamic-density"),
+    (["--dynamic-density", "nan"], "argument --dynamic-density"),
+    (["--hy-frames", "100000"], "argument --hy-frames: expects a frame count from 1 to 513"),
+    (["--models", "wan,bogus"], "unknown model(s) ['bogus']"),
+])
+def test_item7_predict_checks_its_values(argv, message, monkeypatch, capsys):
+    """``python -m fastdit.eval.predict --dynamic-density 2`` (-1, 0) printed 296x speedups, ``nan``
+    a traceback, ``--hy-frames 100000`` tried to allocate 250 GB."""
+    from fastdit.eval import predict
+
+    monkeypatch.setattr(predict, "model_shape", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit) as exit_info:
+        predict.main(argv)
+    text = str(exit_info.value.code) if not isinstance(exit_info.value.code, int) else capsys.readouterr().err
+    assert message in text, text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "-1"], "argument --port: expects a port number from 1 to 65535, got -1"),
+    (["--port", "70000"], "argument --port"),
+    (["--concurrency", "0"], "argument --concurrency: expects an integer >= 1, got 0"),
+    (["--max-tokens", "0"], "argument --max-tokens"),
+])
+def test_item7_app_checks_port_and_concurrency(argv, message, monkeypatch, capsys):
+    """``fastdit app --port -1`` gave a raw OverflowError at launch; ``--concurrency 0`` was accepted."""
+    from fastdit.app import launch
+    from fastdit.cli import main
+
+    monkeypatch.setattr(launch, "cmd_app", lambda args: pytest.fail("the app was built"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["app", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1], err

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from fastdit.cli.common import port_int, positive_int
+
 from .models import MAX_TOKENS
 
 __all__ = ["add_app_parser", "cmd_app", "main"]
@@ -13,18 +15,18 @@ DESCRIPTION = "The fastdit Gradio app: dense and accelerated generation side by 
 
 def _add_arguments(parser):
     parser.add_argument("--host", default=None, help="server address (default 127.0.0.1; 0.0.0.0 to serve the network)")
-    parser.add_argument("--port", type=int, default=None, help="server port (default 7860, or the next free one)")
+    parser.add_argument("--port", type=port_int, default=None, help="server port (default 7860, or the next free one)")
     parser.add_argument("--share", action="store_true", help="create a public gradio.live link (off by default)")
     parser.add_argument("--model", default="tiny-shapes",
                         help="the model selected when the page opens (default tiny-shapes, trained here)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--max-tokens", type=int, default=None,
+    parser.add_argument("--max-tokens", type=positive_int, default=None,
                         help=f"largest latent token count a run may take (default CPU {MAX_TOKENS['cpu']}, "
                              f"GPU {MAX_TOKENS['cuda']})")
     parser.add_argument("--plan", default=None, metavar="PATH",
                         help="a plan file (fastdit calibrate) preset in the page's plan input, for its method")
-    parser.add_argument("--concurrency", type=int, default=1,
+    parser.add_argument("--concurrency", type=positive_int, default=1,
                         help="comparisons that may run at once (runs on one model always take turns; default 1)")
 
 

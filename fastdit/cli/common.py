@@ -57,6 +57,8 @@ def _int_type(low, high=None, what="an integer"):
 
 
 positive_int = _int_type(1, what="an integer >= 1")
+#: A TCP port a server can listen on (``fastdit app --port``): -1 gave a raw OverflowError at launch.
+port_int = _int_type(1, 65535, what="a port number from 1 to 65535")
 seed_int = _int_type(-(1 << 63), (1 << 64) - 1, what="an integer seed in [-2**63, 2**64 - 1]")
 
 
@@ -350,7 +352,7 @@ def add_cache_arguments(parser):
 def cache_arguments(args, parallel=False):
     """``(cache name or None, {field: value})`` from ``--cache`` / ``--cache-set``; CLIError when the
     cache cannot run (cache-dit missing, with --cp) or a setting is malformed."""
-    from fastdit.integrations.caches import check_cache
+    from fastdit.integrations.caches import check_cache, check_cache_values
 
     overrides = {}
     for setting in args.cache_set or []:
@@ -366,4 +368,8 @@ def cache_arguments(args, parallel=False):
         check_cache(args.cache, parallel)
     except ValueError as error:
         raise CLIError(f"argument --cache: {error}") from None
+    try:  # the values too, before any model loads (cache-dit fails on them inside its first run)
+        check_cache_values(overrides, getattr(args, "steps", None))
+    except ValueError as error:
+        raise CLIError(f"argument {error}") from None
     return args.cache, overrides

@@ -60,6 +60,53 @@ def block_lists(transformer):
     return dict(counts)
 
 
+#: ``--cache-set`` fields fastdit checks before any run: (kind, least value). cache-dit's
+#: ``DBCacheConfig`` takes any value and fails inside the first cached run (a TypeError on a text
+#: threshold, an AssertionError on a negative block count), after the dense run has finished.
+CHECKED_FIELDS = {
+    "Fn_compute_blocks": ("int", 1), "Bn_compute_blocks": ("int", 0), "max_warmup_steps": ("int", 0),
+    "warmup_interval": ("int", 1), "max_cached_steps": ("int", -1), "max_continuous_cached_steps": ("int", -1),
+    "residual_diff_threshold": ("number", 0.0), "max_accumulated_residual_diff_threshold": ("number or None", 0.0),
+    "cfg_compute_first": ("bool", None), "cfg_diff_compute_separate": ("bool", None),
+    "enable_separate_cfg": ("bool or None", None),
+}
+
+
+def check_cache_values(overrides, num_steps=None):
+    """Raise ValueError (``--cache-set FIELD: ...``, one line) for an unknown ``DBCacheConfig`` field
+    or a value of the wrong kind or range (a block count below 1, a threshold that is text, NaN or
+    negative, more warm-up steps than the run has); before any model work."""
+    import math
+
+    cache_dit = require_cache_dit()
+    valid = {f.name for f in dataclasses.fields(cache_dit.DBCacheConfig)}
+    unknown = sorted(set(overrides or {}) - valid)
+    if unknown:
+        raise ValueError(f"--cache-set: unknown DBCacheConfig field(s) {unknown}; valid: {sorted(valid)}")
+    for name, value in (overrides or {}).items():
+        if name not in CHECKED_FIELDS:
+            continue
+        kind, least = CHECKED_FIELDS[name]
+        if value is None and kind.endswith("or None"):
+            continue
+        if kind.startswith("bool"):
+            ok = isinstance(value, bool)
+        elif kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+        else:
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                  and value >= least)
+        if not ok:
+            what = {"int": f"an int >= {least}", "bool": "true or false", "bool or None": "true, false or none",
+                    "number": f"a finite number >= {least:g}",
+                    "number or None": f"a finite number >= {least:g} or none"}[kind]
+            raise ValueError(f"--cache-set {name}: must be {what}, got {value!r}")
+    warmup = (overrides or {}).get("max_warmup_steps")
+    if num_steps is not None and warmup is not None and warmup > int(num_steps):
+        raise ValueError(f"--cache-set max_warmup_steps: must be at most the run's {int(num_steps)} steps (the "
+                         f"first max_warmup_steps steps always compute, so more caches nothing), got {warmup}")
+
+
 def cache_settings(name, pipe, num_steps, overrides=None):
     """Keyword arguments for ``cache_dit.enable_cache(pipe, ...)``: a ``DBCacheConfig`` fitted to
     the model and the run (see the module docstring), with ``overrides`` (field -> value) applied."""
@@ -68,10 +115,7 @@ def cache_settings(name, pipe, num_steps, overrides=None):
     shortest = min(block_lists(pipe.transformer).values())
     fields = {"Fn_compute_blocks": min(max(shortest // 4, 1), 8), "Bn_compute_blocks": 0,
               "max_warmup_steps": min(max(int(num_steps) // 4, 1), 8), "residual_diff_threshold": DEFAULT_THRESHOLD}
-    valid = {f.name for f in dataclasses.fields(cache_dit.DBCacheConfig)}
-    unknown = sorted(set(overrides or {}) - valid)
-    if unknown:
-        raise ValueError(f"--cache-set: unknown DBCacheConfig field(s) {unknown}; valid: {sorted(valid)}")
+    check_cache_values(overrides, num_steps)
     fields.update(overrides or {})
     if fields["Fn_compute_blocks"] + fields["Bn_compute_blocks"] > shortest:
         raise ValueError(f"--cache-set: Fn_compute_blocks + Bn_compute_blocks = "
