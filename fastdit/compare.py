@@ -92,7 +92,10 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
     from fastdit.integrations.caches import CacheRun
 
     options = dict(options or {})
-    call_kwargs = {"output_type": "np", **(call_kwargs or {}), **pipe_kwargs}
+    from fastdit.pipelines.tiny import native_call
+
+    # sizes and steps left out are the model's native call (the built-in models carry one), not 50 full-size steps
+    call_kwargs = {"output_type": "np", **native_call(pipe, call_kwargs), **pipe_kwargs}
     device = pipeline_device(pipe)
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     patch = None
@@ -244,7 +247,9 @@ def compare(pipe, methods, prompt, seed=0, call_kwargs=None, out_dir="fastdit_co
     Returns the report dict ``{"model", "device", "prompt", "seed", "call", "runs": [...]}``.
     """
     from fastdit.parallel import reduce
+    from fastdit.pipelines.tiny import native_call
 
+    call_kwargs = native_call(pipe, call_kwargs)  # the built-in models' own sizes and steps where none are given
     method_options = method_options or {}
     main = parallel is None or parallel.is_main
     if not main:

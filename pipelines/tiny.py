@@ -86,6 +86,7 @@ __all__ = [
     "TINY_MODELS",
     "TINY_DEFAULTS",
     "TINY_TEST_DEFAULTS",
+    "native_call",
     "tiny",
     "tiny_transformer",
     "tiny_tokenizer",
@@ -344,7 +345,28 @@ def tiny(name: str, seed: int = 0, **overrides):
     Construction is deterministic for a given ``seed`` and leaves the global
     torch RNG state untouched.  See the module docstring for overrides, sizes
     and pipeline notes; run it as ``pipe(prompt, **TINY_DEFAULTS[name])``.
+
+    The pipeline carries its native call, ``TINY_DEFAULTS[name]`` without the image, as
+    ``pipe._fastdit_call_defaults`` (as ``load_trained`` does for the trained models):
+    ``fastdit.optimize_noise``, ``fastdit.calibrate`` and ``fastdit.compare`` fill the sizes and
+    steps a caller leaves out from it (see :func:`native_call`). A bare ``pipe(prompt)`` still runs
+    at diffusers' defaults (50 steps, 81 frames of 480 x 832: minutes per step on a CPU): the
+    defaults are those of the pipeline class's ``__call__``, which no instance attribute changes.
     """
+    pipe = _build(name, seed, **overrides)
+    pipe._fastdit_call_defaults = {k: v for k, v in TINY_DEFAULTS[name].items() if k != "image"}
+    return pipe
+
+
+def native_call(pipe, call_kwargs=None):
+    """``call_kwargs`` over the native call ``pipe`` carries (``_fastdit_call_defaults``: the tiny and
+    trained built-in models), so a size or step count the caller leaves out is the model's own,
+    not the pipeline class's default (50 steps at full size: minutes per step on a CPU). A pipeline
+    without one (a hub model) gets ``call_kwargs`` unchanged."""
+    return {**dict(getattr(pipe, "_fastdit_call_defaults", None) or {}), **dict(call_kwargs or {})}
+
+
+def _build(name: str, seed: int = 0, **overrides):
     _check_name(name)
     tr_over, comp_over = _split_overrides(name, overrides)
     transformer = _build_transformer(name, _transformer_config(name, tr_over, comp_over), seed)

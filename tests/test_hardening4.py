@@ -184,3 +184,98 @@ def test_item7_app_checks_port_and_concurrency(argv, message, monkeypatch, capsy
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1], err
+
+
+# -- 8. quiet wrong turns ---------------------------------------------------------------------------
+def _eval_config(argv):
+    from fastdit.cli.eval import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(argv))
+
+
+def test_item8_eval_tiny_shapes_defaults_to_its_held_out_captions():
+    """``fastdit eval --model tiny-shapes --metrics adherence`` with the default prompts (COCO) gave
+    ``adherence: None`` for every sample with no note: its default is now the shipped ``shapes`` set
+    (32 held-out captions of its grammar), and other text is refused as ``fastdit compare`` does."""
+    from fastdit.cli.common import CLIError
+
+    cfg = _eval_config(["--model", "tiny-shapes", "--metrics", "adherence", "--out", "unused"])
+    assert cfg.prompts_file == "shapes" and len(cfg.prompts) == 32
+    with pytest.raises(CLIError, match="argument --prompts: tiny-shapes takes captions like"):
+        _eval_config(["--model", "tiny-shapes", "--prompts", "coco", "--metrics", "adherence", "--out", "unused"])
+    assert _eval_config(["--model", "tiny-wan", "--out", "unused"]).prompts_file == "coco"
+
+
+def test_item8_eval_says_why_adherence_is_none(capsys):
+    """Adherence scores only captions of the shapes grammar: with other prompts the run says so
+    instead of leaving ``None`` unexplained."""
+    _eval_config(["--model", "tiny-wan", "--metrics", "psnr,adherence", "--out", "unused"])
+    out = capsys.readouterr().out
+    assert "adherence is scored only on captions of the tiny-shapes grammar" in out and "are not" in out
+    _eval_config(["--model", "tiny-wan", "--prompts", "shapes", "--metrics", "adherence", "--out", "unused"])
+    assert "adherence is scored only" not in capsys.readouterr().out
+
+
+def test_item8_calibrate_tiny_shapes_uses_its_own_captions(tmp_path, monkeypatch, capsys):
+    """``fastdit calibrate --model tiny-shapes`` calibrated on COCO captions (which ``compare``
+    refuses for this model): the default is now the training captions shipped beside its weights,
+    and prompts outside its grammar are refused before the model loads."""
+    import os
+
+    from fastdit.cli import main
+    from fastdit.eval.runner import prompts as prompt_module
+    from fastdit.pipelines import loading
+
+    class Loaded(Exception):
+        pass
+
+    read = []
+    original = prompt_module.load_prompts
+    monkeypatch.setattr(prompt_module, "load_prompts", lambda path: read.append(path) or original(path))
+    monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
+    out = str(tmp_path / "plan.json")
+    with pytest.raises(SystemExit):  # the CLI reports the stand-in's exception as an error
+        main(["calibrate", "--model", "tiny-shapes", "--budget", "0.1", "--out", out])
+    assert "Loaded" in capsys.readouterr().err
+    assert read == [os.path.join(loading.WEIGHTS_DIR, loading.TRAINED_MODELS["tiny-shapes"],
+                                 "calibration_captions.txt")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "--model", "tiny-shapes", "--prompts", "coco", "--budget", "0.1", "--out", out])
+    assert exit_info.value.code == 2
+    assert "argument --prompts: tiny-shapes takes captions like" in capsys.readouterr().err
+
+
+def test_item8_optimize_noise_refuses_constant_latents_and_prompt_lists():
+    """``optimize_noise(latents=torch.zeros(...))`` returned all-NaN latents; ``prompt=[...]`` raised
+    an AttributeError: both are ValueErrors naming the argument."""
+    import torch
+
+    import fastdit
+
+    pipe = _pipe()
+    shape = (1, 16, 3, 4, 4)
+    with pytest.raises(ValueError, match="latents: a sample is constant"):
+        fastdit.optimize_noise(pipe, "a red circle moving left", latents=torch.zeros(shape), steps=1)
+    with pytest.raises(ValueError, match="latents hold NaN or inf"):
+        fastdit.optimize_noise(pipe, "a red circle moving left", latents=torch.full(shape, float("nan")), steps=1)
+    with pytest.raises(ValueError, match="prompt must be one non-empty string"):
+        fastdit.optimize_noise(pipe, ["a red circle moving left"], latents=torch.randn(shape), steps=1)
+
+
+def test_item8_tiny_pipelines_carry_their_native_call():
+    """A bare embedded tiny pipeline (``load_pipeline("tiny-wan")``, or ``optimize_noise`` without
+    latents) ran at diffusers' defaults (50 steps, 81 frames of 480 x 832). The pipeline now
+    carries its native call; ``optimize_noise``, ``calibrate`` and ``compare`` fill what the caller
+    leaves out from it (a bare ``pipe(prompt)`` cannot: the defaults are the class's)."""
+    from fastdit.pipelines.loading import load_pipeline
+    from fastdit.pipelines.tiny import TINY_DEFAULTS, native_call
+    from fastdit.train.noise import _call_kwargs
+
+    pipe = load_pipeline("tiny-wan", "cpu")
+    native = {k: v for k, v in TINY_DEFAULTS["wan"].items()}
+    assert pipe._fastdit_call_defaults == native
+    kwargs = _call_kwargs(pipe, "a red circle moving left", None, None)
+    assert (kwargs["num_frames"], kwargs["height"], kwargs["width"]) == (29, 384, 512)
+    assert native_call(pipe, {"num_inference_steps": 2}) == {**native, "num_inference_steps": 2}
+    assert native_call(object(), {"height": 8}) == {"height": 8}
+    assert "image" not in load_pipeline("tiny-wan-i2v", "cpu")._fastdit_call_defaults

@@ -362,7 +362,9 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
         SlidingTile.make_config(**base_options)
     else:
         method_cls.make_config(**base_options)
-    call_kwargs = dict(call_kwargs or {})
+    from fastdit.pipelines.tiny import native_call
+
+    call_kwargs = native_call(pipe, call_kwargs)  # a built-in model's own sizes and steps where none are given
     family, transformer, layers, heads = model_facts(pipe)
     out = os.fspath(out)
     partial_path = f"{out}.partial.json"

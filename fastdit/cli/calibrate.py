@@ -40,8 +40,9 @@ def add_calibrate_arguments(parser):
                         "layer; auto: per layer and head, across methods)")
     parser.add_argument("--gpu", default=None, help="--method auto: the GPU of the cost model whose predicted time is "
                         "minimised (A100, H100, H200, RTX 4090; default H100)")
-    parser.add_argument("--prompts", default="coco",
-                        help="prompt file (.txt one per line, or .json), or 'coco' / 'vbench' (the shipped sets)")
+    parser.add_argument("--prompts", default=None,
+                        help="prompt file (.txt one per line, or .json), or 'coco' / 'vbench' / 'shapes' (the shipped "
+                             "sets); default coco, and for tiny-shapes the training captions shipped beside its weights")
     parser.add_argument("--max-prompts", type=positive_int, default=4, help="use the first N prompts (default 4)")
     parser.add_argument("--budget", type=_budget, required=True,
                         help="largest relative L2 error against dense attention per head, e.g. 0.05")
@@ -86,7 +87,8 @@ def cmd_calibrate(args):
 
     import fastdit
     from fastdit.calibration.search import calibrate
-    from fastdit.cli.common import CLIError, call_arguments, check_device, check_requested_size
+    from fastdit.cli.common import (CLIError, call_arguments, check_device, check_requested_size,
+                                    check_shapes_prompts, default_prompts)
     from fastdit.eval.runner.config import EvalError
     from fastdit.eval.runner.prompts import load_prompts
     from fastdit.eval.runner.settings import tiny_method_presets
@@ -131,10 +133,13 @@ def cmd_calibrate(args):
     elif candidates is None and not has_candidates(args.method):
         raise CLIError(f"argument --candidates: method {args.method!r} has no default candidate set; give its "
                        f"candidates, e.g. --candidates OPTION=V1,V2")
+    if args.prompts is None:
+        args.prompts = default_prompts(args.model, "calibrate")
     try:
         prompts = [p.text for p in load_prompts(args.prompts)][: args.max_prompts]
     except EvalError as error:
         raise CLIError(f"argument --prompts: {error}") from None
+    check_shapes_prompts(args.model, prompts)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir) or os.path.isdir(args.out):
         raise CLIError(f"argument --out: {args.out} must be a file in an existing folder")

@@ -161,6 +161,38 @@ def parse_options(settings, methods, plan=None):
     return options
 
 
+def default_prompts(model, command):
+    """``--prompts`` when none is given. tiny-shapes (trained here on captions of one grammar) gets
+    captions of that grammar: ``calibrate`` the training captions shipped beside its weights
+    (``calibration_captions.txt``), ``eval`` the 32 held-out captions of the shipped ``shapes`` set
+    (its adherence metric scores only such captions); every other model the shipped COCO captions."""
+    from fastdit.pipelines.loading import TRAINED_MODELS, WEIGHTS_DIR, trained_name
+
+    if trained_name(model) != "tiny-shapes":
+        return "coco"
+    if command == "calibrate":
+        return os.path.join(WEIGHTS_DIR, TRAINED_MODELS["tiny-shapes"], "calibration_captions.txt")
+    return "shapes"
+
+
+def check_shapes_prompts(model, prompts, flag="--prompts"):
+    """CLIError (one line, naming ``flag``) when ``model`` is tiny-shapes and a prompt is not a caption
+    of its grammar: the model was trained on nothing else (its output on other text, and the
+    adherence score of it, mean nothing), as ``fastdit compare`` already refuses."""
+    from fastdit.pipelines.loading import trained_name
+
+    if trained_name(model) != "tiny-shapes":
+        return
+    from fastdit.pipelines.shapes_data import DEMO_CAPTION, parse_caption
+
+    for text in prompts:
+        try:
+            parse_caption(text)
+        except ValueError as error:
+            raise CLIError(f"argument {flag}: tiny-shapes takes captions like {DEMO_CAPTION!r} (the default "
+                           f"prompts are such captions); {text[:60]!r}: {error}") from None
+
+
 def add_generation_arguments(parser, steps_default=None, model_default="tiny-wan"):
     parser.add_argument("--model", default=model_default,
                         help=f"tiny-shapes (trained here), tiny-wan, tiny-wan-i2v, tiny-hunyuan-video (random weights), "

@@ -29,9 +29,10 @@ def add_eval_arguments(parser):
     parser.add_argument("--grid", action="append", metavar="METHOD.OPTION=V1,V2",
                         help="one setting per value, e.g. --grid sta.dense_steps=0,0.25; separate values with ';' when "
                              "they contain commas: --grid 'sta.window=3,3,3;5,5,5' (repeatable: the product is run)")
-    parser.add_argument("--prompts", default="coco",
+    parser.add_argument("--prompts", default=None,
                         help="prompt file (.txt one per line, or .json list of strings / {prompt_en, dimension}); "
-                             "'coco' or 'vbench' for the shipped sets (default coco)")
+                             "'coco', 'vbench' or 'shapes' for the shipped sets (default coco; shapes, its 32 "
+                             "held-out captions, for tiny-shapes)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds or ranges, e.g. 0,1 or 0-4")
     parser.add_argument("--metrics", default=DEFAULT_METRICS,
                         help="comma-separated, from psnr, ssim, lpips, fid, clip, vbench (default %(default)s)")
@@ -129,7 +130,7 @@ def config_from_args(args):
 
     import fastdit
     from fastdit.cli.common import (CLIError, apply_plan_argument, cache_arguments, check_generation_arguments,
-                                    check_method_options, parse_options)
+                                    check_method_options, check_shapes_prompts, default_prompts, parse_options)
     from fastdit.eval.runner.config import EvalConfig, EvalError
     from fastdit.eval.runner.prompts import load_prompts
     from fastdit.eval.runner.settings import tiny_method_presets
@@ -153,10 +154,27 @@ def config_from_args(args):
     except ModelNotFoundError as error:
         raise CLIError(f"argument --model: {error}") from None
     check_generation_arguments(args)
+    if args.prompts is None:
+        args.prompts = default_prompts(args.model, "eval")
     try:
         prompts = load_prompts(args.prompts)
     except EvalError as error:
         raise CLIError(f"argument --prompts: {error}") from None
+    check_shapes_prompts(args.model, [p.text for p in prompts])
+    metric_names = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    if "adherence" in metric_names:  # scored only on captions of the tiny-shapes grammar
+        from fastdit.pipelines.shapes_data import parse_caption
+
+        unscored = 0
+        for prompt in prompts:
+            try:
+                parse_caption(prompt.text)
+            except ValueError:
+                unscored += 1
+        if unscored:
+            print(f"note: adherence is scored only on captions of the tiny-shapes grammar ('a <colour> <shape> "
+                  f"moving <direction>', e.g. --prompts shapes); {unscored} of the {len(prompts)} prompts are not, "
+                  f"and their adherence is None")
     cache, cache_options = cache_arguments(args, args.cp is not None or args.cp_ring is not None)
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
@@ -165,7 +183,7 @@ def config_from_args(args):
         options=apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options,
                                                                             _trained_call_grid(args)), options),
         grid=grid, prompts=prompts, prompts_file=args.prompts, seeds=parse_seeds(args.seeds),
-        metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
+        metrics=metric_names,
         call={k: v for k, v in call.items() if v is not None}, device=args.device, dtype=args.dtype,
         backend=args.backend, fps=args.fps, warmup=not args.no_warmup, progress=not args.no_progress,
         lpips_net=args.lpips_net, lpips_weights=args.lpips_weights, fid_weights=args.fid_weights,

@@ -254,6 +254,22 @@ def _normalise(z):
     return ((flat - flat.mean(-1, keepdim=True)) / flat.std(-1, keepdim=True)).view_as(z)
 
 
+def _check_latents(latents):
+    """``latents`` must be a finite float tensor whose every sample varies: each step renormalises a
+    sample to mean 0 and std 1, which divides by zero on a constant one (``torch.zeros`` gave
+    all-NaN latents) and spreads a NaN or inf over the whole sample."""
+    if not isinstance(latents, torch.Tensor) or not latents.is_floating_point() or latents.dim() < 2:
+        raise ValueError(f"latents must be a float tensor (batch, channels, ...) such as the pipeline's initial "
+                         f"noise, got {type(latents).__name__} {getattr(latents, 'shape', '')}")
+    if not bool(torch.isfinite(latents).all()):
+        raise ValueError("latents hold NaN or inf values; pass finite noise (e.g. torch.randn of the latent shape)")
+    flat = latents.detach().float().flatten(1)
+    if flat.shape[1] < 2 or bool((flat.std(-1) == 0).any()):
+        raise ValueError("latents: a sample is constant (e.g. torch.zeros), so it cannot be renormalised to mean 0 "
+                         "and std 1 (that gave all-NaN latents); pass noise, e.g. torch.randn of the latent shape, "
+                         "or latents=None for the pipeline's own draw")
+
+
 def optimize_noise(pipe, prompt, *, latents=None, steps=5, lr=0.05, subjects=None, generator=None):
     """Initial latents for ``pipe(prompt, latents=...)`` optimised against subject neglect.
 
@@ -264,7 +280,9 @@ def optimize_noise(pipe, prompt, *, latents=None, steps=5, lr=0.05, subjects=Non
     Shows a progress bar with the loss; the returned tensor carries ``loss_history`` (one dict per
     evaluation: ``steps + 1``, the last after the final step) for the report.
 
-    Raises ValueError naming ``pipe`` (no text conditioning), ``subjects`` (not found), ``steps`` or ``lr``.
+    Raises ValueError naming ``pipe`` (no text conditioning), ``prompt`` (not one string), ``latents``
+    (not finite, or a constant sample), ``subjects`` (not found), ``steps`` or ``lr``. Without
+    ``latents``, a built-in model's native call sizes (``pipe._fastdit_call_defaults``) are used.
     """
     from tqdm.auto import tqdm
 
@@ -272,6 +290,12 @@ def optimize_noise(pipe, prompt, *, latents=None, steps=5, lr=0.05, subjects=Non
     check_number("lr", lr, 0, low_open=True)
     if getattr(pipe, "transformer", None) is None:
         raise ValueError(f"pipe: {type(pipe).__name__} has no transformer")
+    # one sample's noise for one caption: a list of prompts gave an AttributeError deep in the subject search
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"prompt must be one non-empty string (optimize_noise optimises one sample's noise; "
+                         f"call it per prompt), got {type(prompt).__name__} {str(prompt)[:60]!r}")
+    if latents is not None:
+        _check_latents(latents)
     tokens = subject_tokens(pipe, prompt, subjects)
     if latents is None:
         latents, _ = _first_call(pipe, _call_kwargs(pipe, prompt, None, generator))
