@@ -122,8 +122,37 @@ def setup(degree, ring=1):
     return parallel
 
 
+def check_heads(pipe, ulysses):
+    """Raise ValueError unless every attention layer's heads divide over the ``ulysses`` ranks.
+
+    Ulysses gives each rank ``heads / ulysses`` whole heads; on a model whose head count it does not
+    divide (``--cp 3`` on a 2-head model) diffusers fails with a raw reshape error inside the first
+    (dense) run, so this is checked when the pipeline is put under context parallelism, before any run.
+    Ring attention splits the sequence, not the heads: only the Ulysses degree counts."""
+    from fastdit.pipelines import find_adapter
+
+    if ulysses <= 1:
+        return
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipe, name, None)
+        if transformer is None:
+            continue
+        transformer = getattr(transformer, "_orig_mod", transformer)
+        heads = sorted({getattr(m, "heads", None) for _, m in find_adapter(transformer).attention_modules(transformer)}
+                       - {None})
+        bad = [h for h in heads if h % ulysses]
+        if bad:
+            divisors = [d for d in range(1, bad[0] + 1) if all(h % d == 0 for h in heads)]
+            raise ValueError(f"--cp {ulysses}: Ulysses splits each attention layer's heads over the ranks, but "
+                             f"{type(transformer).__name__}'s layers have {bad[0]} heads, which {ulysses} does not "
+                             f"divide; use --cp {' or '.join(map(str, divisors))} (or --cp-ring, which splits the "
+                             f"sequence)")
+
+
 def enable(pipe, parallel):
-    """Put the pipeline's transformer(s) under context parallelism (patching before or after both work)."""
+    """Put the pipeline's transformer(s) under context parallelism (patching before or after both work).
+    ValueError (``check_heads``) before anything changes when the Ulysses degree does not divide the heads."""
+    check_heads(pipe, parallel.ulysses)
     with _cpu_accelerator_count():
         for name in ("transformer", "transformer_2"):
             transformer = getattr(pipe, name, None)

@@ -279,3 +279,70 @@ def test_item8_tiny_pipelines_carry_their_native_call():
     assert native_call(pipe, {"num_inference_steps": 2}) == {**native, "num_inference_steps": 2}
     assert native_call(object(), {"height": 8}) == {"height": 8}
     assert "image" not in load_pipeline("tiny-wan-i2v", "cpu")._fastdit_call_defaults
+
+
+# -- 9. engines and several GPUs --------------------------------------------------------------------
+def test_item9_plugin_head_dim_mismatch_names_the_callers_shapes():
+    """The head-dim mismatch message showed the internal (BHSD) layout and the sequence padded to
+    whole tiles (116 for 80 tokens); it now names the caller's BSND shapes. A value head_dim other
+    than the key's (which SDPA takes) runs dense with the reason."""
+    import torch
+
+    from fastdit.integrations.vllm_omni import SparseAttentionPlugin
+
+    plugin = SparseAttentionPlugin("sta")
+    params = {"latent_shape": torch.tensor([[3, 10, 10]]), "patch_size": torch.tensor([[1, 2, 2]]),
+              "denoise_step_idx": torch.tensor([5]), "total_denoise_steps": torch.tensor([10]), "tile": (1, 2, 2),
+              "window": (1, 1, 1), "full_attn_spans": [[[0, 5]]]}
+    q, v = torch.randn(1, 80, 2, 48), torch.randn(1, 80, 2, 48)
+    with pytest.raises(ValueError, match=r"key head_dim 40 differs from query head_dim 48 \(query \[1, 80, 2, 48\], "
+                                         r"key \[1, 80, 2, 40\]") as raised:
+        plugin(q, torch.randn(1, 80, 2, 40), v, params)
+    assert "116" not in str(raised.value)
+    with pytest.warns(UserWarning, match="value head_dim differs"):
+        out = plugin(q, torch.randn(1, 80, 2, 48), torch.randn(1, 80, 2, 24), params)
+    assert out.shape == (1, 80, 2, 24) and plugin.stats.fallback_calls == 1
+
+
+def test_item9_ulysses_degree_that_does_not_divide_the_heads_is_refused_before_any_run(monkeypatch, capsys):
+    """``torchrun --nproc_per_node 3 -m fastdit.cli compare --cp 3`` on a 2-head model failed with a
+    raw reshape error inside diffusers during the dense run; the heads are now checked when the
+    pipeline is put under context parallelism, before any run (a one-line error naming --cp)."""
+    import torch
+
+    from fastdit import compare as compare_module
+    from fastdit import parallel
+    from fastdit.cli import main
+
+    setup = parallel.ParallelSetup(0, 3, 3, 0, torch.device("cpu"), object(), 1)
+    monkeypatch.setattr(parallel, "launched_world", lambda: (0, 3, 0))
+    monkeypatch.setattr(parallel, "setup", lambda degree, ring=1: setup)
+    monkeypatch.setattr(compare_module, "compare", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--model", "tiny-wan", "--methods", "dense,sta", "--cp", "3", "--steps", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "argument --cp 3: Ulysses splits each attention layer's heads" in err[-1]
+    assert "have 2 heads" in err[-1] and "use --cp 1 or 2" in err[-1], err
+    pipe = _pipe()
+    parallel.check_heads(pipe, 2)  # 2 heads over 2 ranks: fine
+    with pytest.raises(ValueError, match="--cp 3"):
+        parallel.enable(pipe, setup)  # refused before anything changes
+
+
+def test_item9_cp_ring_help_names_every_ring_method():
+    """``--cp-ring`` help omitted svg2, which works under ring: both commands now print the one list."""
+    from fastdit.cli.eval import build_parser
+    from fastdit.methods.parallel.ring import RING_METHODS
+
+    assert "svg2" in RING_METHODS
+    ring = next(a for a in build_parser()._actions if "--cp-ring" in a.option_strings)
+    assert ", ".join(RING_METHODS) in ring.help
+    import argparse
+
+    from fastdit.cli.compare import add_compare_parser
+
+    parser = argparse.ArgumentParser()
+    compare = add_compare_parser(parser.add_subparsers())
+    ring = next(a for a in compare._actions if "--cp-ring" in a.option_strings)
+    assert ", ".join(RING_METHODS) in ring.help

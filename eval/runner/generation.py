@@ -158,7 +158,10 @@ def generate_samples(cfg, samples, state=None, log=None, check_call=None):
         return 0
     pipe = load_pipe(cfg, process_device(cfg, state) if parallel is None else str(parallel.device))
     if parallel is not None:
-        cp.enable(pipe, parallel)
+        try:  # Ulysses' heads checked before any sample is generated
+            cp.enable(pipe, parallel)
+        except ValueError as error:
+            raise EvalError(str(error)) from None
     kwargs = call_kwargs(pipe, cfg, log, check_call)
     cache = None
     if cfg.cache is not None:

@@ -88,7 +88,10 @@ def cmd_compare(args):
     except ModelNotFoundError as error:
         raise CLIError(f"argument --model: {error}") from None
     if parallel is not None:
-        cp.enable(pipe, parallel)
+        try:  # Ulysses' heads checked here, before the dense run (diffusers fails inside it)
+            cp.enable(pipe, parallel)
+        except ValueError as error:
+            raise CLIError(f"argument {error}") from None
         if not parallel.is_main and hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)  # one progress bar, rank 0's
     check_quant_options(options, pipe)
@@ -180,9 +183,11 @@ def add_compare_parser(sub):
     compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
                          help="Ulysses context parallelism over N processes of a launcher "
                               "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")
+    from fastdit.methods.parallel.ring import RING_METHODS  # the one list: svg2 was missing from this help
+
     compare.add_argument("--cp-ring", type=positive_int, default=None, metavar="M",
                          help="ring attention over M processes, alone or with --cp N (Ulysses x ring: N * M "
-                              "processes); block-sparse methods sta, radial, sparge, svg")
+                              f"processes); block-sparse methods {', '.join(RING_METHODS)}")
     add_cache_arguments(compare)
     compare.set_defaults(func=cmd_compare)
     return compare

@@ -163,6 +163,15 @@ class SparseAttentionPlugin:
                 shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise ValueError(f"{self.__name__}: {name} must be a [batch, seq_len, num_heads, head_dim] tensor, "
                                  f"got {shape}")
+        # shapes checked here, in the caller's [batch, seq_len, num_heads, head_dim] layout: deeper
+        # down the message named the internal layout and the sequence padded to whole tiles
+        shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in (("query", query), ("key", key), ("value", value)))
+        if query.shape[-1] != key.shape[-1]:
+            raise ValueError(f"{self.__name__}: key head_dim {key.shape[-1]} differs from query head_dim "
+                             f"{query.shape[-1]} ({shapes}; [batch, seq_len, num_heads, head_dim])")
+        if key.shape[:3] != value.shape[:3] or query.shape[0] != key.shape[0]:
+            raise ValueError(f"{self.__name__}: query, key and value must share batch, and key and value seq_len "
+                             f"and num_heads ({shapes}; [batch, seq_len, num_heads, head_dim])")
         params = dict(params or {})
         options = self.options(params)
         batch, seq, heads, _ = query.shape
@@ -186,6 +195,8 @@ class SparseAttentionPlugin:
             return dense(f"{query.dtype} attention (the kernels take float16, bfloat16 and float32)")
         if keys != seq or key.shape[2] != heads:
             return dense("cross-attention or grouped-query heads (the methods need self-attention)")
+        if value.shape[-1] != key.shape[-1]:
+            return dense("value head_dim differs from the key's (the methods need equal head dims)")
         key_mask, query_mask, ok = key_mask_from_attn_mask(mask, batch, seq, keys)
         if not ok or query_mask is not None:
             return dense("attn_mask is not a key (padding) mask")
