@@ -34,8 +34,20 @@ from fastdit import costmodel
 from fastdit.costmodel import GPUS, ModelShape
 
 MODELS = ("wan", "hunyuan")
-METHODS = ("sta", "radial", "sparge", "svg")
-STATIC = ("sta", "radial")
+
+
+def modelled_methods():
+    """The methods the cost model predicts (``Method.cost_model`` set), in rank order."""
+    from fastdit.methods.base import methods_with
+
+    return methods_with("cost_model")
+
+
+def is_static(method):
+    """Whether ``method``'s plan is the one its ``prepare`` builds (``Method.cost_model == "plan"``)."""
+    from fastdit.methods.base import get_method
+
+    return method != "dense" and get_method(method).cost_model == "plan"
 
 
 def model_shape(name, hy_frames=None, elt=2):
@@ -82,8 +94,8 @@ def static_plan(method, shape):
 
 def predict_model(shape, gpus, methods, dynamic_density=None):
     """Rows ``{model, gpu, method, density, attention_ms, ...}`` for one model."""
-    plans = {m: static_plan(m, shape) for m in methods if m in STATIC}
-    if dynamic_density is None and any(m not in STATIC for m in methods):
+    plans = {m: static_plan(m, shape) for m in methods if is_static(m)}
+    if dynamic_density is None and any(not is_static(m) for m in methods):
         sta = plans.get("sta") or static_plan("sta", shape)
         dynamic_density = sta.density
     rows = []
@@ -163,7 +175,7 @@ def compare(paths, gpu):
                 method = r["method"]
                 if method == "dense":
                     call = costmodel.dense_call(gpu, 1, shape.heads, shape.tokens, shape.tokens, shape.head_dim)
-                elif method in STATIC:
+                elif method in modelled_methods() and is_static(method):
                     call = costmodel.plan_call(gpu, static_plan(method, shape), 1, shape.heads, shape.head_dim)
                 else:
                     call = None
@@ -213,7 +225,7 @@ def main(argv=None):
     parser = ArgumentParser(prog="python -m fastdit.eval.predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--gpus", default=",".join(GPUS), help=f"comma list of {', '.join(GPUS)}")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(modelled_methods()))
     parser.add_argument("--dynamic-density", type=_density, default=None,
                         help="density assumed for dynamic methods (default: sta's plan density on the model)")
     parser.add_argument("--hy-frames", type=_frames, default=None, help="HunyuanVideo frames (default 129)")
@@ -231,9 +243,10 @@ def main(argv=None):
     unknown = [g for g in args.gpus.split(",") if g not in GPUS]
     if unknown:
         raise SystemExit(f"unknown GPU(s) {unknown}; the model covers {', '.join(GPUS)}")
-    bad = [m for m in args.methods.split(",") if m not in METHODS]
+    modelled = modelled_methods()
+    bad = [m for m in args.methods.split(",") if m not in modelled]
     if bad:
-        raise SystemExit(f"method(s) {bad} are not modelled; modelled: {', '.join(METHODS)} (token methods are not)")
+        raise SystemExit(f"method(s) {bad} are not modelled; modelled: {', '.join(modelled)} (token methods are not)")
     gpus = [GPUS[g] for g in args.gpus.split(",")]
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:  # all of them before the first model's plans are built

@@ -358,18 +358,20 @@ def gpu_named(name):
 
 
 def token_outside_ms(gpu, method, options, batch, n, head_dim, elt=2):
-    """Per head, what a token method does besides attention (milliseconds): ToMe's matching
-    (``(N - N/w) x N/w`` cosine scores, ``w = sx sy st`` tokens a window: ``2 B (N - N/w)(N/w) D``
-    FLOPs at ``gemm_eff``) and its merge / unmerge (two scatter-adds and a gather: ``8 B N D e``
-    bytes); ToDo's pooling (read K, V, write the pooled ones: ``4 B N D e`` bytes). 0 for others."""
-    options = options or {}
-    if method == "tome":
-        w = max(1, int(options.get("sx", 2)) * int(options.get("sy", 2)) * int(options.get("st", 1)))
-        flops = 2.0 * batch * (n - n / w) * (n / w) * head_dim
-        return _seconds_ms(flops, gpu.peak_tflops, gpu.gemm_eff, 8.0 * batch * n * head_dim * elt, gpu.bandwidth_gbs)
-    if method == "todo":
-        return _seconds_ms(0.0, gpu.peak_tflops, gpu.gemm_eff, 4.0 * batch * n * head_dim * elt, gpu.bandwidth_gbs)
-    return 0.0
+    """Per head, what a token method does besides attention (milliseconds): the method's own
+    ``outside_work(options, batch, n, head_dim, elt)`` (``(flops, bytes)``: ToMe's matching and
+    merge / unmerge, ToDo's pooling; see ``fastdit.methods``) at ``gemm_eff``. ``method`` is the
+    method class or instance (this layer knows no method names); 0 for None."""
+    work = getattr(method, "outside_work", None)
+    if work is None:
+        if isinstance(method, str):
+            raise TypeError(f"token_outside_ms takes the method class (fastdit.methods.get_method({method!r})), "
+                            "not its name")
+        return 0.0
+    flops, nbytes = work(options or {}, batch, n, head_dim, elt)
+    if not flops and not nbytes:
+        return 0.0
+    return _seconds_ms(flops, gpu.peak_tflops, gpu.gemm_eff, nbytes, gpu.bandwidth_gbs)
 
 
 def head_times(gpu, info, batch, heads, n_q, n_k, head_dim, elt=2, dtype="bf16", method=None, options=None):
@@ -381,7 +383,7 @@ def head_times(gpu, info, batch, heads, n_q, n_k, head_dim, elt=2, dtype="bf16",
     (``plan_pairs`` on that head) at ``kernel_eff``, memory ``4 B L D e`` of its padded length at
     ``mem_eff`` (the larger of the two), plus ``outside_ms / heads`` of ``plan_call`` (permutation,
     dynamic selection, launches); a token method (``performed / total``) at its per-head density
-    of the dense head time plus ``token_outside_ms`` of ``method`` (its matching or pooling, given
+    of the dense head time plus ``token_outside_ms`` of ``method`` (a method class: its matching or pooling, given
     its ``options``); a dense call (or a method that reported nothing) the dense head time
     ``dense_call(gpu, B, H, N, Nk, D) / H``. Launches are shared by the call's heads (``launch_us /
     H`` each; a token method's two extra launches, its reduction and its attention, likewise). A

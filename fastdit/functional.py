@@ -107,11 +107,9 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         raise ValueError(f"return_info='mass' needs the log-sum-exp of the computed scores, which method "
                          f"{method_cls.name!r} does not have (a token method: it attends reduced or cached "
                          f"tokens); use return_info=True")
-    config = method_cls.make_config(config, **options)
     # No pipeline here: a default dense_steps (a fraction of a run) or dense_layers (a layer position)
-    # would silently make the call dense or fail; only what the caller asks for applies.
-    config = method_cls.make_config(config, **{name: 0 for name in ("dense_steps", "dense_layers")
-                                               if getattr(config, name, 0) is None})
+    # would silently make the call dense or fail; only what the caller asks for applies (where="call").
+    config = method_cls.resolve(config, None, options=options, where="call")
     if isinstance(config.dense_steps, float) and config.dense_steps > 0 and num_steps is None:
         raise OptionError(f"dense_steps={config.dense_steps} is a fraction of the denoising steps: pass num_steps= "
                           "(and step=) to fastdit.attention, or dense_steps as an int count")
@@ -137,10 +135,12 @@ def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num
              backend="auto", scale=None, layer=0, timestep=None, **options):
     """``fastdit.attention`` without the argument checks: ``(out, ctx)``, the finished
     ``AttentionContext`` (``ctx.info`` says what ran, for counting without a host synchronisation).
-    Shared with the vllm-omni plugin (``fastdit.integrations.vllm_omni``), so both compute the same."""
+    Shared with the vllm-omni plugin (``fastdit.integrations.vllm_omni``), so both compute the same;
+    defaults are resolved by ``Method.resolve`` for one call (``where="call"``: a config the plugin
+    resolved for an engine passes through unchanged)."""
     heads = q.shape[1]
     method_cls = get_method(method)
-    config = method_cls.resolve(method_cls.make_config(config, **options), None)
+    config = method_cls.resolve(config, None, options=options, where="call")
     instance = _instance(method_cls, config)
     instance.check_heads(heads)
     call = CallState(num_steps)

@@ -1,10 +1,10 @@
-"""Candidate settings per method (a small registry) and the choice of settings against a budget.
+"""Candidate settings per method and the choice of settings against a budget.
 
-``candidates_for(method, layout)`` gives the option sets ``fastdit.calibrate`` tries by default:
-windows for ``sta`` (per axis 1, 3, 5 tiles below the axis' tile count and 0, the whole axis),
-``cdf`` / ``topk`` for ``sparge``, ``density`` for ``svg``, ``top_p`` for ``svg2``, ratios / factors for the token methods
-and windows for ``window``; a method registers its own with ``register_candidates``. Only methods
-registered when this module is imported get defaults, and only options their config has.
+``candidates_for(method, layout)`` gives the option sets ``fastdit.calibrate`` tries by default: the
+method's own grid (``Method.candidates``: windows for ``sta`` (per axis 1, 3, 5 tiles below the
+axis' tile count and 0, the whole axis), ``cdf`` / ``topk`` for ``sparge``, ``density`` for
+``svg``, ``top_p`` for ``svg2``, ratios / factors for the token methods, windows for ``window``),
+or the one registered for it with ``register_candidates``; only options its config has.
 
 ``select_plan`` turns the measured errors into choices: per (step bucket, layer, head) for ``sta``
 (the least dense candidate whose worst relative error over the prompts is within the budget;
@@ -17,95 +17,77 @@ import dataclasses
 
 import torch
 
-from fastdit.methods.base import get_method
+from fastdit.methods.base import get_method, methods_with
 
-__all__ = ["AUTO_METHODS", "auto_candidates", "candidates_for", "has_candidates", "register_candidates", "select_auto",
-           "select_plan", "sta_candidates"]
+__all__ = ["auto_candidates", "auto_methods", "candidates_for", "has_candidates", "register_candidates",
+           "select_auto", "select_plan", "sta_candidates"]
 
-_CANDIDATES = {}
+#: Candidates registered with ``register_candidates`` (they replace the method's own grid).
+_REGISTERED = {}
 
 
 def register_candidates(method, function):
-    """Register ``function(layout) -> [options, ...]``: the default candidate settings of ``method``."""
-    _CANDIDATES[method] = function
+    """Register ``function(layout) -> [options, ...]``: the default candidate settings of ``method``
+    (instead of its ``Method.candidates``)."""
+    _REGISTERED[method] = function
+
+
+def _grid(method):
+    """``function(layout) -> [options, ...] | None`` of ``method`` (registered, else its own), or None."""
+    if method in _REGISTERED:
+        return _REGISTERED[method]
+    try:
+        return get_method(method).candidates
+    except (ValueError, TypeError):  # no such method
+        return None
 
 
 def has_candidates(method):
-    """Whether ``method`` has registered default candidates."""
-    return method in _CANDIDATES
+    """Whether ``method`` has default candidates (its own grid or registered ones)."""
+    function = _grid(method)
+    return function is not None and function(None) is not None
 
 
 def candidates_for(method, layout=None):
-    """The default candidate option sets of ``method`` that its config accepts (empty when unknown)."""
-    function = _CANDIDATES.get(method)
-    if function is None:
+    """The default candidate option sets of ``method`` that its config accepts (empty when none)."""
+    function = _grid(method)
+    found = None if function is None else function(layout)
+    if not found:
         return []
     fields = {f.name for f in dataclasses.fields(get_method(method).config_cls)}
-    return [c for c in function(layout) if set(c) <= fields]
+    return [c for c in found if set(c) <= fields]
 
 
 def sta_candidates(layout, tile=(6, 8, 8)):
-    """Windows from 1 tile up to the whole axis: per axis the odd widths 1, 3, 5 below the axis' tile
-    count, and 0 (the whole axis)."""
-    import itertools
-
-    if layout is None:
-        per_axis = [[1, 3, 0]] * 3
-    else:
-        n_tiles = [-(-g // t) for g, t in zip(layout.grid, tile)]
-        per_axis = [[w for w in (1, 3, 5) if w < n] + [0] for n in n_tiles]
-    return [{"window": w} for w in itertools.product(*per_axis)]
+    """sta's windows for ``tile`` (``SlidingTile.candidates``): per axis the odd widths 1, 3, 5 below
+    the axis' tile count, and 0 (the whole axis)."""
+    return get_method("sta").candidates(layout, tile)
 
 
-def _register_defaults():
-    """Candidates of the methods that exist now (a method added later registers its own)."""
-    from fastdit.methods.base import method_names
-
-    defaults = {
-        "sta": sta_candidates,
-        "sparge": lambda layout: [{"cdf": c, "topk": None} for c in (0.99, 0.95, 0.9, 0.8)] + [{"topk": t} for t in (0.5, 0.3, 0.1)],
-        "svg": lambda layout: [{"density": d} for d in (0.5, 0.3, 0.2, 0.1)],
-        # svg2 (Sparse VideoGen 2): the predicted-mass threshold of its key clusters
-        "svg2": lambda layout: [{"top_p": p} for p in (0.95, 0.9, 0.8, 0.7, 0.5)],
-        "todo": lambda layout: [{"factor": f} for f in (2, 3, 4)],
-        "tome": lambda layout: [{"ratio": r} for r in (0.25, 0.5, 0.75)],
-        "prune": lambda layout: [{"ratio": r} for r in (0.25, 0.5, 0.75)],
-        "window": lambda layout: [{"window": w} for w in ((1, 1, 1), (1, 3, 3), (3, 3, 3))],
-    }
-    names = set(method_names())
-    for name, function in defaults.items():
-        if name in names:
-            register_candidates(name, function)
+def auto_methods():
+    """The methods ``auto`` chooses from (``Method.auto_candidate``), in rank order (dense is always a
+    choice; prune and window reuse results across steps, so their error on one call says little of a
+    run: not candidates)."""
+    return methods_with("auto_candidate")
 
 
-_register_defaults()
-
-#: The methods ``auto`` chooses from (dense is always a choice; prune and window reuse results across
-#: steps, so their error on one call says little of a run: left out).
-AUTO_METHODS = ("sta", "radial", "sparge", "svg", "svg2", "todo", "tome")
-
-
-def auto_candidates(layout=None, options=None, methods=AUTO_METHODS):
+def auto_candidates(layout=None, options=None, methods=None):
     """The candidates of ``method="auto"``: ``{"method": name, **options}`` for each method of
-    ``methods`` and each of its default candidates, with the method's base ``options[name]``.
-    sta gets a compact set of windows (its full set is 4 widths per axis): per axis 1 and 3 tiles
-    (those below the axis' tile count) and the whole axis (the smallest odd width >= its tile
-    count), the whole volume (dense) left out; none without a layout;
-    radial its ``decay`` 0.95, 0.5, 0.25.
+    ``methods`` (default ``auto_methods()``) and each of its candidates (``Method.auto_candidates``,
+    else its default candidates: sta gets a compact set of windows, none without a layout; radial
+    its ``decay`` 0.95, 0.5, 0.25), with the method's base ``options[name]``.
 
     A base option the user set wins over the candidates' values of it (``todo.factor=1``: ToDo is
     scored at factor 1 only; the candidates that differed only in it collapse into one), so that
     the plan holds what was asked for. ``dense_steps`` / ``dense_layers`` are refused per method:
     a candidate runs where the plan's choices put it (set them on ``auto`` when patching)."""
-    import itertools
-
-    from fastdit.methods.sta import SlidingTile
-
+    choosable = auto_methods()
+    methods = choosable if methods is None else methods
     options = dict(options or {})
-    unknown = sorted(set(options) - set(AUTO_METHODS))
+    unknown = sorted(set(options) - set(choosable))
     if unknown:
         raise ValueError(f"auto: options given for {unknown}, which auto does not choose from; its methods: "
-                         f"{list(AUTO_METHODS)}")
+                         f"{choosable}")
     for name, values in options.items():
         ignored = sorted({"dense_steps", "dense_layers"} & set(values or {}))
         if ignored:
@@ -115,15 +97,8 @@ def auto_candidates(layout=None, options=None, methods=AUTO_METHODS):
     out = []
     for name in methods:
         base = dict(options.get(name, {}))
-        if name == "sta":
-            if layout is None:
-                continue  # windows count tiles of the layout's grid
-            tiles = [-(-g // t) for g, t in zip(layout.grid, SlidingTile(**base).tile_for(layout))]
-            per_axis = [[w for w in (1, 3) if w < n] + [n | 1] for n in tiles]  # n | 1: odd, >= n: the whole axis
-            found = [{"window": w} for w in itertools.product(*per_axis) if w != tuple(n | 1 for n in tiles)]
-        elif name == "radial":
-            found = [{"decay": d} for d in (0.95, 0.5, 0.25)]
-        else:
+        found = get_method(name).auto_candidates(layout, base)
+        if found is None:
             found = candidates_for(name, layout)
         for c in found:
             candidate = {"method": name, **c, **base}  # the user's value of an option wins over the candidate's

@@ -212,7 +212,7 @@ class _Recorder:
             dens[:, c] = torch.tensor(info["head_density"], dtype=torch.float64)
             if self.method == "auto":
                 times[:, c] = torch.tensor(head_times(self.gpu, info, batch, heads, seq, k.shape[2], dim,
-                                                      method=name, options=options))
+                                                      method=get_method(name), options=options))
         if self.method == "auto":
             dense = head_times(self.gpu, {"dense": True}, batch, heads, seq, k.shape[2], dim)
             self._times = {"time": times, "dense_time": torch.tensor(dense, dtype=torch.float64)}

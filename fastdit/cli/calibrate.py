@@ -123,7 +123,7 @@ def cmd_calibrate(args):
         else:
             options[key.strip()] = parse_value(value)
     candidates = parse_candidates(args.candidates, args.method)
-    from fastdit.calibration.candidates import AUTO_METHODS, auto_candidates, has_candidates
+    from fastdit.calibration.candidates import auto_candidates, auto_methods, has_candidates
 
     if auto:
         try:
@@ -162,7 +162,7 @@ def cmd_calibrate(args):
     # a calibrated plan (a trained model's) is what this command re-makes, so it is left out.
     if auto:
         options = {method: {k: v for k, v in values.items() if k != "plan"}
-                   for method, values in tiny_method_presets(args.model, AUTO_METHODS, options).items()}
+                   for method, values in tiny_method_presets(args.model, auto_methods(), options).items()}
     else:
         options = tiny_method_presets(args.model, [args.method], {args.method: options})[args.method]
         options = {k: v for k, v in options.items() if k != "plan"}

@@ -183,11 +183,11 @@ def add_compare_parser(sub):
     compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
                          help="Ulysses context parallelism over N processes of a launcher "
                               "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")
-    from fastdit.methods.parallel.ring import RING_METHODS  # the one list: svg2 was missing from this help
+    from fastdit.methods.parallel.ring import ring_methods  # asked of the registry: svg2 was missing here
 
     compare.add_argument("--cp-ring", type=positive_int, default=None, metavar="M",
                          help="ring attention over M processes, alone or with --cp N (Ulysses x ring: N * M "
-                              f"processes); block-sparse methods {', '.join(RING_METHODS)}")
+                              f"processes); block-sparse methods {', '.join(ring_methods())}")
     add_cache_arguments(compare)
     compare.set_defaults(func=cmd_compare)
     return compare

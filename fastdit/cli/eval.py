@@ -47,11 +47,11 @@ def add_eval_arguments(parser):
     parser.add_argument("--cp", type=positive_int, default=None, metavar="N",
                         help="split each sample over N processes (Ulysses context parallelism); the launcher's "
                              "processes form groups of N that share the samples")
-    from fastdit.methods.parallel.ring import RING_METHODS  # the one list: svg2 was missing from this help
+    from fastdit.methods.parallel.ring import ring_methods  # asked of the registry: svg2 was missing here
 
     parser.add_argument("--cp-ring", type=positive_int, default=None, metavar="M",
                         help="ring attention over M processes per sample, alone or with --cp N (groups of N * M); "
-                             f"block-sparse methods {', '.join(RING_METHODS)}")
+                             f"block-sparse methods {', '.join(ring_methods())}")
     from fastdit.cli.common import add_cache_arguments
 
     add_cache_arguments(parser)

@@ -18,10 +18,12 @@ tensors; ``latent_shape`` = the pre-patch latent grid ``(T, H, W)`` and ``patch_
 a plugin only if ``fn.capabilities`` advertises ``supports_attention_mask`` /
 ``supports_full_attn_spans``; both are advertised here.
 
-fastdit registers one callable per method that needs no layer identity: ``fastdit_sta``,
-``fastdit_radial``, ``fastdit_sparge``, ``fastdit_svg``, ``fastdit_svg2``, ``fastdit_todo`` and
-``fastdit_tome`` (``prune`` and ``window`` exist to cache a layer's output across steps, so they
-are not offered). One call:
+fastdit registers one callable per method that needs no layer identity (``Method.engine_geometry``
+set): ``fastdit_sta``, ``fastdit_radial``, ``fastdit_sparge``, ``fastdit_svg``, ``fastdit_svg2``,
+``fastdit_todo`` and ``fastdit_tome`` (``prune`` and ``window`` exist to cache a layer's output
+across steps, so they are not offered). ``plugin(method)`` makes them (one per method, cached);
+the module attributes ``fastdit_<method>`` that ``pyproject.toml``'s entry points name are looked
+up through it, and ``entry_points()`` lists them (a test checks pyproject against it). One call:
 
 * **Layout.** The token grid is ``latent_shape // patch_size`` (floor, as a strided patch
   embedding cuts it); with only the derived fields, ``(total_latent_frames, 1,
@@ -67,19 +69,20 @@ from fastdit.functional import run_call
 from fastdit.intercept import plain_sdpa
 from fastdit.layout import TokenLayout
 from fastdit.layout import key_mask_from_attn_mask
-from fastdit.methods.base import get_method
+from fastdit.methods.base import get_method, methods_with
 from fastdit.stats import PatchStats
 
-__all__ = ["CONTRACT_KEYS", "METHODS", "REFUSED", "SparseAttentionPlugin", "fastdit_radial", "fastdit_sparge",
-           "fastdit_sta", "fastdit_svg", "fastdit_svg2", "fastdit_todo", "fastdit_tome"]
+__all__ = ["CONTRACT_KEYS", "REFUSED", "SparseAttentionPlugin", "entry_points", "forget_plugin", "plugin",
+           "fastdit_radial", "fastdit_sparge", "fastdit_sta", "fastdit_svg", "fastdit_svg2", "fastdit_todo",
+           "fastdit_tome"]
 
 #: ``params`` keys defined by vllm-omni's contract (read here, or ignored): never method options.
 CONTRACT_KEYS = frozenset({
     "denoise_step_idx", "total_denoise_steps", "latent_shape", "patch_size", "total_latent_frames",
     "patches_per_frame", "attn_mask", "full_attn_spans", "kv_cache_dtype",
 })
-#: Registered methods -> whether they need a frame's ``(H, W)`` split (not only frame counts).
-METHODS = {"sta": True, "radial": False, "sparge": True, "svg": False, "svg2": False, "todo": True, "tome": True}
+#: The entry-point names are ``PREFIX + method``.
+PREFIX = "fastdit_"
 #: option -> (allowed(value), why it needs a layer identity). Checked on the given options.
 REFUSED = {
     "dense_layers": (lambda v: v in (None, 0), "needs the layer index"),
@@ -89,8 +92,6 @@ REFUSED = {
     "warm_start": (lambda v: not v, "keeps each layer's k-means centroids across steps"),
     "match_every": (lambda v: v in (None, 1), "keeps each layer's token matching across steps"),
 }
-#: Plugin defaults where the method's own default needs a layer identity.
-PLUGIN_DEFAULTS = {"dense_layers": 0, "warm_start": False}
 _ENGINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -105,9 +106,12 @@ class SparseAttentionPlugin:
     """
 
     def __init__(self, method):
-        self.method = method
-        self.__name__ = f"fastdit_{method}"
         self._method_cls = get_method(method)
+        if not self._method_cls.engine_geometry:
+            raise ValueError(f"method {method!r} is not offered to engines without layer identity (its "
+                             f"engine_geometry is None); offered: {methods_with('engine_geometry')}")
+        self.method = method
+        self.__name__ = f"{PREFIX}{method}"
         self.capabilities = {"supports_attention_mask": True, "supports_full_attn_spans": True}
         self.stats = PatchStats()
         self._options = {}
@@ -123,7 +127,8 @@ class SparseAttentionPlugin:
     # -- options ---------------------------------------------------------------------------------
     def options(self, params):
         """The method options in ``params`` (every key outside ``CONTRACT_KEYS``), validated as
-        ``fastdit.patch`` validates them, plus the plugin defaults; cached per distinct options."""
+        ``fastdit.patch`` validates them, and the resolved config (``Method.resolve`` with the
+        engine's defaults: no ``dense_layers``, no svg2 ``warm_start``); cached per distinct options."""
         cls = self._method_cls
         prefix = f"vllm-omni plugin {self.__name__}"
         fields = {f.name for f in dataclasses.fields(cls.config_cls)}
@@ -142,19 +147,17 @@ class SparseAttentionPlugin:
         if cached is not None:
             return cached
         try:
-            config = cls.make_config(None, **given)
+            cls.make_config(None, **given)  # checked here: the error names the plugin
         except (ValueError, TypeError) as error:
             raise ValueError(f"{prefix}: {error} (contract keys, not options: {sorted(CONTRACT_KEYS)})") from None
         for name, (allowed, why) in REFUSED.items():
             if name in given and not allowed(given[name]):
                 raise ValueError(f"{prefix}: option {name}={given[name]!r} {why}, and vllm-omni's plugin contract "
                                  f"passes no layer identity (one callable serves every layer); it is not supported here")
-        options = {**{n: v for n, v in PLUGIN_DEFAULTS.items() if hasattr(config, n) and n not in given}, **given}
-        resolved = cls.resolve(cls.make_config(None, **options), None)
-        options = dict(options, dense_steps=resolved.dense_steps)
+        resolved = cls.resolve(options=given, where="engine")
         with self._lock:
-            self._options[key] = options
-        return options
+            self._options[key] = resolved
+        return resolved
 
     # -- the call ----------------------------------------------------------------------------------
     def __call__(self, query, key, value, params=None, is_causal=False, softmax_scale=None):
@@ -224,15 +227,15 @@ class SparseAttentionPlugin:
             else:
                 self._note(layout, size)
             return plain_sdpa(q, k, v, attn_mask=mask, scale=scale)
-        dense_steps = options["dense_steps"]
+        dense_steps = options.dense_steps
         if dense_steps and step is None:
             raise ValueError(f"{self.__name__}: dense_steps={dense_steps!r} needs denoise_step_idx in params "
                              f"(vllm-omni passes it); or set dense_steps=0")
         if isinstance(dense_steps, float) and dense_steps and total is None:
             raise ValueError(f"{self.__name__}: dense_steps={dense_steps!r} is a fraction and needs "
                              f"total_denoise_steps in params; or give an int count of steps")
-        out, ctx = run_call(q, k, v, self.method, layout=layout, key_mask=key_mask, step=step or 0, num_steps=total,
-                            scale=scale, **options)
+        out, ctx = run_call(q, k, v, self.method, options, layout=layout, key_mask=key_mask, step=step or 0,
+                            num_steps=total, scale=scale)
         self.stats.count_call(ctx.info, size)
         return out
 
@@ -277,7 +280,7 @@ class SparseAttentionPlugin:
             return [tuple(int(x) // int(p) for x, p in zip(latent[b], patch[b])) for b in range(batch)]
         frames, per_frame = params.get("total_latent_frames"), params.get("patches_per_frame")
         if frames is not None and per_frame is not None:
-            if METHODS[self.method]:
+            if self._method_cls.engine_geometry == "grid":
                 return (f"only frame counts given (total_latent_frames, patches_per_frame): {self.method} needs the "
                         f"(H, W) split of a frame from latent_shape and patch_size")
             frames = _rows(frames, 1, batch, "total_latent_frames")
@@ -393,10 +396,35 @@ def _with_causal(mask, seq, keys):
     return mask.masked_fill(~causal, float("-inf"))
 
 
-fastdit_sta = SparseAttentionPlugin("sta")
-fastdit_radial = SparseAttentionPlugin("radial")
-fastdit_sparge = SparseAttentionPlugin("sparge")
-fastdit_svg = SparseAttentionPlugin("svg")
-fastdit_svg2 = SparseAttentionPlugin("svg2")
-fastdit_todo = SparseAttentionPlugin("todo")
-fastdit_tome = SparseAttentionPlugin("tome")
+_PLUGINS = {}
+
+
+def plugin(method):
+    """The ``SparseAttentionPlugin`` of ``method`` (one per method in the process: its ``stats`` count
+    every call); ValueError for a method not offered to engines (``Method.engine_geometry`` None)."""
+    with _PLUGINS_LOCK:
+        if method not in _PLUGINS:
+            _PLUGINS[method] = SparseAttentionPlugin(method)
+        return _PLUGINS[method]
+
+
+_PLUGINS_LOCK = threading.Lock()
+
+
+def forget_plugin(method):
+    """Drop ``method``'s plugin (and its stats), e.g. after the method is unregistered."""
+    with _PLUGINS_LOCK:
+        _PLUGINS.pop(method, None)
+
+
+def entry_points():
+    """``{entry-point name: "module:attribute"}`` of every method offered to engines, as
+    ``pyproject.toml``'s ``[project.entry-points."vllm_omni.sparse_attn"]`` lists them."""
+    return {f"{PREFIX}{name}": f"{__name__}:{PREFIX}{name}" for name in methods_with("engine_geometry")}
+
+
+def __getattr__(name):
+    """``fastdit_<method>``: the plugin of a method offered to engines (what the entry points load)."""
+    if name.startswith(PREFIX) and name[len(PREFIX):] in methods_with("engine_geometry"):
+        return plugin(name[len(PREFIX):])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastdit.methods.base import Method, MethodConfig, bucket_start, get_method, index_key, option, register_method
+from fastdit.methods.base import (Method, MethodConfig, bucket_start, get_method, index_key, methods_with, option,
+                                  register_method)
 
 NEEDS_PLAN = ("method 'auto' needs a plan of per-head choices: calibrate one first, e.g. `fastdit calibrate --model "
               "MODEL --method auto --budget 0.1 --out plan.json` or `fastdit.calibrate(pipe, \"auto\", prompts, "
@@ -62,8 +63,7 @@ class AutoConfig(MethodConfig):
         if not isinstance(self.candidates, (list, tuple)) or not all(isinstance(c, dict) for c in self.candidates):
             raise ValueError(f"auto: candidates must be a list of {{'method': name, option: value}} dicts, got "
                              f"{self.candidates!r}")
-        from fastdit.calibration.candidates import AUTO_METHODS
-
+        choosable = methods_with("auto_candidate")
         for index, candidate in enumerate(self.candidates):
             options = dict(candidate)
             name = options.pop("method", None)
@@ -71,9 +71,9 @@ class AutoConfig(MethodConfig):
                 raise ValueError(f"auto: candidate {index} {candidate!r} must name another method under 'method'")
             # prune and window reuse results across steps (one call's error, which the plan was
             # chosen on, says little of them); dense is a choice of its own (null), no candidate
-            if name not in AUTO_METHODS:
+            if name not in choosable:
                 raise ValueError(f"auto: candidate {index} {candidate!r}: method {name!r} is not one auto chooses "
-                                 f"from; its methods: {list(AUTO_METHODS)} (null in choices: dense)")
+                                 f"from; its methods: {choosable} (null in choices: dense)")
             # a candidate runs on the steps and layers its choices name: its own dense_steps /
             # dense_layers would be ignored, so they are refused rather than silently dropped
             ignored = sorted({"dense_steps", "dense_layers"} & set(options))
@@ -127,9 +127,9 @@ class Auto(Method):
         for candidate in self.config.candidates:
             options = {k: v for k, v in candidate.items() if k != "method"}
             cls = get_method(candidate["method"])
-            # the plan chose each candidate by its own measured error: no guard unless the candidate sets one
-            config = cls.resolve(cls.make_config(**{"guard": False, **options, "dense_steps": 0, "dense_layers": 0}),
-                                 None)
+            # the plan chose each candidate by its own measured error: no guard unless the candidate sets one,
+            # and it runs where the choices put it (dense_steps / dense_layers 0; validate refuses them)
+            config = cls.resolve(options=options, where="candidate")
             self.methods.append(cls(config))
         self.table = {}  # (bucket start, layer) -> {head: candidate index or None}
         for key, value in self.config.choices.items():

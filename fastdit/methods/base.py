@@ -30,18 +30,16 @@ adapters' ``method_defaults`` (``fastdit/pipelines/adapters.py``).
 """
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import json
-import math
-import re
 import threading
-from dataclasses import dataclass, field
 
 from fastdit.plan import run_plan
 
-from .guard_hooks import GuardHooks
+from .config import (NOT_PER_LAYER, MethodConfig, OptionError, bucket_start, check_int, check_number,  # noqa: F401
+                     index_key, normalize_layer_settings, option)
+from .guard import GuardHooks
 
 _REGISTRY = {}
 #: The quality guard's default bound (relative L2 error of a head's output on sampled rows) for
@@ -51,187 +49,28 @@ GUARD_DEFAULT = 0.1
 #: ``ctx.state`` key of the ``layer_settings`` entry a layer last ran with.
 _SETTING_KEY = "fastdit.layer_setting"
 
-
-def option(default, help, *, range=None, choices=None, widget=None, advanced=False, **kwargs):
-    """A config field with the metadata the CLI, the app and the docs show: ``help`` text, a
-    ``range`` ``(low, high)`` for numbers, ``choices`` for strings, a ``widget`` kind
-    (``"number"``, ``"slider"``, ``"triple"``, ``"checkbox"``, ``"dropdown"``, ``"text"``), and
-    ``advanced``: an expert option the app keeps in its collapsed "Advanced" group (and the options
-    tables mark). A new method's options then appear everywhere without editing the CLI or the app."""
-    metadata = {"help": help, "range": range, "choices": choices, "widget": widget, "advanced": bool(advanced)}
-    if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
-    return field(default=default, metadata=metadata, **kwargs)
-
-
 #: ``family name -> adapter or None``, registered by ``fastdit.pipelines`` (methods know no models:
 #: the dependency points from the model adapters down to the methods, not the other way).
 _FAMILY_SOURCE = []
 
 
+#: Defaults of where a method runs, above the method's and the family's (``Method.resolve``):
+#: ``"call"``: ``fastdit.attention`` outside a pipeline, where no step or layer position exists to
+#: make a default ``dense_steps`` / ``dense_layers`` mean anything (only what the caller asks applies);
+#: ``"engine"``: a serving engine whose calls carry no layer identity (vllm-omni), so no state per
+#: layer; ``"candidate"``: a candidate of ``auto`` or a calibration, run where the plan puts it and
+#: measured by its own error (no guard unless it sets one).
+WHERE_DEFAULTS = {
+    "pipeline": {},
+    "call": {"dense_steps": 0, "dense_layers": 0},
+    "engine": {"dense_layers": 0, "warm_start": False},
+    "candidate": {"dense_steps": 0, "dense_layers": 0, "guard": False},
+}
+
+
 def set_family_defaults_source(lookup):
     """Register ``lookup(family) -> object with method_defaults | None`` (done by fastdit.pipelines)."""
     _FAMILY_SOURCE[:] = [lookup]
-
-
-def check_number(name, value, low=None, high=None, *, low_open=False, high_open=False, note=""):
-    """``float(value)`` when ``value`` is a real number (not a bool, not NaN) between ``low`` and
-    ``high`` (None: unbounded; ``*_open``: that end excluded), else a ``ValueError`` naming the
-    option, the interval, what it means (``note``) and the value: how every method's ``validate``
-    checks its numeric options."""
-    if low is not None and high is not None:
-        interval = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    elif low is not None:
-        interval = f"{'>' if low_open else '>='} {low:g}"
-    else:
-        interval = f"{'<' if high_open else '<='} {high:g}"
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        raise ValueError(f"{name} must be a number {interval}{f' ({note})' if note else ''}, got {value!r}")
-    return float(value)
-
-
-def check_int(name, value, low=1, note=""):
-    """``value`` when it is an int (not a bool) of at least ``low``, else a ``ValueError`` as
-    ``check_number``'s."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}{f' ({note})' if note else ''}, got {value!r}")
-    return value
-
-
-class OptionError(ValueError, TypeError):
-    """A bad method name or option (a ValueError, and a TypeError when the type is wrong)."""
-
-
-@dataclass
-class MethodConfig:
-    """Options every method accepts.
-
-    Attributes:
-        dense_steps: denoising steps that run dense attention. An int counts steps; a float in
-            [0, 1) is a fraction of the steps the pipeline call actually runs (an img2img call at
-            strength 0.5 runs half the schedule). Steps are counted from 0 within each pipeline
-            call and step ``i`` runs dense iff ``i < dense_steps`` (for a fraction,
-            ``i < dense_steps * num_steps``). None: the method's default for the model family.
-        dense_layers: the first N patched layers of each transformer always run dense. None: the
-            family default.
-        layer_settings: per (step bucket, layer) options, ``{"s_l": {option: value}}`` (``s`` the
-            first step of the bucket, ``l`` the patched layer in model order), or ``{"s_l": None}``
-            for a (bucket, layer) that runs dense. Step ``i`` uses the bucket with the largest start
-            ``<= i``; earlier steps and layers the dict does not name use the other options. What
-            ``fastdit.calibrate`` writes for methods other than ``sta`` (see ``Method.layer_method``).
-    """
-
-    dense_steps: int | float | None = option(
-        None, "denoising steps that run dense first: an int count, or a fraction in [0, 1) of the steps the call runs",
-        range=(0, None), widget="number")
-    dense_layers: int | None = option(None, "the first N patched layers of each transformer always run dense",
-                                      range=(0, None), widget="number")
-    layer_settings: dict | None = option(
-        None, "per (step bucket, layer) options: {'s_l': {option: value}} or {'s_l': None} (dense); step i uses "
-        "the bucket with the largest start <= i; unnamed layers and earlier steps use the other options",
-        widget="text", advanced=True)
-    guard: float | bool | None = option(
-        None, "quality guard: per head, the relative L2 error bound checked on sampled query rows against exact "
-        "dense rows; a head above it (or below its promised mass) is widened, then run dense. false: off; "
-        "empty: the method's default", range=(0, None), widget="number")
-    guard_rows: float = option(0.005, "guard: sampled query rows per head as a fraction of the call's rows (at least "
-                               "one per 128 tokens and 32 in all)", range=(0.0, 1.0), widget="number", advanced=True)
-    guard_refresh: int = option(4, "guard: a head's widened or dense setting is kept for this many steps, then "
-                                "tried again at the method's own", range=(1, None), widget="number", advanced=True)
-
-    def validate(self):
-        if self.guard is not None and self.guard is not False:
-            if self.guard is True:
-                raise ValueError("guard must be a number in (0, inf) (relative L2 error bound per head), False (off) "
-                                 "or None (the method's default), got True")
-            check_number("guard", self.guard, 0, math.inf, low_open=True, high_open=True,
-                         note="relative L2 error bound per head; False: off")
-        self.guard_rows = check_number("guard_rows", self.guard_rows, 0, 1, low_open=True,
-                                       note="sampled query rows per head, a fraction of the call's rows")
-        check_int("guard_refresh", self.guard_refresh, 1, note="steps a head keeps its guarded setting")
-        steps = self.dense_steps
-        if steps is not None:
-            if isinstance(steps, bool) or not isinstance(steps, (int, float)):
-                raise ValueError(f"dense_steps must be an int (count) or a float in [0, 1) (fraction), got {steps!r}")
-            if isinstance(steps, float) and not 0.0 <= steps < 1.0:
-                raise ValueError(f"dense_steps as a fraction must be in [0, 1), got {steps!r}; pass an int to count steps")
-            if isinstance(steps, int) and steps < 0:
-                raise ValueError(f"dense_steps must be >= 0, got {steps!r}")
-        if self.dense_layers is not None and (
-            isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0
-        ):
-            raise ValueError(f"dense_layers must be an int >= 0, got {self.dense_layers!r}")
-        if self.layer_settings is not None:
-            self.layer_settings = normalize_layer_settings(self)
-
-
-#: Options a ``layer_settings`` entry may not set: they are read once per call before the layer's
-#: setting is looked up (``dense_steps``, ``dense_layers``), or they are the per-layer table itself.
-#: A (bucket, layer) that should run dense is written as ``None``.
-NOT_PER_LAYER = ("dense_steps", "dense_layers", "layer_settings", "guard_refresh")
-
-
-def index_key(key, parts):
-    """The ints of a ``'a_b[_c]'`` key of ``parts`` ASCII decimal numbers without leading zeros, or
-    None (``'²_0_0'`` and ``'٠_0_0'`` are no keys: one would not parse, the other would repeat ``0_0_0``)."""
-    if not isinstance(key, str) or not re.fullmatch(r"(0|[1-9][0-9]*)" + r"_(0|[1-9][0-9]*)" * (parts - 1), key):
-        return None
-    return tuple(int(x) for x in key.split("_"))
-
-
-def _parse_layer_key(key):
-    parts = key.split("_") if isinstance(key, str) else []
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"layer_settings entry {key!r}: keys are 'step_layer' (two ints >= 0, e.g. '10_3': the "
-                         f"first step of a bucket and a patched layer)")
-    return int(parts[0]), int(parts[1])
-
-
-def normalize_layer_settings(config):
-    """``config.layer_settings`` checked and in canonical form (sorted by (step, layer), each entry
-    validated as ``config`` with its options applied); ValueError names the entry."""
-    settings = config.layer_settings
-    if not isinstance(settings, dict):
-        raise ValueError(f"layer_settings must be a dict {{'step_layer': {{option: value}} or None}}, got "
-                         f"{type(settings).__name__}")
-    names = [f.name for f in dataclasses.fields(config)]
-    checked = {}
-    for key, value in settings.items():
-        step_layer = _parse_layer_key(key)
-        if step_layer in checked:
-            raise ValueError(f"layer_settings entry {key!r}: (step, layer) {step_layer} is given twice")
-        if value is not None:
-            if not isinstance(value, dict):
-                raise ValueError(f"layer_settings entry {key!r}: a setting is a dict of options or None (dense), "
-                                 f"got {value!r}")
-            unknown = sorted(set(value) - set(names))
-            if unknown:
-                raise ValueError(f"layer_settings entry {key!r}: unknown option(s) {unknown}; valid options: "
-                                 f"{[n for n in names if n not in NOT_PER_LAYER]}")
-            fixed = sorted(set(value) & set(NOT_PER_LAYER))
-            if fixed:
-                raise ValueError(f"layer_settings entry {key!r}: option(s) {fixed} cannot be set per layer (they "
-                                 f"apply to the whole patch); write None for a (bucket, layer) that runs dense")
-            try:
-                overridden = dataclasses.replace(config, layer_settings=None, **value)
-                overridden.validate()
-            except (ValueError, TypeError) as error:
-                raise ValueError(f"layer_settings entry {key!r}: {error}") from None
-            value = {name: getattr(overridden, name) for name in value}  # canonical form (e.g. tuples)
-        checked[step_layer] = value
-    return {f"{s}_{layer}": checked[s, layer] for s, layer in sorted(checked)}
-
-
-def bucket_start(starts, step):
-    """The step bucket ``step`` belongs to: the largest of the sorted ``starts`` that is ``<= step``
-    (None before the first). Shared by ``layer_settings`` and sta's ``strategy``."""
-    index = bisect.bisect_right(starts, step) - 1
-    return starts[index] if index >= 0 else None
 
 
 class Method(GuardHooks):
@@ -267,6 +106,46 @@ class Method(GuardHooks):
 
     #: Whether ``fastdit.method_names()`` lists it (``auto`` is not: it runs only from a calibrated plan).
     listed = True
+
+    # -- capabilities: what the rest of fastdit asks the registry (``methods_with``), never a list of
+    # names (docs/adding_a_method.md). A new method declares them here and is offered everywhere.
+    #: Where the method sorts in lists of methods (help texts, auto's candidates, plugins): lower first.
+    rank = 100
+    #: Its calls run the block-sparse engine on a ``BlockPlan`` it selects, so the block-sparse options
+    #: (``skip_threshold``, ``correction``, ``quant``) mean something (set by ``BlockSparseMethod``).
+    block_sparse = False
+    #: It runs under ring attention (``methods/parallel/ring.py`` cuts its plans into (query shard,
+    #: key shard) parts): block-sparse methods and dense; token methods attend pooled, merged or cached
+    #: tokens of the whole sequence, which one ring shard does not hold.
+    ring = False
+    #: ``method="auto"`` chooses it per head (its error on one call says how a run goes: not a method
+    #: that reuses results across steps). Its grid: ``auto_candidates``, else ``candidates``.
+    auto_candidate = False
+    #: Offered to serving engines whose calls carry no layer identity (the vllm-omni plugins
+    #: ``fastdit_<name>``), and the geometry it needs: ``"grid"`` (a frame's ``(H, W)`` split) or
+    #: ``"frames"`` (frame counts do); None: not offered (it keeps per-layer state across steps).
+    engine_geometry = None
+    #: How ``python -m fastdit.eval.predict`` models it: ``"plan"`` (the plan ``prepare`` builds),
+    #: ``"density"`` (a dynamic plan at an assumed block density) or None (not modelled).
+    cost_model = None
+
+    @classmethod
+    def candidates(cls, layout):
+        """The option sets ``fastdit.calibrate`` tries by default (``[{option: value}, ...]``), or None:
+        no default grid (calibrate then needs ``candidates=``). ``layout`` may be None."""
+        return None
+
+    @classmethod
+    def auto_candidates(cls, layout, base):
+        """``auto``'s candidate option sets (``base``: the user's options of this method), or None for
+        ``candidates``' grid. Called only when ``auto_candidate`` is set."""
+        return None
+
+    @classmethod
+    def outside_work(cls, options, batch, tokens, head_dim, elt):
+        """``(flops, bytes)`` one call does per head besides attention (a token method's matching or
+        pooling), for the cost model's per-head times (``fastdit.costmodel.head_times``)."""
+        return 0.0, 0.0
 
     #: Why gradients through this method are not defined (``patch(..., trainable=True)`` refuses
     #: it with this reason), or None: the method is differentiable in q, k, v, with its selection
@@ -305,8 +184,9 @@ class Method(GuardHooks):
         valid = [f.name for f in dataclasses.fields(cls.config_cls)]
         unknown = sorted(set(options) - set(valid))
         if "quant" in unknown:
-            raise OptionError(f"quant is an option of the block-sparse methods (sta, radial, sparge, svg, svg2), "
-                              f"which run the block-sparse engine; method {cls.name!r} does not")
+            takers = ", ".join(methods_taking("quant"))
+            raise OptionError(f"quant is an option of the block-sparse methods ({takers}), which run the block-sparse "
+                              f"engine; method {cls.name!r} does not")
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for method {cls.name!r}; valid options: {valid}")
         config = dataclasses.replace(config, **options) if config is not None else cls.config_cls(**options)
@@ -314,11 +194,25 @@ class Method(GuardHooks):
         return config
 
     @classmethod
-    def resolve(cls, config, adapter=None):
-        """Fill options left at None: the model family's defaults (``adapter.method_defaults``),
-        then the method's ``default_options``, then 0 for ``dense_steps`` / ``dense_layers``.
-        ``adapter`` may be an object with ``method_defaults`` (an ``Adapter``), a family name
-        (looked up through the registered family source, see ``set_family_defaults_source``) or None."""
+    def resolve(cls, config=None, adapter=None, *, options=None, where="pipeline"):
+        """The validated config with every default filled: the one place defaults are resolved.
+
+        The order, later winning: ``0`` for ``dense_steps`` / ``dense_layers`` and ``guard_default``
+        < the method's ``default_options`` < the model family's (``adapter.method_defaults``) <
+        the defaults of ``where`` the method runs (``WHERE_DEFAULTS``: one call outside a pipeline,
+        an engine without layer identity, an auto candidate) < the user's ``config`` / ``options``
+        < a plan file's options (``fastdit.patch`` merges them into ``options`` first and refuses an
+        option set by both). Family and method defaults fill options left at None; a ``where``
+        default applies to an option ``options`` leaves unset (absent or None) whose ``config``
+        value is None (or that no config was given for). ``adapter`` may be an ``Adapter``, a family name (looked up
+        through ``set_family_defaults_source``) or None."""
+        options = dict(options or {})
+        given = cls.make_config(config, **options)
+        fields = {f.name for f in dataclasses.fields(given)}
+        placed = {name: value for name, value in WHERE_DEFAULTS[where].items() if name in fields
+                  and options.get(name) is None and (config is None or getattr(config, name) is None)}
+        if placed:
+            given = dataclasses.replace(given, **placed)
         family_defaults = {}
         if isinstance(adapter, str):
             adapter = _FAMILY_SOURCE[0](adapter) if _FAMILY_SOURCE else None
@@ -326,9 +220,8 @@ class Method(GuardHooks):
             family_defaults = dict(getattr(adapter, "method_defaults", {}).get(cls.name, {}))
         defaults = {"dense_steps": 0, "dense_layers": 0, "guard": cls.guard_default, **cls.default_options,
                     **family_defaults}
-        filled = {name: value for name, value in defaults.items()
-                  if hasattr(config, name) and getattr(config, name) is None}
-        config = dataclasses.replace(config, **filled)
+        filled = {name: value for name, value in defaults.items() if name in fields and getattr(given, name) is None}
+        config = dataclasses.replace(given, **filled)
         config.validate()
         return config
 
@@ -472,6 +365,11 @@ def register_method(cls):
     return cls
 
 
+def unregister_method(name):
+    """Remove ``name`` from the registry (a method a test or a plugin registered for a while)."""
+    _REGISTRY.pop(name, None)
+
+
 def get_method(name):
     """The ``Method`` subclass registered as ``name`` (a class or instance passes through)."""
     if isinstance(name, Method):
@@ -480,7 +378,7 @@ def get_method(name):
         return name
     if not isinstance(name, str):
         raise OptionError(f"method must be a method name (str), got {type(name).__name__}: {name!r}; "
-                        f"available methods: {sorted(_REGISTRY)}")
+                          f"available methods: {sorted(_REGISTRY)}")
     if name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; available methods: {sorted(_REGISTRY)}")
     return _REGISTRY[name]
@@ -494,3 +392,19 @@ def method_names():
 def tiny_presets():
     """``method name -> options`` for fastdit's tiny built-in models (each method's ``tiny_options``)."""
     return {name: dict(cls.tiny_options) for name, cls in sorted(_REGISTRY.items()) if cls.tiny_options}
+
+
+def methods_with(*capabilities, listed=True):
+    """Names of the registered methods with every one of ``capabilities`` (``Method`` attributes such
+    as ``"ring"``, ``"auto_candidate"``, ``"engine_geometry"``) set, in ``rank`` order (then by name);
+    ``listed``: only those ``method_names`` lists (not ``auto``). How consumers ask what a method
+    supports (no list of method names outside this registry)."""
+    found = [cls for cls in _REGISTRY.values() if (cls.listed or not listed)
+             and all(getattr(cls, c, None) for c in capabilities)]
+    return [cls.name for cls in sorted(found, key=lambda c: (c.rank, c.name))]
+
+
+def methods_taking(option):
+    """Names of the registered methods whose config has ``option`` (e.g. ``"quant"``), in ``rank`` order."""
+    return [name for name in methods_with()
+            if option in {f.name for f in dataclasses.fields(_REGISTRY[name].config_cls)}]

@@ -95,6 +95,8 @@ class BlockSparseMethod(Method):
 
     config_cls = BlockSparseConfig
     reports_lse = True
+    block_sparse = True
+    ring = True  # methods/parallel/ring.py cuts any BlockPlan (one or per-head orders, cluster blocks)
 
     def is_refresh_step(self, ctx):
         """Whether this call of a ``correction="cached"`` method refreshes (see the module doc)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Method, MethodConfig, register_method
+from .base import Method, MethodConfig, methods_with, register_method
 
 
 @dataclass
@@ -23,6 +23,8 @@ BLOCK_SPARSE_ONLY = ("skip_threshold", "correction", "refresh_every")
 class Dense(Method):
     name = "dense"
     any_key_length = True  # plain attention
+    rank = 0
+    ring = True  # every key: the ring merges the shards' parts exactly
     config_cls = DenseConfig
     reports_lse = True
 
@@ -30,7 +32,8 @@ class Dense(Method):
     def make_config(cls, config=None, **options):
         misplaced = [name for name in BLOCK_SPARSE_ONLY if name in options]
         if misplaced:
-            raise ValueError(f"{misplaced[0]} applies to block-sparse methods (sta, radial, ...): 'dense' computes "
+            sparse = ", ".join(methods_with("block_sparse"))
+            raise ValueError(f"{misplaced[0]} applies to block-sparse methods ({sparse}): 'dense' computes "
                              f"every key, so there is nothing to skip or correct; got {misplaced[0]}="
                              f"{options[misplaced[0]]!r}")
         return super().make_config(config, **options)

@@ -110,6 +110,11 @@ class Prune(Method):
     any_key_length = True  # full rows against every key; pruned rows come from its cache
     config_cls = PruneConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
+    rank = 85
+
+    @classmethod
+    def candidates(cls, layout):
+        return [{"ratio": r} for r in (0.25, 0.5, 0.75)]
     #: The tiny models (8 x 32 x 48 tokens, 8 steps): reuse 60% of the blocks between full steps
     #: every 4 steps, ramped over the first step after a full one.
     tiny_options = {"ratio": 0.6, "refresh_every": 4, "warmup": 0.125}

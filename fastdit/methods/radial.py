@@ -304,6 +304,12 @@ class Radial(BlockSparseMethod):
     #: frames, wide band) plus the sink, which costs one frame of keys and anchors the
     #: conditioning frame of image-to-video models.
     default_options = {"decay": 0.95, "sink": True, "adjacent": "dense", "dense_steps": 0.24, "dense_layers": 0}
+    rank, auto_candidate, engine_geometry, cost_model = 20, True, "frames", "plan"
+
+    @classmethod
+    def auto_candidates(cls, layout, base):
+        """Three decays: 0.95, 0.5, 0.25 (calibrate has no default grid for radial)."""
+        return [{"decay": d} for d in (0.95, 0.5, 0.25)]
 
     @classmethod
     def check_family(cls, adapter, config):

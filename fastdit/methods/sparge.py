@@ -206,6 +206,11 @@ class Sparge(BlockSparseMethod):
     #: blocks is kept, with 256-token blocks (4x8x8 tiles): the CPU fallback loops per query
     #: block and gathers per head, and smaller blocks were slower than dense there.
     tiny_options = {"tile": (4, 8, 8), "topk": 0.125, "simthresh": -1.0}
+    rank, auto_candidate, engine_geometry, cost_model = 30, True, "grid", "density"
+
+    @classmethod
+    def candidates(cls, layout):
+        return [{"cdf": c, "topk": None} for c in (0.99, 0.95, 0.9, 0.8)] + [{"topk": t} for t in (0.5, 0.3, 0.1)]
     #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
     guard_default = GUARD_DEFAULT
 

@@ -257,6 +257,29 @@ class SlidingTile(BlockSparseMethod):
     default_options = {"dense_steps": 0.25, "dense_layers": 0}
     #: The tiny models' grids are small: a 4x4x8 tile target, fitted per grid.
     tiny_options = {"tile": (4, 4, 8), "window": (3, 3, 3), "fit_tile": True}
+    rank, auto_candidate, engine_geometry, cost_model = 10, True, "grid", "plan"
+
+    @classmethod
+    def candidates(cls, layout, tile=(6, 8, 8)):
+        """Windows from 1 tile up to the whole axis: per axis the odd widths 1, 3, 5 below the axis'
+        tile count, and 0 (the whole axis); 1, 3 and 0 without a layout."""
+        if layout is None:
+            per_axis = [[1, 3, 0]] * 3
+        else:
+            n_tiles = [-(-g // t) for g, t in zip(layout.grid, tile)]
+            per_axis = [[w for w in (1, 3, 5) if w < n] + [0] for n in n_tiles]
+        return [{"window": w} for w in itertools.product(*per_axis)]
+
+    @classmethod
+    def auto_candidates(cls, layout, base):
+        """A compact set of windows: per axis 1 and 3 tiles (those below the axis' tile count) and the
+        whole axis (the smallest odd width >= its tile count), the whole volume (dense) left out;
+        none without a layout (windows count tiles of its grid)."""
+        if layout is None:
+            return []
+        tiles = [-(-g // t) for g, t in zip(layout.grid, cls(**base).tile_for(layout))]
+        per_axis = [[w for w in (1, 3) if w < n] + [n | 1] for n in tiles]  # n | 1: odd, >= n: the whole axis
+        return [{"window": w} for w in itertools.product(*per_axis) if w != tuple(n | 1 for n in tiles)]
 
     def tile_for(self, layout):
         if self.config.tile is None:

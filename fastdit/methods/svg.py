@@ -366,6 +366,11 @@ class SparseVideoGen(BlockSparseMethod):
     #: (spatial), 192 of 1536 positions (temporal) or every 8th block (textural); the CPU engine
     #: runs 128-token blocks faster than 64.
     tiny_options = {"block_size": 128, "density": 0.125}
+    rank, auto_candidate, engine_geometry, cost_model = 40, True, "frames", "density"
+
+    @classmethod
+    def candidates(cls, layout):
+        return [{"density": d} for d in (0.5, 0.3, 0.2, 0.1)]
     #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
     guard_default = GUARD_DEFAULT
 

@@ -376,6 +376,12 @@ class SparseVideoGen2(BlockSparseMethod):
     # 48 key clusters of 256 keys: 64 refined keys keep the refinement's share of a row's keys (4 x 64
     # of 12k) near a real video's at the defaults (4 x 256 of 75k, 1.4%)
     tiny_options = {"q_clusters": 24, "k_clusters": 48, "top_p": 0.15, "init_iters": 6, "refine_keys": 64}
+    rank, auto_candidate, engine_geometry = 50, True, "frames"
+
+    @classmethod
+    def candidates(cls, layout):
+        """The predicted-mass threshold of its key clusters."""
+        return [{"top_p": p} for p in (0.95, 0.9, 0.8, 0.7, 0.5)]
     #: the quality guard's bound (relative L2 error per head) when ``guard`` is left empty
     guard_default = GUARD_DEFAULT
 

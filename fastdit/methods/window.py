@@ -128,6 +128,11 @@ class Window(Method):
     name = "window"
     config_cls = WindowConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
+    rank = 90
+
+    @classmethod
+    def candidates(cls, layout):
+        return [{"window": w} for w in ((1, 1, 1), (1, 3, 3), (3, 3, 3))]
     #: The tiny models' grids are small: sliding tile's 4x4x8 tile target, fitted per grid.
     tiny_options = {"tile": (4, 4, 8), "window": (3, 3, 3), "fit_tile": True, "refresh_every": 4}
 

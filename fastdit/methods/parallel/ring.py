@@ -32,22 +32,26 @@ import torch.nn.functional as F
 from fastdit.kernels import block_sparse_attention, block_sparse_attention_varlen
 from fastdit.layout import shard_order
 
+from ..base import methods_with
 from ..corrections import merge_lse
 
-#: Block-sparse methods whose plans ``shard_part`` / ``cluster_part`` cut.
-RING_METHODS = ("sta", "radial", "sparge", "svg", "svg2")
+def ring_methods():
+    """The block-sparse methods whose plans ``shard_part`` / ``cluster_part`` cut (``Method.ring``
+    and ``Method.block_sparse``), in rank order; dense runs under ring attention too."""
+    return methods_with("ring", "block_sparse")
 
 
 def ring_refusal(method):
     """None when ``method`` (a ``Method`` instance) runs under ring attention, else the reason."""
     name = getattr(method, "name", type(method).__name__)
-    if name == "dense":
-        return None
-    if name not in RING_METHODS:
+    if not getattr(method, "ring", False):
         why = (f"{name} is a token method: it attends pooled, merged or cached tokens of the whole sequence, "
-               "which one ring shard does not hold")
-        return (f"method {name!r} does not run under ring attention ({why}); ring runs {', '.join(RING_METHODS)}. "
+               "which one ring shard does not hold") if not getattr(method, "block_sparse", False) else (
+            f"{name} declares no ring support (Method.ring)")
+        return (f"method {name!r} does not run under ring attention ({why}); ring runs {', '.join(ring_methods())}. "
                 "Use Ulysses context parallelism (ContextParallelConfig(ulysses_degree=N), every method) for it")
+    if not getattr(method, "block_sparse", False):
+        return None
     for variant in method.variants():
         config = variant.config
         if getattr(config, "correction", "none") != "none":

@@ -174,6 +174,7 @@ class OptiPrune(Method):
         return {"ratio": self.config.ratio / 2}
     config_cls = OptiPruneConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
+    rank = 80
 
     def window(self, grid):
         config = self.config

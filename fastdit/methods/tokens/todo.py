@@ -118,6 +118,16 @@ class TokenDownsampling(Method):
     guard_default = GUARD_DEFAULT
     config_cls = ToDoConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
+    rank, auto_candidate, engine_geometry = 60, True, "grid"
+
+    @classmethod
+    def candidates(cls, layout):
+        return [{"factor": f} for f in (2, 3, 4)]
+
+    @classmethod
+    def outside_work(cls, options, batch, tokens, head_dim, elt):
+        """The pooling: read K, V and write the pooled ones (``4 B N D e`` bytes)."""
+        return 0.0, 4.0 * batch * tokens * head_dim * elt
 
     def pool(self, grid):
         """Pool size ``(pt, ph, pw)``, clamped to the grid (a factor above an axis pools all of it)."""

@@ -144,6 +144,21 @@ class TokenMerging(Method):
         return {"ratio": self.config.ratio / 2}
     config_cls = ToMeConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
+    rank, auto_candidate, engine_geometry = 70, True, "grid"
+
+    @classmethod
+    def candidates(cls, layout):
+        return [{"ratio": r} for r in (0.25, 0.5, 0.75)]
+
+    @classmethod
+    def outside_work(cls, options, batch, tokens, head_dim, elt):
+        """The matching (``(N - N/w) x N/w`` cosine scores, ``w = sx sy st`` tokens a window:
+        ``2 B (N - N/w)(N/w) D`` FLOPs) and the merge / unmerge (two scatter-adds and a gather:
+        ``8 B N D e`` bytes)."""
+        options = options or {}
+        w = max(1, int(options.get("sx", 2)) * int(options.get("sy", 2)) * int(options.get("st", 1)))
+        n = tokens
+        return 2.0 * batch * (n - n / w) * (n / w) * head_dim, 8.0 * batch * n * head_dim * elt
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
