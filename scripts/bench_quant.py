@@ -40,8 +40,8 @@ import fastdit
 from fastdit.eval.bench.structured import structured_qkv
 from fastdit.kernels import block_sparse_attention
 from fastdit.kernels.quant import allowed_blocks, fixed_blocks, fp8_supported, quant_attention_emulated
+from fastdit.methods.base import methods_taking
 
-METHODS = ("sta", "radial", "sparge", "svg", "svg2")
 KINDS = ("spatial", "temporal", "global", "semantic")
 
 
@@ -180,7 +180,7 @@ def main(argv=None):
     parser.add_argument("--grid", type=int, nargs=3, default=(4, 12, 16), help="video token grid (T, H, W)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--kinds", default=",".join(KINDS), type=lambda s: s.split(","))
-    parser.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
+    parser.add_argument("--methods", default=",".join(methods_taking("quant")), type=lambda s: s.split(","))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows here")
