@@ -27,9 +27,10 @@ DEFAULT_PROMPT = "A red fox runs through fresh snow in a pine forest at sunrise"
 SHAPES_PROMPT = DEMO_CAPTION
 #: The model ``fastdit compare`` runs without ``--model``: trained here, so its videos can be judged by eye.
 DEFAULT_MODEL = "tiny-shapes"
-#: ``--methods`` when it is not given: on tiny-shapes the methods whose shipped presets keep the video
-#: and pay on a CPU (BENCHMARKS.md, "Trained tiny model"); elsewhere dense and sta.
-DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,radial"}
+#: ``--methods`` when it is not given: on tiny-shapes sta (the static default), sparge (dynamic, under
+#: its quality guard) and prune (the one that paid on a 2-core CPU at this size), each at the presets
+#: calibrated for the model (BENCHMARKS.md, "Trained tiny model"); elsewhere dense and sta.
+DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,prune"}
 FALLBACK_METHODS = "dense,sta"
 
 
