@@ -10,7 +10,7 @@ import torch
 
 from fastdit.context import AttentionContext, CallState
 from fastdit.intercept import plain_sdpa
-from fastdit.methods.base import OptionError, get_method, method_names
+from fastdit.methods.base import OptionError, get_method, method_names, step_inputs_needed
 
 #: Method instances by (method, config): their plan caches survive across calls.
 _INSTANCES = {}
@@ -110,7 +110,7 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
     # No pipeline here: a default dense_steps (a fraction of a run) or dense_layers (a layer position)
     # would silently make the call dense or fail; only what the caller asks for applies (where="call").
     config = method_cls.resolve(config, None, options=options, where="call")
-    if isinstance(config.dense_steps, float) and config.dense_steps > 0 and num_steps is None:
+    if step_inputs_needed(config)[1] and num_steps is None:
         raise OptionError(f"dense_steps={config.dense_steps} is a fraction of the denoising steps: pass num_steps= "
                           "(and step=) to fastdit.attention, or dense_steps as an int count")
     out, ctx = run_call(q, k, v, method, config, layout=layout, key_mask=key_mask, step=step, num_steps=num_steps,

@@ -69,7 +69,7 @@ from fastdit.functional import run_call
 from fastdit.intercept import plain_sdpa
 from fastdit.layout import TokenLayout
 from fastdit.layout import key_mask_from_attn_mask
-from fastdit.methods.base import get_method, methods_with
+from fastdit.methods.base import get_method, methods_with, step_inputs_needed
 from fastdit.stats import PatchStats
 
 __all__ = ["CONTRACT_KEYS", "REFUSED", "SparseAttentionPlugin", "entry_points", "forget_plugin", "plugin",
@@ -228,10 +228,11 @@ class SparseAttentionPlugin:
                 self._note(layout, size)
             return plain_sdpa(q, k, v, attn_mask=mask, scale=scale)
         dense_steps = options.dense_steps
-        if dense_steps and step is None:
+        needs_step, needs_total = step_inputs_needed(options)
+        if needs_step and step is None:
             raise ValueError(f"{self.__name__}: dense_steps={dense_steps!r} needs denoise_step_idx in params "
                              f"(vllm-omni passes it); or set dense_steps=0")
-        if isinstance(dense_steps, float) and dense_steps and total is None:
+        if needs_total and total is None:
             raise ValueError(f"{self.__name__}: dense_steps={dense_steps!r} is a fraction and needs "
                              f"total_denoise_steps in params; or give an int count of steps")
         out, ctx = run_call(q, k, v, self.method, options, layout=layout, key_mask=key_mask, step=step or 0,

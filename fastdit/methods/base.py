@@ -68,6 +68,14 @@ WHERE_DEFAULTS = {
 }
 
 
+def step_inputs_needed(config):
+    """``(step, total)``: whether a call of ``config`` must be told its step index (``dense_steps``
+    not 0) and the run's number of steps (``dense_steps`` a fraction), where no pipeline counts them
+    (``fastdit.attention``, the vllm-omni plugins ask this, and word their own errors)."""
+    steps = getattr(config, "dense_steps", 0) or 0
+    return bool(steps), isinstance(steps, float) and steps > 0
+
+
 def set_family_defaults_source(lookup):
     """Register ``lookup(family) -> object with method_defaults | None`` (done by fastdit.pipelines)."""
     _FAMILY_SOURCE[:] = [lookup]
