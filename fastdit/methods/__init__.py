@@ -1,13 +1,15 @@
 """Attention methods, one per file; ``fastdit.method_names()`` lists the registered names.
 
-Every module of this package is imported here, so a new method file registers itself (with
-``@register_method``) without editing this list.
+Every module of this package is imported below (``pkgutil``), so a new method file registers itself
+(with ``@register_method``) and is offered wherever its capabilities say (``methods_with``) without
+editing any list; the config classes imported by name here are the public ones of the built-in
+methods (``fastdit.STAConfig`` and friends). docs/adding_a_method.md.
 """
 import importlib
 import pkgutil
 
-from .base import (Method, MethodConfig, OptionError, get_method, method_names, option, register_method,
-                   tiny_presets)
+from .base import (Method, MethodConfig, OptionError, get_method, method_names, methods_taking, methods_with, option,
+                   register_method, tiny_presets, unregister_method)
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .dense import DenseConfig
 from .prune import PruneConfig
@@ -23,6 +25,7 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 del _module
 
-__all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError", "OptiPruneConfig",
-           "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig", "ToDoConfig", "ToMeConfig",
-           "WindowConfig", "get_method", "method_names", "option", "register_method", "tiny_presets"]
+__all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
+           "OptiPruneConfig", "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
+           "ToDoConfig", "ToMeConfig", "WindowConfig", "get_method", "method_names", "methods_taking", "methods_with",
+           "option", "register_method", "tiny_presets", "unregister_method"]
