@@ -220,7 +220,7 @@ def _frames(text):
 
 
 def main(argv=None):
-    from fastdit.cli.common import ArgumentParser
+    from fastdit.options import ArgumentParser
 
     parser = ArgumentParser(prog="python -m fastdit.eval.predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from fastdit.cli.common import port_int, positive_int
+from fastdit.options import port_int, positive_int
 
 from .models import MAX_TOKENS
 

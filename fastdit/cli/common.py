@@ -5,12 +5,11 @@ from here, so neither imports the other's helpers (no import circle).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from fastdit.compare import COMPARE_TINY_SIZE
-from fastdit.options import parse_value
+from fastdit.options import ArgumentParser, parse_value, port_int, positive_int, seed_int  # noqa: F401 (the CLI's names)
 
 #: Latent video tokens (frames x height x width in tokens) a run may have: about 9x HunyuanVideo's
 #: 720p x 129 frames (33 x 45 x 80 = 118,800 tokens); ``FASTDIT_MAX_TOKENS`` raises it.
@@ -34,32 +33,6 @@ class CLIError(SystemExit):
     def __init__(self, message, exit_code=2):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block): ``PROG: error: MESSAGE (see PROG --help)``."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _int_type(low, high=None, what="an integer"):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expects {what}, got {value}")
-        return value
-
-    return parse
-
-
-positive_int = _int_type(1, what="an integer >= 1")
-#: A TCP port a server can listen on (``fastdit app --port``): -1 gave a raw OverflowError at launch.
-port_int = _int_type(1, 65535, what="a port number from 1 to 65535")
-seed_int = _int_type(-(1 << 63), (1 << 64) - 1, what="an integer seed in [-2**63, 2**64 - 1]")
 
 
 def debug_mode():
