@@ -290,7 +290,8 @@ def test_the_app_opens_on_tiny_shapes_and_its_run_shows_the_contact_sheet():
     from fastdit.pipelines.shapes_data import parse_caption
 
     demo = build_app()
-    values = {block.elem_id: block.value for block in demo.blocks.values() if getattr(block, "elem_id", None)}
+    values = {block.elem_id: block.value for block in demo.blocks.values()
+              if getattr(block, "elem_id", None) and hasattr(block, "value")}
     assert values["fd-model"] == "tiny-shapes"
     assert parse_caption(values["fd-prompt"])  # a caption the model was trained on
     runner = Runner()
