@@ -37,14 +37,9 @@ def run(args):
     seeds = [int(s) for s in args.seeds.split(",")]
     shard = tuple(int(v) for v in args.shard.split("/"))
     os.makedirs(args.out, exist_ok=True)
-    if os.path.isdir(args.model):  # a pipeline folder (e.g. a training run's export) at tiny-shapes' call
-        from diffusers import DiffusionPipeline
-
-        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.float32, local_files_only=True)
-        call = dict(TRAINED_DEFAULTS["tiny-shapes"])
-    else:
-        pipe = load_pipeline(args.model, "cpu")
-        call = dict(TRAINED_DEFAULTS[args.model])
+    pipe = load_pipeline(args.model, "cpu")
+    # a pipeline folder (e.g. a training run's export) runs at tiny-shapes' native call
+    call = dict(TRAINED_DEFAULTS.get(args.model, TRAINED_DEFAULTS["tiny-shapes"]))
     pipe.set_progress_bar_config(disable=True)
     for index, text, seed in _samples(prompts, seeds, shard):
         path = os.path.join(args.out, f"{index:03d}_{seed}.json")

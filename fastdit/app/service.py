@@ -32,7 +32,7 @@ from .masks import draw_patch_mask
 from .method_options import method_choices, options_text, parse_options
 from .models import PipelineCache, plan_call
 
-__all__ = ["DEFAULT_NEGATIVE", "DEFAULT_PROMPT", "DENSE_CACHE_SIZE", "FPS", "MAX_SEED", "SHAPES_PROMPT", "RunRequest",
+__all__ = ["DEFAULT_NEGATIVE", "DEFAULT_PROMPT", "DENSE_CACHE_SIZE", "FPS", "MAX_SEED", "RunRequest",
            "RunResult", "Runner", "check_seed", "default_prompt", "fallback_text", "frames_digest", "model_presets",
            "patched"]
 
@@ -40,8 +40,6 @@ log = logging.getLogger("fastdit.app")
 
 DEFAULT_PROMPT = "A red fox runs through fresh snow in a pine forest at sunrise"
 DEFAULT_NEGATIVE = "blurry, low quality, distorted"
-#: tiny-shapes draws captions of its own grammar only (fastdit.pipelines.shapes_data).
-SHAPES_PROMPT = DEMO_CAPTION
 FPS = 16
 #: Seeds are 0 .. 2**32 - 1: every seed a browser's number box holds exactly (and numpy's range).
 MAX_SEED = 2**32 - 1
@@ -50,8 +48,9 @@ DENSE_CACHE_SIZE = 2
 
 
 def default_prompt(model):
-    """The prompt the page shows for ``model``: a shapes caption for tiny-shapes, else the fox."""
-    return SHAPES_PROMPT if model == "tiny-shapes" else DEFAULT_PROMPT
+    """The prompt the page shows for ``model``: a caption of its own grammar for tiny-shapes (the only
+    text it was trained on, ``fastdit.pipelines.shapes_data``), else the fox."""
+    return DEMO_CAPTION if model == "tiny-shapes" else DEFAULT_PROMPT
 
 
 def check_seed(seed):

@@ -14,8 +14,9 @@ import gradio as gr
 from .errors import AppError, RunCancelled
 from .method_options import DEFAULT_CHOICE, method_choices, option_specs
 from .models import KNOWN_MODELS, TINY_MODELS, free_cuda, is_oom, size_defaults
-from .service import DEFAULT_NEGATIVE, DEFAULT_PROMPT, MAX_SEED, SHAPES_PROMPT as DEMO_CAPTION, RunRequest, Runner, \
-    default_prompt
+from fastdit.pipelines.shapes_data import DEMO_CAPTION
+
+from .service import DEFAULT_NEGATIVE, DEFAULT_PROMPT, MAX_SEED, RunRequest, Runner, default_prompt
 from .views import CSS, HEADER, history_frame, json_safe, metrics_html, scatter_frame
 
 __all__ = ["FIXED_INPUTS", "build_app", "option_widget"]
