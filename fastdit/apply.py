@@ -33,7 +33,7 @@ def _targets(target):
 
 
 def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", plan=None, trainable=False,
-          **options):
+          method_params=None, **options):
     """Replace the DiT attention of a diffusers pipeline (or transformer) with ``method``.
 
     Args:
@@ -54,6 +54,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             on each new grid).
         trainable: calls needing gradients run the method with them (plans are constants; docs/training.md),
             not the model's attention (a counted fallback); a method that cannot is refused (OptionError).
+        method_params: the method's trained per-layer parameters (its gates: ``Method.layer_module``), a
+            ``fastdit_method_params.safetensors`` written by ``fastdit.train`` or its folder; refused
+            (PlanError naming both) when saved for another method, model, layer set or option, and at the
+            first call on a latent grid they were not trained on (docs/training.md).
 
     Returns:
         a ``Patch``; ``remove()`` restores the model (also on leaving a ``with`` block).
@@ -115,6 +119,10 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     result._plan, result.trainable = plan, bool(trainable)
     try:
         result._install(modules_per_transformer)
+        if method_params is not None:
+            from fastdit.train.method_params import load_method_params
+
+            load_method_params(result, method_params)
     except BaseException:
         result.remove()
         raise

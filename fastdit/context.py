@@ -238,6 +238,8 @@ class AttentionContext:
     dense_fn: object = None
     #: the transformer call's timestep argument (number or tensor), None when unknown
     timestep: object = None
+    #: the layer's trainable parameters the patch added (``Method.layer_module``), or None
+    params: object = None
     #: what the method did: filled by ``record`` (plan, density) and read by the stats.
     info: dict = field(default_factory=dict)
 

@@ -147,6 +147,11 @@ class Patch:
         self._plan_grids = set()  # grids the plan was found to fit
         self._removed = False
         self.trainable = False  # set by patch(..., trainable=True): calls with gradients run the method
+        #: layer name -> the method's trainable parameters of that layer (``Method.layer_module``), held
+        #: here, never on the model (fastdit/train/method_params.py saves and loads them)
+        self.method_modules = {}
+        self._param_grids = None  # grids the loaded method parameters were trained on (None: any)
+        self.grids_seen = set()  # latent grids of the calls so far (saved with the method parameters)
         self.id = register_patch(self)
 
     # -- installation -----------------------------------------------------------------------
@@ -159,6 +164,7 @@ class Patch:
                 self.layers.append(f"{attr_name}.{name}" if multi else name)
                 self._layers.append(_Layer(self.layers[-1], local_index, weakref.ref(transformer)))
                 self._undo.append(self._intercept(module, len(self._layers) - 1))
+                self._add_layer_module(self.layers[-1], module)
             # The hook runs eagerly even inside torch.compile: it reads Python-side state (grid,
             # step) that the compiled graph must not bake in.
             hook = torch.compiler.disable(self._on_transformer_call)
@@ -168,6 +174,18 @@ class Patch:
         if self._scheduler is not None:
             self._untrack = track_scheduler(self._scheduler)
             self._undo.append(self._untrack_scheduler)
+
+    def _add_layer_module(self, name, module):
+        """The method's trainable parameters of this layer (``Method.layer_module``), if it has any:
+        built on the layer's device in float32, trainable only under ``trainable=True``."""
+        heads, head_dim = attention_geometry(module)
+        layer_module = self._method.layer_module(heads, head_dim) if heads else None
+        if layer_module is None:
+            return
+        weight = next(module.parameters(), None)
+        layer_module = layer_module.to(device=weight.device if weight is not None else "cpu", dtype=torch.float32)
+        layer_module.requires_grad_(self.trainable)
+        self.method_modules[name] = layer_module
 
     def _untrack_scheduler(self):
         untrack, self._untrack = self._untrack, None
@@ -286,6 +304,14 @@ class Patch:
             check_ring_split(transformer, grid, kwargs)
         if grid is not None and self._plan is not None and tuple(grid) not in self._plan_grids:
             self._check_plan_grid(tuple(grid))
+        if grid is not None and self._param_grids is not None and tuple(grid) not in self._param_grids:
+            from fastdit.calibration.plan_file import PlanError
+
+            raise PlanError(f"the method parameters {self._param_grids_source} were trained on grid(s) "
+                            f"{sorted(self._param_grids)}, this call's latent grid is {tuple(grid)}; train them on "
+                            "this grid (python -m fastdit.train) or call at the grid they were trained on")
+        if grid is not None:
+            self.grids_seen.add(tuple(int(g) for g in grid))
         cfg = None
         if self._pipeline is not None:
             try:
@@ -370,6 +396,7 @@ class Patch:
             query_mask=query_mask, head_offset=head_offset, num_heads=heads, total_heads=heads * shards,
             scale=call["scale"], cfg=info.cfg, state=info.call.layer_state(layer, info.branch), backend=self.backend,
             dense_fn=original if order is None else _in_model_order(original, order), timestep=info.timestep,
+            params=self.method_modules.get(self.layers[layer]),
         )
         out = self._method(ctx, q, k, v)
         if not self._worth_checked and not ctx.info.get("dense"):  # once, on the first sparse call
@@ -477,6 +504,20 @@ class Patch:
     def __repr__(self):
         state = "active" if self.active else "removed"
         return f"<fastdit.Patch {self.method} on {self.family}, {len(self.layers)} layers, {state}>"
+
+
+def attention_geometry(module):
+    """``(heads, head_dim)`` of a diffusers attention module (``heads`` and ``inner_dim`` or
+    ``to_q``), ``(None, None)`` when it does not say."""
+    heads = getattr(module, "heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return None, None
+    inner = getattr(module, "inner_dim", None)
+    if not isinstance(inner, int):
+        inner = getattr(getattr(module, "to_q", None), "out_features", None)
+    if not isinstance(inner, int) or inner % heads:
+        return None, None
+    return heads, inner // heads
 
 
 def _in_model_order(original, order):

@@ -233,6 +233,23 @@ class Method(GuardHooks):
         config.validate()
         return config
 
+    def layer_module(self, heads, head_dim):
+        """Trainable parameters this method adds to one patched attention layer of ``heads`` heads of
+        ``head_dim`` (gates, projections): a ``torch.nn.Module``, or None (the default: none).
+
+        The patch builds one per attention layer at patch time (instance-level: kept on the patch,
+        never set on the model, so ``remove()`` leaves the model as it was) and hands it to the calls
+        as ``ctx.params``. ``fastdit.train`` adds their parameters to the optimiser and saves them
+        beside the LoRA adapter (``fastdit/train/method_params.py``); ``fastdit.patch(...,
+        method_params=...)`` loads them back. The initial values must be the method's training-free
+        behaviour (a call without the module, ``ctx.params`` None, must give the same output)."""
+        return None
+
+    def layer_module_key(self):
+        """What the meaning of ``layer_module``'s parameters depends on besides the model (options
+        such as a block size): a JSON-able dict saved with them and compared when they are loaded."""
+        return {}
+
     @classmethod
     def check_family(cls, adapter, config):
         """Raise ValueError when the method does not apply to the adapter's model family."""

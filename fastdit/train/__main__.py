@@ -181,11 +181,15 @@ def main(argv=None):
                   options_trained=trained["options_trained"], notes=notes + trained["notes"])
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
+    own = trained.get("method_params")  # the method's trained gates / projections, if it has any
+    result["method_params"] = own
     if args.eval:
         result["after"] = video_fidelity(pipe, dense, held_out, eval_seeds, eval_call, args.method, options,
-                                         args.backend)
-        result["after"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend)
-        result["after"]["output_error"] = output_error(pipe.transformer, held_all, args.method, options, args.backend)
+                                         args.backend, method_params=own)
+        result["after"]["layer_errors"] = layer_errors(pipe.transformer, held, args.method, options, args.backend,
+                                                       method_params=own)
+        result["after"]["output_error"] = output_error(pipe.transformer, held_all, args.method, options, args.backend,
+                                                       method_params=own)
     if args.time_dense:  # the same LoRA steps without the patch (a fresh adapter on a fresh model)
         dense_pipe, _ = _pipeline(args)
         dense_pipe.set_progress_bar_config(disable=True)

@@ -52,13 +52,14 @@ def dense_videos(pipe, prompts, seeds, call_kwargs):
         return _videos(pipe, prompts, seeds, call_kwargs)
 
 
-def video_fidelity(pipe, dense, prompts, seeds, call_kwargs, method, options, backend="auto"):
+def video_fidelity(pipe, dense, prompts, seeds, call_kwargs, method, options, backend="auto", method_params=None):
     """``{"psnr", "ssim", "density"}`` (means over the videos) of the patched pipeline against
-    ``dense`` (``dense_videos`` of the same prompts and seeds)."""
+    ``dense`` (``dense_videos`` of the same prompts and seeds); ``method_params``: the method's
+    trained parameters (``fastdit.patch(..., method_params=)``), None for its training-free form."""
     import fastdit
     from fastdit.eval.metrics.fidelity import psnr, ssim
 
-    with fastdit.patch(pipe, method, backend=backend, **options) as p:
+    with fastdit.patch(pipe, method, backend=backend, method_params=method_params, **options) as p:
         sparse = _videos(pipe, prompts, seeds, call_kwargs)
         density = p.stats.sparse_density
     return {"psnr": float(np.mean([psnr(a, b) for a, b in zip(sparse, dense)])),
@@ -81,12 +82,12 @@ def _attention_outputs(transformer, sample, names):
     return captured
 
 
-def layer_errors(transformer, sample, method, options, backend="auto"):
+def layer_errors(transformer, sample, method, options, backend="auto", method_params=None):
     """``{layer name: relative error}`` of each patched attention layer's output (module docstring)."""
     import fastdit
 
     options = training_options(transformer, method, options)[0]  # a bare transformer: no denoising steps
-    with fastdit.patch(transformer, method, backend=backend, **options) as p:
+    with fastdit.patch(transformer, method, backend=backend, method_params=method_params, **options) as p:
         names = list(p.layers)
         sparse = _attention_outputs(transformer, sample, names)
     with adapters_off(transformer):
@@ -95,14 +96,15 @@ def layer_errors(transformer, sample, method, options, backend="auto"):
             for n in names}
 
 
-def output_error(transformer, samples, method, options, backend="auto"):
+def output_error(transformer, samples, method, options, backend="auto", method_params=None):
     """Relative squared error of the patched transformer's output against the dense targets of
     ``samples`` (module docstring)."""
     import fastdit
 
     err = ref = 0.0
     options = training_options(transformer, method, options)[0]  # a bare transformer: no denoising steps
-    with fastdit.patch(transformer, method, backend=backend, **options), torch.no_grad():
+    patch = fastdit.patch(transformer, method, backend=backend, method_params=method_params, **options)
+    with patch, torch.no_grad():
         for s in samples:
             pred = transformer(hidden_states=s["hidden_states"], timestep=s["timestep"],
                                encoder_hidden_states=s["encoder_hidden_states"], return_dict=False)[0]

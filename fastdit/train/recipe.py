@@ -9,11 +9,14 @@ transformer's output on exactly these inputs (computed once, before any adapter 
 student is the same transformer with a LoRA adapter (diffusers' PEFT path,
 ``transformer.add_adapter(LoraConfig(...))``) patched with the sparse method
 (``fastdit.patch(..., trainable=True)``); the loss is ``mean((student - dense)^2)``. Only the
-adapter's weights train; the mask (or the method's selection) is a constant.
+adapter's weights train (and the method's own parameters, if it has any); the mask (or the method's
+selection) is a constant.
 
 Output directory: ``pytorch_lora_weights.safetensors`` (diffusers' LoRA format:
 ``pipe.load_lora_weights(out)``), ``checkpoints/step-N.pt`` (adapter, optimizer, step, losses:
-``resume=True`` continues from the latest), ``losses.json`` and ``loss.png``.
+``resume=True`` continues from the latest), ``losses.json`` and ``loss.png``; for a method with
+trainable parameters of its own (``Method.layer_module``: VSA's gates), ``fastdit_method_params.safetensors``
+(``method_params.py``; load with ``fastdit.patch(..., method_params=out)``), trained beside the adapter.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import torch
 
 from fastdit.jsonutil import dump_json, to_json
 from fastdit.methods.base import check_int, check_number
+
+from .method_params import load_method_params, method_parameters, method_record, method_state, save_method_params
 
 
 @dataclass
@@ -184,10 +189,11 @@ def _loss(transformer, sample):
 
 
 def train_steps(transformer, params, samples, config, out=None, start=0, losses=None, optimizer=None,
-                progress=True, flow=None):
+                progress=True, flow=None, patch=None):
     """Run steps ``start .. config.steps - 1``; returns ``(losses, seconds per step, optimizer)``.
     ``flow``: flow-matching samples (``fastdit.train.flow``), step ``n`` adds ``flow_weight`` times
-    the loss on ``flow[n % len(flow)]``; the losses recorded are the totals."""
+    the loss on ``flow[n % len(flow)]``; the losses recorded are the totals. ``patch``: the live
+    patch, whose method parameters (``method_params.py``) checkpoints carry."""
     from tqdm.auto import tqdm
 
     optimizer = optimizer or torch.optim.AdamW(params, lr=config.lr)
@@ -213,7 +219,7 @@ def train_steps(transformer, params, samples, config, out=None, start=0, losses=
         bar.set_postfix(loss=f"{losses[-1]:.4g}")
         done = step + 1
         if out is not None and config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps:
-            save_checkpoint(out, transformer, optimizer, done, losses, config)
+            save_checkpoint(out, transformer, optimizer, done, losses, config, patch=patch)
     return losses, times, optimizer
 
 
@@ -264,15 +270,20 @@ def _config_record(config):
     return record
 
 
-def save_checkpoint(out, transformer, optimizer, step, losses, config):
+def save_checkpoint(out, transformer, optimizer, step, losses, config, patch=None):
+    """``checkpoints/step-N.pt``: adapter, optimizer, step, losses, config and, when the method has
+    parameters of its own (``patch.method_modules``), their record and state (``method_params``)."""
     from peft.utils import get_peft_model_state_dict
 
     folder = Path(out) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:06d}.pt"
     partial = path.with_name(path.name + ".partial")  # written whole, then renamed: never a truncated step-N.pt
+    own = None
+    if patch is not None and patch.method_modules:
+        own = {"record": method_record(patch), "state": method_state(patch)}
     torch.save({"lora": get_peft_model_state_dict(transformer), "optimizer": optimizer.state_dict(), "step": step,
-                "losses": losses, "config": _config_record(config)}, partial)
+                "losses": losses, "config": _config_record(config), "method_params": own}, partial)
     os.replace(partial, path)
 
 
@@ -360,18 +371,22 @@ def train_lora(pipe, config, out, resume=False, progress=True):
         flow, kept = flow_samples(pipe, config, lambda prompt: _embed(pipe, prompt, config.call_kwargs))
     transformer = pipe.transformer
     params = add_lora(transformer, config)
-    optimizer = torch.optim.AdamW(params, lr=config.lr)
     start, losses = 0, []
-    if checkpoint is not None:
-        from peft.utils import set_peft_model_state_dict
-
-        set_peft_model_state_dict(transformer, state["lora"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, losses = state["step"], state["losses"]
     transformer.train()
     with fastdit.patch(transformer, config.method, trainable=True, backend=config.backend, **options) as p:
+        own = method_parameters(p)  # the method's gates / projections (method_params.py), trained beside the LoRA
+        params = params + own
+        optimizer = torch.optim.AdamW(params, lr=config.lr)
+        if checkpoint is not None:
+            from peft.utils import set_peft_model_state_dict
+
+            set_peft_model_state_dict(transformer, state["lora"])
+            if own:
+                load_method_params(p, (state["method_params"]["record"], state["method_params"]["state"]))
+            optimizer.load_state_dict(state["optimizer"])
+            start, losses = state["step"], state["losses"]
         losses, times, optimizer = train_steps(transformer, params, samples, config, out, start, losses, optimizer,
-                                               progress, flow)
+                                               progress, flow, patch=p)
         stats = p.stats.as_dict()
     transformer.eval()
     if not stats["sparse_calls"] or abs((stats["sparse_density"] or 1.0) - 1.0) < 1e-3 or not any(losses):
@@ -380,6 +395,8 @@ def train_lora(pipe, config, out, resume=False, progress=True):
                      "learns nothing: choose a smaller tile / window or another method")
         warnings.warn(f"fastdit.train: {notes[-1]}", stacklevel=2)
     extra = {"stats": stats, "resumed_from": start, "videos_kept": kept, "options_trained": options, "notes": notes}
-    save_checkpoint(out, transformer, optimizer, config.steps, losses, config)
+    save_checkpoint(out, transformer, optimizer, config.steps, losses, config, patch=p)
+    saved = save_method_params(p, out)
+    extra["method_params"] = None if saved is None else str(saved)
     save_outputs(pipe, out, losses, times, config, extra)
     return {"losses": losses, "seconds_per_step": times, **extra}
