@@ -94,6 +94,10 @@ def static_plan(method, shape):
 
 def predict_model(shape, gpus, methods, dynamic_density=None):
     """Rows ``{model, gpu, method, density, attention_ms, ...}`` for one model."""
+    import dataclasses
+
+    from fastdit.methods.base import get_method
+
     plans = {m: static_plan(m, shape) for m in methods if is_static(m)}
     if dynamic_density is None and any(not is_static(m) for m in methods):
         sta = plans.get("sta") or static_plan("sta", shape)
@@ -109,8 +113,12 @@ def predict_model(shape, gpus, methods, dynamic_density=None):
                 calls.append((m, costmodel.plan_call(gpu, plans[m], 1, shape.heads, shape.head_dim, label=m),
                               plans[m].name))
             else:
-                calls.append((m, costmodel.density_call(gpu, dynamic_density, 1, shape.heads, n, shape.head_dim,
-                                                        label=m), f"density {dynamic_density:.3f} (assumed)"))
+                call = costmodel.density_call(gpu, dynamic_density, 1, shape.heads, n, shape.head_dim, label=m)
+                # work besides the engine (sla's linear branch): the method's own outside_work, every head
+                extra = shape.heads * costmodel.token_outside_ms(gpu, get_method(m), {}, 1, n, shape.head_dim)
+                if extra:
+                    call = dataclasses.replace(call, outside_ms=call.outside_ms + extra)
+                calls.append((m, call, f"density {dynamic_density:.3f} (assumed)"))
         for method, call, plan_name in calls:
             fwd = costmodel.model_forward(gpu, shape, call.total_ms, method)
             rows.append({

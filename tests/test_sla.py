@@ -1,0 +1,225 @@
+"""sla: sparse-linear attention against a float64 token-level implementation of the published formulas.
+
+The reference is written here from the paper's definitions, token by token: blocks from grid
+coordinates (not the method's permutation), block scores from pooled means, the critical /
+negligible / marginal split per query block, softmax attention over the critical pairs' tokens and
+linear attention ``phi(q_i) . phi(k_j)`` weights over the marginal pairs' tokens (not the method's
+blockwise sums), then ``O_s + O_l W^T + c``.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastdit.context import AttentionContext, CallState
+from fastdit.layout import TokenLayout
+from fastdit.methods.base import OptionError
+from fastdit.methods.sla import Sla, feature
+
+
+def tile_blocks(layout, tile):
+    """Block index of every model token: 3-D tiles in tile-grid order, then text in blocks of the
+    tile's token count."""
+    t_, h_, w_ = layout.grid
+    n_h, n_w = -(-h_ // tile[1]), -(-w_ // tile[2])
+    block = [0] * layout.seq_len
+    start = layout.video_start
+    for t in range(t_):
+        for h in range(h_):
+            for w in range(w_):
+                block[start + (t * h_ + h) * w_ + w] = ((t // tile[0]) * n_h + h // tile[1]) * n_w + w // tile[2]
+    n_video = -(-t_ // tile[0]) * n_h * n_w
+    size = math.prod(tile)
+    for i, position in enumerate(layout.text_positions().tolist()):
+        block[position] = n_video + i // size
+    return torch.tensor(block), n_video, n_video + -(-layout.text_len // size)
+
+
+def reference(q, k, v, layout, tile, topk_ratio, negligible_ratio, feature_map, weight, bias, key_mask=None,
+              query_mask=None):
+    """SLA in float64, token level (module docstring)."""
+    q, k, v = q.double(), k.double(), v.double()
+    batch, heads, seq, dim = q.shape
+    blocks, n_video, n = tile_blocks(layout, tile)
+    scale = 1 / math.sqrt(dim)
+    key_mask = torch.ones(batch, seq, dtype=torch.bool) if key_mask is None else key_mask
+    query_ok = torch.ones(batch, seq, dtype=torch.bool) if query_mask is None else query_mask
+    out = torch.zeros_like(q)
+    n_critical = min(n, max(1, math.ceil(topk_ratio * n)))
+    n_negligible = math.floor(negligible_ratio * n)
+    for b in range(batch):
+        for h in range(heads):
+            with torch.no_grad():  # the selection is a constant
+                q_means, k_means = [], []
+                for j in range(n):
+                    members = blocks == j
+                    qs, ks = members & query_ok[b], members & key_mask[b]
+                    q_means.append(q[b, h, qs].mean(0) if qs.any() else torch.zeros(dim, dtype=torch.float64))
+                    k_means.append(k[b, h, ks].mean(0) if ks.any() else None)
+                pair = torch.zeros(n, n, dtype=torch.long)  # 1 critical, 0 marginal, -1 negligible / no key
+                for m in range(n):
+                    scores = [-math.inf if km is None else scale * float(q_means[m] @ km) for km in k_means]
+                    ranked = sorted(range(n), key=lambda j: -scores[j])
+                    for r, j in enumerate(ranked):
+                        if r < n_critical or j >= n_video or m >= n_video:
+                            pair[m, j] = 1
+                        elif r >= n - n_negligible or k_means[j] is None:
+                            pair[m, j] = -1
+            kind = pair[blocks][:, blocks]  # (S, S) per token pair
+            valid = key_mask[b][None, :]
+            s = scale * q[b, h] @ k[b, h].T
+            s = s.masked_fill(~((kind == 1) & valid), -math.inf)
+            o_s = torch.softmax(s, -1) @ v[b, h]
+            phi_q, phi_k = feature(q[b, h], feature_map), feature(k[b, h], feature_map)
+            a = (phi_q @ phi_k.T) * ((kind == 0) & valid)
+            den = a.sum(-1, keepdim=True)
+            o_l = torch.where(den > 0, (a @ v[b, h]) / torch.where(den > 0, den, 1.0), 0.0)
+            o = o_s if weight is None else o_s + o_l @ weight.double().T + bias.double()
+            out[b, h] = o * query_ok[b][:, None]
+    return out
+
+
+def call(method, q, k, v, layout, proj=None, key_mask=None, query_mask=None):
+    """One call of ``method`` through the protocol, with ``proj`` as the layer's parameters."""
+    ctx = AttentionContext(layer=0, layer_name="layer", step=0, num_steps=None, branch=0, layout=layout,
+                           call=CallState(), key_mask=key_mask, query_mask=query_mask, num_heads=q.shape[1],
+                           params=proj, backend="torch")
+    return method(ctx, q, k, v), ctx
+
+
+def make(**options):
+    """The method as one call outside a pipeline resolves it (no dense steps, the guard off)."""
+    return Sla(Sla.resolve(options={"guard": False, **options}, where="call"))
+
+
+def projection(dim, seed):
+    proj = Sla().layer_module(2, dim)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        proj.weight.copy_(torch.randn(dim, dim, generator=gen) * 0.3)
+        proj.bias.copy_(torch.randn(dim, generator=gen) * 0.1)
+    return proj
+
+
+#: float32 computation against the float64 reference
+TOL = dict(rtol=1e-4, atol=2e-5)
+
+CASES = [  # layout, options, key mask (second batch's last text keys padded), query mask
+    (TokenLayout((3, 5, 7)), dict(tile=(1, 2, 3), topk_ratio=0.2, negligible_ratio=0.3), False, False),
+    (TokenLayout((2, 6, 5), 7, "prefix"), dict(tile=(2, 3, 2), topk_ratio=0.3, feature_map="elu"), True, False),
+    (TokenLayout((4, 5, 6), 9, "suffix"), dict(tile=(2, 2, 3), topk_ratio=0.15, negligible_ratio=0.2,
+                                                feature_map="relu"), True, True),
+    (TokenLayout((1, 9, 7), 5, "prefix"), dict(tile=(1, 3, 4), topk_ratio=0.25), True, False),  # image: 2-D tiles
+]
+
+
+def _inputs(layout, seed, heads=2, dim=8):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, heads, layout.seq_len, dim, generator=gen) for _ in range(3)]  # the engine: float32 at most
+
+
+def _masks(layout, key, query, seed):
+    key_mask = query_mask = None
+    if key:
+        key_mask = torch.ones(2, layout.seq_len, dtype=torch.bool)
+        key_mask[1, layout.text_positions()[-3:]] = False
+    if query:
+        gen = torch.Generator().manual_seed(seed)
+        query_mask = torch.rand(2, layout.seq_len, generator=gen) > 0.2
+    return key_mask, query_mask
+
+
+@pytest.mark.parametrize("layout,options,key,query", CASES)
+def test_forward_equals_float64_reference(layout, options, key, query):
+    seed = 1000 + sum(layout.grid) + layout.text_len
+    method = make(**options)
+    q, k, v = _inputs(layout, seed)
+    key_mask, query_mask = _masks(layout, key, query, seed)
+    proj = projection(q.shape[-1], seed)
+    out, ctx = call(method, q, k, v, layout, proj, key_mask, query_mask)
+    tile = method.tile_for(layout)
+    expected = reference(q, k, v, layout, tile, method.config.topk_ratio, method.config.negligible_ratio,
+                         method.config.feature_map, proj.weight, proj.bias, key_mask, query_mask)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, **TOL)
+    # really sparse: the sparse branch computes well under half of the pairs, the linear branch has work
+    assert ctx.info["plan"].density < 0.6
+    assert float(ctx.info["marginal_density"].min()) > 0.1
+
+
+@pytest.mark.parametrize("layout,options,key,query", CASES[1:3])
+def test_backward_equals_float64_reference(layout, options, key, query):
+    seed = 2000 + sum(layout.grid)
+    method = make(**options)
+    q, k, v = (t.requires_grad_() for t in _inputs(layout, seed))
+    key_mask, query_mask = _masks(layout, key, query, seed)
+    proj = projection(q.shape[-1], seed)
+    out, _ = call(method, q, k, v, layout, proj, key_mask, query_mask)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, proj.weight, proj.bias), grad)
+    ref_w, ref_b = (p.detach().clone().requires_grad_() for p in (proj.weight, proj.bias))
+    expected_out = reference(q, k, v, layout, method.tile_for(layout), method.config.topk_ratio,
+                             method.config.negligible_ratio, method.config.feature_map, ref_w, ref_b, key_mask,
+                             query_mask)
+    expected = torch.autograd.grad(expected_out, (q, k, v, ref_w, ref_b), grad.double())
+    for name, a, b in zip(("q", "k", "v", "weight", "bias"), got, expected):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), b.double(), **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_zero_projection_is_the_sparse_branch_alone():
+    """The published initialisation (zero) and no parameters both give the sparse branch alone."""
+    layout = TokenLayout((3, 4, 5), 4, "suffix")
+    method = make(tile=(1, 2, 5), topk_ratio=0.3, negligible_ratio=0.2)
+    q, k, v = _inputs(layout, 7)
+    zero = method.layer_module(2, q.shape[-1])
+    assert not zero.weight.any() and not zero.bias.any()
+    expected = reference(q, k, v, layout, method.tile_for(layout), 0.3, 0.2, "softmax", None, None)
+    for params in (None, zero):
+        out, _ = call(method, q, k, v, layout, params)
+        torch.testing.assert_close(out.double(), expected, **TOL)
+
+
+def test_topk_ratio_one_is_dense():
+    layout = TokenLayout((2, 3, 5), 3, "prefix")
+    q, k, v = _inputs(layout, 11)
+    out, ctx = call(make(tile=(1, 3, 5), topk_ratio=1.0), q, k, v, layout, projection(q.shape[-1], 11))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    # every pair critical: no marginal pair, so the linear branch is 0 and only the bias is added
+    assert float(ctx.info["marginal_density"].max()) == 0.0
+    torch.testing.assert_close(out, dense + projection(q.shape[-1], 11).bias.detach(), **TOL)
+
+
+def test_layer_module_is_the_published_zero_linear():
+    proj = Sla().layer_module(4, 16)
+    assert isinstance(proj, torch.nn.Linear) and proj.weight.shape == (16, 16) and proj.bias.shape == (16,)
+    assert not proj.weight.any() and not proj.bias.any()
+    assert Sla(feature_map="elu").layer_module_key() == {"feature_map": "elu"}
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(topk_ratio=0.0), "topk_ratio"),
+    (dict(topk_ratio=1.5), "topk_ratio"),
+    (dict(negligible_ratio=1.0), "negligible_ratio"),
+    (dict(topk_ratio=0.6, negligible_ratio=0.5), "topk_ratio + negligible_ratio"),
+    (dict(feature_map="hedgehog"), "feature_map"),
+    (dict(correction="pooled"), "correction"),
+    (dict(tile=(2, 0, 4)), "tile"),
+])
+def test_bad_options_name_the_option(options, words):
+    with pytest.raises(ValueError, match=words.replace("+", r"\+")):
+        make(**options)
+
+
+def test_ring_is_refused_with_a_reason():
+    from fastdit.methods.parallel.ring import ring_refusal
+
+    reason = ring_refusal(Sla())
+    assert reason is not None and "sla" in reason and "Ulysses" in reason
+
+
+def test_option_error_is_a_value_error():
+    with pytest.raises(OptionError):
+        Sla(feature_map="cosine")
