@@ -395,7 +395,7 @@ def run_benchmark(args):
 def build_parser():
     parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.methods", description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="sta,sparge,svg", help="comma-separated name or name:option=value:...")
-    parser.add_argument("--corrections", default="none", help="extra correction variants: pooled,cached")
+    parser.add_argument("--corrections", default="none", help="extra correction variants: pooled,cached,ear")
     parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
                         help=f"head kinds to run, of {','.join(KINDS)} (default: {','.join(DEFAULT_KINDS)})")
     parser.add_argument("--objects", type=int, default=DEFAULT_OBJECTS, help="objects of semantic heads")

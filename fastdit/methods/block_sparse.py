@@ -10,7 +10,9 @@ plan each accepts
   SpaAttn: every dropped key block stands in as its size times one token with the block's mean
   key and value, merged exactly through the log-sum-exp) or ``"cached"`` (after Re-ttention:
   dense refresh steps every ``refresh_every`` steps store the dense - sparse residual per layer
-  and head, the following sparse steps add it back, rescaled by the softmax mass);
+  and head, the following sparse steps add it back, rescaled by the softmax mass) or ``"ear"``
+  (after SVG-EAR: the plan's key budget re-routed to the blocks whose centroid compensation would
+  err most per key, the rest compensated as in ``"pooled"``; ``error_routing.py``);
 * ``quant`` (after SageAttention): ``None``, ``"int8"`` (smoothed K, INT8 Q.K^T with one scale per
   plan block, P.V in the input's half type) or ``"int8-fp8"`` (P.V in FP8 e4m3 as well; CUDA
   compute capability 8.9 or later). Formulas: ``fastdit.kernels.quant``. float16 / bfloat16 inputs
@@ -18,7 +20,7 @@ plan each accepts
   no backward. Refresh steps of ``"cached"`` run quantised too (their result is the reference the
   following steps are corrected towards).
 
-The formulas of both corrections are in ``corrections.py``; the skip rule's exact statement is in
+The formulas of the corrections are in ``corrections.py`` and ``error_routing.py``; the skip rule's exact statement is in
 ``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64 sub-tiles, cut by
 the plan blocks; the kernel then uses exactly those tiles instead of autotuned ones). A call with
 the rule on records ``ctx.info["skipped_subtiles"]`` and ``["walked_subtiles"]`` (device tensors
@@ -42,8 +44,9 @@ from fastdit.kernels.quant import QUANT_MODES, check_quant, check_quant_mode
 from . import base as _base  # run_plan is looked up on the base module (tests wrap it there)
 from .base import Method, MethodConfig, OptionError, check_number, option
 from .corrections import cached_apply, cached_entry, cached_store, complement_plan, merge_lse, pooled_correction
+from .error_routing import route_plan
 
-CORRECTIONS = ("none", "pooled", "cached")
+CORRECTIONS = ("none", "pooled", "cached", "ear")
 
 
 @dataclass
@@ -53,7 +56,7 @@ class BlockSparseConfig(MethodConfig):
     Attributes:
         skip_threshold: skip a key sub-tile inside the kernel when its largest scaled score is
             more than this many natural-log units below the running row maximum; None: never.
-        correction: ``"none"``, ``"pooled"`` or ``"cached"``.
+        correction: ``"none"``, ``"pooled"``, ``"cached"`` or ``"ear"``.
         refresh_every: with ``correction="cached"``: every ``refresh_every``-th sparse step runs
             dense and refreshes the cached residual (>= 1).
         quant: None, ``"int8"`` or ``"int8-fp8"`` (see the module docstring).
@@ -63,7 +66,8 @@ class BlockSparseConfig(MethodConfig):
                                           "maximum inside the kernel; empty: never", range=(0.0, None),
                                           widget="number", advanced=True)
     correction: str = option("none", "correction for dropped key blocks: none, pooled (block means, "
-                             "Rectified SpaAttn) or cached (residual from dense refresh steps, Re-ttention)",
+                             "Rectified SpaAttn), cached (residual from dense refresh steps, Re-ttention) or ear "
+                             "(error-aware routing + centroid compensation, SVG-EAR)",
                              choices=CORRECTIONS, widget="dropdown", advanced=True)
     refresh_every: int = option(5, "correction=cached: a dense refresh step every N sparse steps",
                                 range=(1, None), widget="number", advanced=True)
@@ -120,6 +124,8 @@ class BlockSparseMethod(Method):
             entry = cached_entry(ctx.state, q)
             if entry is None or self.is_refresh_step(ctx):
                 return self._refresh(ctx, q, k, v, plan, common)
+        if config.correction == "ear":  # same key budget, re-routed by estimated compensation error
+            plan, ctx.info["routed_changed"] = route_plan(q, k, v, plan, ctx.key_mask, ctx.query_mask, ctx.scale)
         ctx.record(plan=plan)
         skip = config.skip_threshold is not None
         out, lse, *skipped = _base.run_plan(q, k, v, plan, skip_threshold=config.skip_threshold,
@@ -129,7 +135,7 @@ class BlockSparseMethod(Method):
             ctx.info["skipped_subtiles"] = skipped[0]
             ctx.info["walked_subtiles"] = skip_subtiles_walked(plan.kv_counts, plan.kernel_len, plan.block_m,
                                                                plan.block_n)
-        if config.correction == "pooled":
+        if config.correction in ("pooled", "ear"):
             out = pooled_correction(q, k, v, plan, out, lse, ctx.key_mask, ctx.query_mask, ctx.scale)
         elif config.correction == "cached":
             out = cached_apply(entry, out, lse, ctx.query_mask)
