@@ -20,8 +20,8 @@ plan each accepts
   no backward. Refresh steps of ``"cached"`` run quantised too (their result is the reference the
   following steps are corrected towards).
 
-The formulas of the corrections are in ``corrections.py`` and ``error_routing.py``; the skip rule's exact statement is in
-``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64 sub-tiles, cut by
+The formulas of the corrections are in ``corrections.py`` and ``error_routing.py``; the skip
+rule's exact statement is in ``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64 sub-tiles, cut by
 the plan blocks; the kernel then uses exactly those tiles instead of autotuned ones). A call with
 the rule on records ``ctx.info["skipped_subtiles"]`` and ``["walked_subtiles"]`` (device tensors
 per (batch, head)).

@@ -55,7 +55,8 @@ def _block_means(x, blocks, weights, n_blocks):
     batch, heads, _, dim = x.shape
     counts = torch.zeros(batch, heads, n_blocks, device=x.device).scatter_add_(2, blocks, weights)
     index = blocks.unsqueeze(-1).expand(-1, -1, -1, dim)
-    sums = torch.zeros(batch, heads, n_blocks, dim, device=x.device).scatter_add_(2, index, x.float() * weights[..., None])
+    sums = torch.zeros(batch, heads, n_blocks, dim, device=x.device)
+    sums.scatter_add_(2, index, x.float() * weights[..., None])
     return sums / counts.clamp(min=1.0).unsqueeze(-1), counts
 
 
