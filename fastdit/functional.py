@@ -132,12 +132,14 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
 
 
 def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num_steps=None, state=None,
-             backend="auto", scale=None, layer=0, timestep=None, **options):
+             backend="auto", scale=None, layer=0, timestep=None, dense_fn=None, **options):
     """``fastdit.attention`` without the argument checks: ``(out, ctx)``, the finished
     ``AttentionContext`` (``ctx.info`` says what ran, for counting without a host synchronisation).
-    Shared with the vllm-omni plugin (``fastdit.integrations.vllm_omni``), so both compute the same;
-    defaults are resolved by ``Method.resolve`` for one call (``where="call"``: a config the plugin
-    resolved for an engine passes through unchanged)."""
+    Shared with the vllm-omni plugin (``fastdit.integrations.vllm_omni``) and the ComfyUI node
+    (``fastdit.integrations.comfyui``), so all compute the same; defaults are resolved by
+    ``Method.resolve`` for one call (``where="call"``: a config the caller resolved passes through
+    unchanged). ``dense_fn``: what a dense layer / step / ``layer_settings`` entry runs, ``() ->
+    (B, H, S, D)`` (the host's own attention); default: dense SDPA with ``key_mask``."""
     heads = q.shape[1]
     method_cls = get_method(method)
     config = method_cls.resolve(config, None, options=options, where="call")
@@ -152,7 +154,7 @@ def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num
         layer=layer, layer_name=f"layer{layer}", step=int(step), num_steps=num_steps, branch=0, layout=layout,
         call=call, local_layer=layer, key_mask=key_mask, query_mask=None, head_offset=0, num_heads=heads,
         total_heads=heads, scale=scale, state={} if state is None else state, backend=backend,
-        dense_fn=lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale), timestep=timestep,
+        dense_fn=dense_fn or (lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale)), timestep=timestep,
     )
     return instance(ctx, q, k, v), ctx
 
@@ -209,7 +211,7 @@ def call_info(ctx, batch, heads, seq, keys):
         head_density = [d if final is None else final for final, d in zip(guard["head_density"], head_density)]
     info = {"density": sum(head_density) / heads, "head_density": head_density,
             "dense": bool(ctx.info.get("dense")), "plan": plan}
-    for name in ("skipped_subtiles", "walked_subtiles", "guard"):
+    for name in ("skipped_subtiles", "walked_subtiles", "guard", "reuse"):
         if name in ctx.info:
             info[name] = ctx.info[name]
     return info
