@@ -50,7 +50,10 @@ STA = {"video": dict(tile=(1, 2, 2), window=(3, 1, 3)), "image": dict(tile=(1, 2
 OTHER_GRID = {"video": (2, 7, 5), "image": (1, 7, 5)}
 #: Options of the other methods, so their plans are sparse at tiny sizes.
 OPTIONS = {"radial": {"video": dict(block_size=64)},
-           "sparge": {"video": dict(tile=(1, 2, 2)), "image": dict(tile=(1, 2, 2))}}
+           "sparge": {"video": dict(tile=(1, 2, 2)), "image": dict(tile=(1, 2, 2))},
+           "sla": {"video": dict(tile=(1, 2, 2), topk_ratio=0.3), "image": dict(tile=(1, 2, 2), topk_ratio=0.3)},
+           "vsa": {"video": dict(block_size_3d=(1, 2, 2), top_k_ratio=0.3),
+                   "image": dict(block_size_3d=(1, 2, 2), top_k_ratio=0.3)}}
 COMMON = dict(dense_steps=0, dense_layers=0)
 MAX_DENSITY = 0.7
 

@@ -31,12 +31,13 @@ OPTIONS = {
     "sta": dict(tile=(2, 2, 4), window=(1, 3, 3)),
     "radial": dict(block_size=64, decay=0.5, sink=False),
     "sparge": dict(tile=(2, 2, 4), topk=0.25, simthresh=-1.0),
+    "sla": dict(tile=(2, 2, 4), topk_ratio=0.25),
     "svg": dict(block_size=64, density=0.25),
     "svg2": dict(q_clusters=6, k_clusters=12, top_p=0.3, init_iters=3),
     "todo": dict(factor=2),
     "tome": dict(ratio=0.5),
 }
-BLOCK_SPARSE = ("sta", "radial", "sparge", "svg", "svg2")
+BLOCK_SPARSE = ("sta", "radial", "sparge", "svg", "svg2", "sla")  # sla in an engine: its sparse branch
 
 
 def dispatch(name, q, k, v, static=None, per_forward=None, extra=None, attn_mask=None, full_attn_spans=None,
