@@ -28,6 +28,8 @@ class PatchStats:
         fallback_calls: calls the patch could not handle and ran with the model's own attention.
         fallbacks: reason -> number of fallback calls.
         plan_names: names of the plans used. padding_fraction: the largest padding of any plan.
+        reuse_head_calls, reused_heads: head-calls of a dynamic method with ``reuse_threshold`` set,
+            and those of them that kept an earlier step's selection (``methods/reuse.py``).
     """
 
     def __init__(self, method=None):
@@ -54,6 +56,9 @@ class PatchStats:
         self.guard_nonfinite_calls = 0
         self.guard_seconds = 0.0  # host time of the checks and re-runs (on a GPU: without device syncs)
         self._guard_computed = 0.0  # the guard's own work (checks, re-runs), in call-size units
+        # selection reuse across steps (fastdit/methods/reuse.py): head-calls with reuse on, and reused
+        self.reuse_head_calls = 0
+        self.reused_heads = 0
 
     # -- counting ---------------------------------------------------------------------------
     def count_dense(self, size):
@@ -96,6 +101,11 @@ class PatchStats:
         guard = info.get("guard")
         if guard is not None:
             self.count_guard(guard, size)
+        reuse = info.get("reuse")
+        if reuse is not None:
+            with self._lock:
+                self.reuse_head_calls += reuse["heads"]
+                self.reused_heads += reuse["reused"]
         if info.get("dense"):
             self.count_dense(size)
         elif "performed" in info:
@@ -174,6 +184,8 @@ class PatchStats:
             "guard": {"head_calls": self.guard_head_calls, "widened": self.guard_widened, "dense": self.guard_dense,
                       "nonfinite_calls": self.guard_nonfinite_calls, "density": self.guard_density,
                       "seconds": self.guard_seconds},
+            "reuse": {"head_calls": self.reuse_head_calls, "reused": self.reused_heads,
+                      "rate": self.reused_heads / self.reuse_head_calls if self.reuse_head_calls else None},
         }
 
     def __repr__(self):

@@ -50,7 +50,8 @@ up through it, and ``entry_points()`` lists them (a test checks pyproject agains
 * **State.** The contract carries no layer identity (the same callable serves every layer, and
   the dispatcher passes no layer name), so options whose state lives per layer across steps are
   refused with a message (``REFUSED``): ``correction="cached"``, svg2's ``warm_start=True`` (the
-  plugin's default is ``warm_start=False``), tome's ``match_every > 1``, and the per-layer
+  plugin's default is ``warm_start=False``), tome's ``match_every > 1``, ``reuse_threshold`` (sparge,
+  svg, svg2: a selection kept across steps), and the per-layer
   ``dense_layers > 0`` (plugin default 0), ``layer_settings`` and sta's ``strategy``. Every call is
   therefore independent: no state is shared between layers or requests.
 
@@ -91,6 +92,7 @@ REFUSED = {
     "correction": (lambda v: v != "cached", "keeps each layer's correction across steps; use 'pooled' or 'none'"),
     "warm_start": (lambda v: not v, "keeps each layer's k-means centroids across steps"),
     "match_every": (lambda v: v in (None, 1), "keeps each layer's token matching across steps"),
+    "reuse_threshold": (lambda v: v is None, "keeps each layer's selection across steps"),
 }
 _ENGINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

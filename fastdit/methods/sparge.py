@@ -73,6 +73,7 @@ from fastdit.plan import BlockPlan
 from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .mass import representative_rows, row_block_masses, rowwise_block_masses
+from .reuse import ReuseOptions, ReuseSelection
 from .sta import choose_tile, padding_fraction, tile_permutation
 
 VIDEO_TILE = (2, 8, 8)
@@ -85,7 +86,7 @@ IMAGE_TILE = (1, 8, 16)
 
 
 @dataclass
-class SpargeConfig(BlockSparseConfig):
+class SpargeConfig(ReuseOptions, BlockSparseConfig):
     """Options of sparge (see the module docstring).
 
     Attributes:
@@ -101,6 +102,7 @@ class SpargeConfig(BlockSparseConfig):
         sink: always keep the first key block.
         dense_steps, dense_layers: see ``MethodConfig``; default 0.25 and 0.
         skip_threshold, correction, refresh_every: see ``BlockSparseConfig``.
+        reuse_threshold, reuse_max_steps: selection reuse across steps (``reuse.py``).
     """
 
     tile: tuple | None = option(None, "target tokens per block (tt, th, tw), fitted to each grid; empty: 2x8x8 "
@@ -197,7 +199,7 @@ def select_blocks(probs, forced_keys, full_rows, config, n_blocks, forced_first=
 
 
 @register_method
-class Sparge(BlockSparseMethod):
+class Sparge(ReuseSelection, BlockSparseMethod):
     name = "sparge"
     config_cls = SpargeConfig
     default_options = {"dense_steps": 0.25, "dense_layers": 0}
@@ -256,7 +258,8 @@ class Sparge(BlockSparseMethod):
         value = self.config.simthresh
         return SIMTHRESH[self.config.estimator] if value is None else value
 
-    def select(self, ctx, q, k):
+    def fresh_select(self, ctx, q, k, v=None):
+        """This call's selection (``select`` adds reuse across steps, ``reuse.py``)."""
         static = self.prepared(ctx.layout, 1, q.device)
         plan, _ = self.predict(static, q, k, ctx.key_mask, ctx.query_mask, ctx.scale)
         return plan

@@ -82,6 +82,7 @@ from fastdit.plan import BlockPlan
 
 from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
+from .reuse import ReuseOptions, ReuseSelection
 
 PATTERNS = ("spatial", "temporal", "textural")
 #: Kernel order of each pattern: 0 frame-major, 1 position-major.
@@ -93,7 +94,7 @@ _SCORE_BUDGET = 1 << 25
 
 
 @dataclass
-class SVGConfig(BlockSparseConfig):
+class SVGConfig(ReuseOptions, BlockSparseConfig):
     """Options of Sparse VideoGen (see the module docstring).
 
     Attributes:
@@ -105,6 +106,7 @@ class SVGConfig(BlockSparseConfig):
             sequence, or one comma-separated string); kept in that canonical order (the tie-break).
         dense_steps: see ``MethodConfig``; default 0.25 (the first quarter of the steps dense).
         dense_layers: see ``MethodConfig``; default 1 (the first layer dense).
+        reuse_threshold, reuse_max_steps: selection reuse across steps (``reuse.py``).
     """
 
     density: float = option(0.25, "kept fraction of the video key blocks of each pattern, in (0, 1]",
@@ -358,7 +360,7 @@ def sample_errors(q, k, v, prepared, key_mask=None, scale=None):
 
 
 @register_method
-class SparseVideoGen(BlockSparseMethod):
+class SparseVideoGen(ReuseSelection, BlockSparseMethod):
     name = "svg"
     config_cls = SVGConfig
     default_options = {"dense_steps": 0.25, "dense_layers": 1}
@@ -384,8 +386,12 @@ class SparseVideoGen(BlockSparseMethod):
     def prepare(self, layout, heads, device):
         return layout_plan(layout, self.config, device)
 
-    def select(self, ctx, q, k, v=None):
-        """The ``HeadOrderPlan`` of this call. Heads are chosen by the error of the sampled outputs,
+    #: per-head parts of a ``HeadOrderPlan`` (what reuse replaces at re-selected heads)
+    reuse_fields = ("kv_indices", "kv_counts", "head_orders", "head_inverses", "choice")
+    reuse_info = ("errors",)
+
+    def fresh_select(self, ctx, q, k, v=None):
+        """The ``HeadOrderPlan`` of this call (``select`` adds reuse across steps, ``reuse.py``). Heads are chosen by the error of the sampled outputs,
         which needs ``v``: passed here, or left in ``ctx.info["values"]`` by ``attend``."""
         v = ctx.info.get("values") if v is None else v
         if v is None:

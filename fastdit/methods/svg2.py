@@ -83,6 +83,7 @@ from .base import GUARD_DEFAULT, check_int, check_number, option, register_metho
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .kmeans import cluster_permutation, inverse_order, kmeans, spread_init
 from .mass import row_block_masses, rowwise_block_masses, stratified_rows
+from .reuse import ReuseOptions, ReuseSelection
 
 #: How cluster masses are predicted (``SVG2Config.estimator``).
 ESTIMATORS = ("rowwise", "sampled", "centroids")
@@ -93,7 +94,7 @@ STATE_KEY = "svg2_centroids"
 
 
 @dataclass
-class SVG2Config(BlockSparseConfig):
+class SVG2Config(ReuseOptions, BlockSparseConfig):
     """Options of svg2 (see the module docstring).
 
     Attributes:
@@ -365,7 +366,7 @@ class Clusters:
 
 
 @register_method
-class SparseVideoGen2(BlockSparseMethod):
+class SparseVideoGen2(ReuseSelection, BlockSparseMethod):
     name = "svg2"
     config_cls = SVG2Config
     default_options = {"dense_steps": 0.25, "dense_layers": 1}
@@ -396,6 +397,28 @@ class SparseVideoGen2(BlockSparseMethod):
         return {"top_p": 1 - (1 - self.config.top_p) / 4}
     #: where the warm-start centroids live in ``ctx.state``
     state_key = STATE_KEY
+    #: per-head parts of a ``ClusterPlan`` (what reuse replaces at re-selected heads, ``reuse.py``)
+    reuse_fields = ("kv_indices", "kv_counts", "q_order", "q_inverse", "k_order", "q_offsets", "k_offsets",
+                    "q_blocks", "k_blocks")
+    reuse_info = ("scores", "predicted_mass")
+
+    def reuse_substate(self, state, index, batch, heads):
+        """Re-selected heads warm-start from their own stored centroids (``(B*H, C, D)`` rows)."""
+        stored = state.get(STATE_KEY)
+        if stored is None or stored["key"][1:3] != (batch, heads):
+            return {}
+        pick = {name: stored[name].view(batch, heads, *stored[name].shape[1:])[:, index].flatten(0, 1)
+                for name in ("q", "k")}
+        return {STATE_KEY: {"key": stored["key"][:2] + (index.numel(),) + stored["key"][3:], **pick}}
+
+    def reuse_store_substate(self, state, substate, index, batch, heads):
+        stored, fresh = state.get(STATE_KEY), substate.get(STATE_KEY)
+        if stored is None or fresh is None or stored["key"][1:3] != (batch, heads):
+            return
+        for name in ("q", "k"):
+            full = stored[name].view(batch, heads, *stored[name].shape[1:]).clone()
+            full[:, index] = fresh[name].view(batch, index.numel(), *fresh[name].shape[1:])
+            stored[name] = full.flatten(0, 1)
 
     def cluster(self, ctx, q, k):
         """k-means of the video queries and keys of every (batch, head), warm-started from
@@ -476,8 +499,9 @@ class SparseVideoGen2(BlockSparseMethod):
             q_offsets=per_head(q_offsets), k_offsets=per_head(k_offsets), q_blocks=per_head(q_blocks),
             k_blocks=per_head(k_blocks))
 
-    def select(self, ctx, q, k):
-        """The ``ClusterPlan`` of this call: clustering, then scoring and selection."""
+    def fresh_select(self, ctx, q, k, v=None):
+        """The ``ClusterPlan`` of this call: clustering, then scoring and selection (``select`` adds
+        reuse across steps, ``reuse.py``)."""
         return self.plan_from_clusters(ctx, self.cluster(ctx, q, k), q, k)
 
     def row_estimate(self, ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale):
