@@ -223,3 +223,37 @@ def test_ring_is_refused_with_a_reason():
 def test_option_error_is_a_value_error():
     with pytest.raises(OptionError):
         Sla(feature_map="cosine")
+
+
+def test_projection_trains_saves_and_loads_with_the_patch(tmp_path):
+    """The projection is a trainable parameter of the patch (one per layer, never on the model), saved
+    and loaded beside the adapter; parameters of another feature map are refused naming both."""
+    import fastdit
+    from fastdit.calibration.plan_file import PlanError
+    from fastdit.train.method_params import method_parameters, save_method_params
+
+    from tiny_models import TINY
+
+    tiny = TINY["wan"]
+    model = tiny.build(0)
+    inputs = tiny.inputs(model, (4, 8, 8), 0)
+    options = dict(tile=(2, 4, 4), topk_ratio=0.25, dense_steps=0, dense_layers=0, guard=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with fastdit.patch(model, "sla", backend="torch", trainable=True, **options) as p:
+        params = method_parameters(p)
+        assert params and all(not t.any() for t in params)  # published init: zero
+        out = model(**dict(inputs, timestep=torch.tensor([400])))[0]
+        grads = torch.autograd.grad(out.square().sum(), params)
+        assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+        with torch.no_grad():
+            for t, g in zip(params, grads):
+                t.sub_(1e-2 * g / g.abs().max().clamp_min(1e-12))
+            trained = model(**dict(inputs, timestep=torch.tensor([400])))[0]
+        save_method_params(p, tmp_path)
+    assert {n: t for n, t in model.named_parameters() if not torch.equal(t, before[n])} == {}  # model untouched
+    with torch.no_grad(), fastdit.patch(model, "sla", backend="torch", method_params=tmp_path, **options):
+        loaded = model(**dict(inputs, timestep=torch.tensor([400])))[0]
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
+    assert (loaded - out.detach()).abs().max() > 1e-6  # the learned linear branch changes the output
+    with pytest.raises(PlanError, match="softmax.*elu|elu.*softmax"):
+        fastdit.patch(model, "sla", backend="torch", method_params=tmp_path, **dict(options, feature_map="elu"))

@@ -28,6 +28,7 @@ OPTIONS = {
     "sta": {"tile": (2, 4, 4), "window": (1, 1, 1)},
     "radial": {"block_size": 64},
     "sparge": {"tile": (2, 4, 4), "topk": 0.25, "min_blocks": 1},
+    "sla": {"tile": (2, 4, 4), "topk_ratio": 0.25},
     "svg": {"block_size": 32, "density": 0.25},
     "svg2": {},
     "todo": {},
@@ -38,7 +39,7 @@ OPTIONS = {
 
 #: selection (blocks, clusters, matchings) computed from q and k: a perturbation of the weights
 #: that produce q and k may change it (a jump the finite difference would see)
-DYNAMIC = ("sparge", "svg", "svg2", "tome")
+DYNAMIC = ("sparge", "svg", "svg2", "tome", "sla")
 
 
 def _model_and_inputs(seed=0, grid=GRID):
