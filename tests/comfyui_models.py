@@ -79,6 +79,11 @@ def _torchvision_stub():
         return []
     except ImportError:
         pass
+    # diffusers and transformers read torchvision's availability once (cached): read it before the stand-in
+    import diffusers.utils.import_utils  # noqa: F401
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()
     names = []
     for name in ("torchvision", "torchvision.transforms"):
         module = types.ModuleType(name)
