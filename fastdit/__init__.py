@@ -15,7 +15,7 @@ from .train.noise import optimize_noise
 from .functional import attention
 from .layout import TokenLayout
 from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, OptiPruneConfig, PruneConfig, RadialConfig, SpargeConfig,
-                      STAConfig, SVG2Config, SVGConfig, ToDoConfig, ToMeConfig, WindowConfig, method_names)
+                      STAConfig, SVG2Config, SVGConfig, ToDoConfig, ToMeConfig, VSAConfig, WindowConfig, method_names)
 from .apply import patch
 from .patching import AlreadyPatchedError, Patch
 from .stats import PatchStats
@@ -25,5 +25,5 @@ __version__ = "0.1.0"
 
 __all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "BlockSparseConfig", "DenseConfig", "Method",
            "MethodConfig", "OptiPruneConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
-           "ToDoConfig", "ToMeConfig", "TokenLayout", "WindowConfig", "attention", "calibrate", "method_names", "methods", "optimize_noise", "patch",
+           "ToDoConfig", "ToMeConfig", "TokenLayout", "VSAConfig", "WindowConfig", "attention", "calibrate", "method_names", "methods", "optimize_noise", "patch",
            "run_plan"]

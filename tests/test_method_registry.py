@@ -98,12 +98,13 @@ def test_capabilities_of_the_built_in_methods():
     builtin = [n for n in methods_with() if get_method(n).__module__.startswith("fastdit.")]
     assert builtin[0] == "dense"
     assert [n for n in ring_methods() if n in builtin] == ["sta", "radial", "sparge", "svg", "svg2"]
-    assert [n for n in methods_taking("quant") if n in builtin] == ["sta", "radial", "sparge", "svg", "svg2"]
+    assert [n for n in methods_taking("quant") if n in builtin] == ["sta", "radial", "sparge", "sla", "svg", "vsa",
+                                                                    "svg2"]
     assert [n for n in auto_methods() if n in builtin] == ["sta", "radial", "sparge", "svg", "svg2", "todo", "tome"]
-    assert [n for n in modelled_methods() if n in builtin] == ["sta", "radial", "sparge", "svg"]
+    assert [n for n in modelled_methods() if n in builtin] == ["sta", "radial", "sparge", "sla", "svg", "vsa"]
     grid = {n: get_method(n).engine_geometry for n in methods_with("engine_geometry") if n in builtin}
-    assert grid == {"sta": "grid", "radial": "frames", "sparge": "grid", "svg": "frames", "svg2": "frames",
-                    "todo": "grid", "tome": "grid"}
+    assert grid == {"sta": "grid", "radial": "frames", "sparge": "grid", "sla": "grid", "svg": "frames", "vsa": "grid",
+                    "svg2": "frames", "todo": "grid", "tome": "grid"}
 
 
 def test_defaults_resolve_in_one_order():

@@ -19,6 +19,7 @@ from .sta import STAConfig
 from .svg import SVGConfig
 from .svg2 import SVG2Config
 from .tokens import OptiPruneConfig, ToDoConfig, ToMeConfig
+from .vsa import VSAConfig
 from .window import WindowConfig
 
 for _module in pkgutil.iter_modules(__path__):
@@ -27,5 +28,5 @@ del _module
 
 __all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
            "OptiPruneConfig", "PruneConfig", "RadialConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
-           "ToDoConfig", "ToMeConfig", "WindowConfig", "get_method", "method_names", "methods_taking", "methods_with",
-           "option", "register_method", "tiny_presets", "unregister_method"]
+           "ToDoConfig", "ToMeConfig", "VSAConfig", "WindowConfig", "get_method", "method_names", "methods_taking",
+           "methods_with", "option", "register_method", "tiny_presets", "unregister_method"]

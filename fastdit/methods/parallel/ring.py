@@ -47,7 +47,8 @@ def ring_refusal(method):
     if not getattr(method, "ring", False):
         why = (f"{name} is a token method: it attends pooled, merged or cached tokens of the whole sequence, "
                "which one ring shard does not hold") if not getattr(method, "block_sparse", False) else (
-            f"{name} declares no ring support (Method.ring)")
+            f"{name} declares no ring support (Method.ring)"
+            + (f": {method.ring_reason}" if getattr(method, "ring_reason", None) else ""))
         return (f"method {name!r} does not run under ring attention ({why}); ring runs {', '.join(ring_methods())}. "
                 "Use Ulysses context parallelism (ContextParallelConfig(ulysses_degree=N), every method) for it")
     if not getattr(method, "block_sparse", False):
