@@ -331,3 +331,45 @@ def test_bad_input_names_the_option(comfy):
     typed = NODE_CLASS_MAPPINGS["FastditSparseAttention_sta"]()
     with pytest.raises(ValueError, match="window"):
         typed.patch(model, dense_steps=0, dense_blocks=0, window="2,2,2")
+
+
+# -- docs ------------------------------------------------------------------------------------------------
+
+
+def test_docs_widget_tables_match_the_metadata():
+    from fastdit.integrations.comfyui.node import WIDGETS_END, WIDGETS_START, widgets_markdown
+    from fastdit.support import marked_section
+
+    text = (cm.ROOT / "docs" / "comfyui.md").read_text()
+    fix = "regenerate them with `python -m fastdit.integrations.comfyui` and paste them between the markers"
+    tables = marked_section(text, WIDGETS_START, WIDGETS_END)
+    assert tables is not None, f"docs/comfyui.md lacks the markers {WIDGETS_START} / {WIDGETS_END}; {fix}"
+    assert tables == widgets_markdown(), f"docs/comfyui.md's widget tables disagree with the options; {fix}"
+
+
+def test_docs_workflow_uses_the_node_with_valid_widgets(tmp_path):
+    """The workflow (ComfyUI's API format) links existing nodes, and its fastdit node's inputs are the
+    node's widgets with values the node accepts; the one-line shim loads as ComfyUI loads a custom node."""
+    import importlib.util
+
+    from fastdit.integrations.comfyui.node import _given
+
+    workflow = json.loads((cm.ROOT / "docs" / "comfyui_workflow.json").read_text())
+    for node in workflow.values():
+        for value in node["inputs"].values():
+            if isinstance(value, list):
+                assert value[0] in workflow and value[1] == 0
+    ours = [n for n in workflow.values() if n["class_type"] in NODE_CLASS_MAPPINGS]
+    assert len(ours) == 1
+    inputs = dict(ours[0]["inputs"])
+    widgets = NODE_CLASS_MAPPINGS[ours[0]["class_type"]].INPUT_TYPES()
+    assert set(inputs) <= set(widgets["required"]) | set(widgets["optional"])
+    assert set(widgets["required"]) <= set(inputs)
+    assert inputs["method"] in widgets["required"]["method"][0]
+    _given(inputs["method"], {}, inputs["dense_steps"], inputs["dense_blocks"], inputs["options"])
+    shim = tmp_path / "fastdit_nodes.py"
+    shim.write_text("from fastdit.integrations.comfyui import *\n")
+    spec = importlib.util.spec_from_file_location(str(tmp_path / "fastdit_nodes"), shim)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.NODE_CLASS_MAPPINGS is NODE_CLASS_MAPPINGS and module.NODE_DISPLAY_NAME_MAPPINGS

@@ -1,7 +1,7 @@
 """fastdit as a ComfyUI custom node: "fastdit Sparse Attention" (and one typed node per method).
 
 Install (docs/comfyui.md): ``pip install fastdit`` into ComfyUI's Python, then a one-line shim
-``custom_nodes/fastdit.py`` holding ``from fastdit.integrations.comfyui import *`` (or symlink
+``custom_nodes/fastdit_nodes.py`` holding ``from fastdit.integrations.comfyui import *`` (or symlink
 this folder into ``custom_nodes/``). ComfyUI reads ``NODE_CLASS_MAPPINGS`` and
 ``NODE_DISPLAY_NAME_MAPPINGS`` from it.
 

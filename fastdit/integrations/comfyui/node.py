@@ -226,3 +226,46 @@ for _method in method_names():
     if _method != "dense":
         NODE_CLASS_MAPPINGS[f"FastditSparseAttention_{_method}"] = _typed_node(_method)
         NODE_DISPLAY_NAME_MAPPINGS[f"FastditSparseAttention_{_method}"] = f"{NAME} ({_method})"
+
+
+# --------------------------------------------------------------------------------------------- #
+# The widget tables of docs/comfyui.md
+# --------------------------------------------------------------------------------------------- #
+
+WIDGETS_START = "<!-- comfyui-widgets:start -->"
+WIDGETS_END = "<!-- comfyui-widgets:end -->"
+
+
+def _cell(text):
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _row(name, kind, params):
+    kind_text = "dropdown" if isinstance(kind, list) else kind
+    if isinstance(kind, list):
+        span = ", ".join(f"`{c}`" for c in kind)
+    elif "min" in params:
+        low, high = params["min"], params["max"]
+        span = f"{'' if abs(low) >= _INT_MAX or abs(low) >= 1e9 else low} .. " \
+               f"{'' if abs(high) >= _INT_MAX or abs(high) >= 1e9 else high}".strip()
+    else:
+        span = ""
+    default = params.get("default", "")
+    default = f"`{default}`" if default not in ("", None) else "blank"
+    return f"| `{name}` | {kind_text} | {default} | {_cell(span)} | {_cell(params.get('tooltip', ''))} |"
+
+
+def widgets_markdown():
+    """The widget tables of docs/comfyui.md (regenerate: ``python -m fastdit.integrations.comfyui``)."""
+    head = "| widget | type | default | range / choices | what it does |\n|---|---|---|---|---|"
+    generic = node_widgets(None)
+    rows = [_row(name, *spec) if len(spec) > 1 else f"| `{name}` | {spec[0]} | | | the model to patch |"
+            for part in ("required", "optional") for name, spec in generic[part].items()]
+    lines = [f"### {NAME}", "", "Every node has these (the typed nodes all but `method`).", "", head, *rows]
+    for method in method_names():
+        specs = main_specs(method)
+        if method == "dense" or not specs:
+            continue
+        lines += ["", f"### {NAME} ({method})", "", head]
+        lines += [_row(spec.name, *widget_of(spec)) for spec in specs]
+    return "\n".join(lines)
