@@ -16,7 +16,7 @@ import torch
 from fastdit.context import AttentionContext, CallState
 from fastdit.layout import TokenLayout
 from fastdit.methods.base import OptionError
-from fastdit.methods.sla import Sla, feature
+from fastdit.methods.sla import SLA, feature
 
 
 def tile_blocks(layout, tile):
@@ -91,11 +91,11 @@ def call(method, q, k, v, layout, proj=None, key_mask=None, query_mask=None):
 
 def make(**options):
     """The method as one call outside a pipeline resolves it (no dense steps, the guard off)."""
-    return Sla(Sla.resolve(options={"guard": False, **options}, where="call"))
+    return SLA(SLA.resolve(options={"guard": False, **options}, where="call"))
 
 
 def projection(dim, seed):
-    proj = Sla().layer_module(2, dim)
+    proj = SLA().layer_module(2, dim)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         proj.weight.copy_(torch.randn(dim, dim, generator=gen) * 0.3)
@@ -193,10 +193,10 @@ def test_topk_ratio_one_is_dense():
 
 
 def test_layer_module_is_the_published_zero_linear():
-    proj = Sla().layer_module(4, 16)
+    proj = SLA().layer_module(4, 16)
     assert isinstance(proj, torch.nn.Linear) and proj.weight.shape == (16, 16) and proj.bias.shape == (16,)
     assert not proj.weight.any() and not proj.bias.any()
-    assert Sla(feature_map="elu").layer_module_key() == {"feature_map": "elu"}
+    assert SLA(feature_map="elu").layer_module_key() == {"feature_map": "elu"}
 
 
 @pytest.mark.parametrize("options,words", [
@@ -216,13 +216,13 @@ def test_bad_options_name_the_option(options, words):
 def test_ring_is_refused_with_a_reason():
     from fastdit.methods.parallel.ring import ring_refusal
 
-    reason = ring_refusal(Sla())
+    reason = ring_refusal(SLA())
     assert reason is not None and "sla" in reason and "Ulysses" in reason
 
 
 def test_option_error_is_a_value_error():
     with pytest.raises(OptionError):
-        Sla(feature_map="cosine")
+        SLA(feature_map="cosine")
 
 
 def test_projection_trains_saves_and_loads_with_the_patch(tmp_path):

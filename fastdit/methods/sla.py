@@ -69,7 +69,7 @@ FEATURE_MAPS = ("softmax", "elu", "relu")
 
 
 @dataclass
-class SlaConfig(BlockSparseConfig):
+class SLAConfig(BlockSparseConfig):
     """Options of sla (see the module docstring).
 
     Attributes:
@@ -186,9 +186,9 @@ def linear_branch(q, k, v, key_ok, marginal, block, feature_map):
 
 
 @register_method
-class Sla(BlockSparseMethod):
+class SLA(BlockSparseMethod):
     name = "sla"
-    config_cls = SlaConfig
+    config_cls = SLAConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
     #: tiny-shapes' 9 x 32 x 32 grid in 3 x 8 x 8 tiles (48 blocks): the sparse branch at a quarter of them.
     tiny_options = {"tile": (3, 8, 8), "topk_ratio": 0.25}
