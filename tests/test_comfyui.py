@@ -305,6 +305,55 @@ def test_sampler_honours_dense_steps(comfy):
     assert calls
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_method_the_geometry_allows_runs(comfy, kind):
+    """Every registered method on ComfyUI's model over two sampler steps: finite outputs, every block
+    counted; a method the family cannot take is refused at the node with the reason."""
+    model = cm.build(kind)
+    args = cm.inputs(kind)
+    layers = 3 if kind == "flux" else 2
+    for method in fastdit.method_names():
+        try:
+            patched = patch(model, method)
+        except ValueError as error:
+            assert kind == "flux" and method == "radial" and "image" in str(error), str(error)
+            continue
+        for sigma in (1.0, 0.5):
+            assert torch.isfinite(cm.forward(patched, kind, args, sigma=sigma, schedule=[1.0, 0.5, 0.0])).all()
+        stats = runtime_of(patched).stats
+        assert stats.sparse_calls + stats.dense_calls == 2 * layers and not stats.fallbacks, method
+
+
+def test_dense_blocks_and_an_earlier_override(comfy):
+    """``dense_blocks`` runs the first blocks with ComfyUI's attention; an attention override another
+    node set before runs every call the node leaves dense; a second fastdit node replaces the first."""
+    model = cm.build("wan")
+    seen = []
+
+    def earlier(func, *args, **kwargs):
+        seen.append(args[0].shape)
+        return func(*args, **kwargs)
+
+    before = model.clone()
+    before.model_options["transformer_options"]["optimized_attention_override"] = earlier
+    patched = patch(before, "sta", dense_blocks=1, options="tile=1,2,4 window=3,3,1")
+    again = patch(patched, "dense")
+    assert runtime_of(again).previous is earlier
+    assert len(again.wrappers["diffusion_model"]["fastdit_sparse_attention"]) == 1
+    calls = record(patched)
+    cm.forward(patched, "wan")
+    stats = runtime_of(patched).stats
+    assert (stats.dense_calls, stats.sparse_calls) == (1, 1)
+    assert len(seen) == 3  # block 0's self-attention and both cross-attention calls went through it
+    layout = layout_of("wan")
+    mask = sta_token_mask(layout, STA["tile"], STA["window"])
+    first, second = [c for c in calls if c[1].shape[2] == layout.seq_len]
+    full = torch.ones(layout.seq_len, layout.seq_len, dtype=torch.bool)
+    ref = masked_reference(*first[:3], full)
+    assert ((first[3].double() - ref).norm() / ref.norm()).item() < 1e-5  # block 0: dense
+    check_layers([second], layout, lambda layer, head: mask)
+
+
 def test_unsupported_family_passes_through_and_warns_once(comfy):
     class Other(torch.nn.Module):
         pass
