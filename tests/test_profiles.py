@@ -11,8 +11,8 @@
   cannot carry.
 
 ModelOpt's PyTorch calibration patches ``F.softmax``; diffusers attention calls SDPA, so the
-calibration forward runs under ``EagerSDPA`` (a ``TorchFunctionMode``: SDPA as matmul, softmax,
-matmul), which is what ModelOpt's eager path expects of an HF model.
+calibration forward runs under ``SoftmaxAttention`` (fastdit.integrations.profiles: SDPA as matmul,
+softmax, matmul), which is what ModelOpt's eager path expects of an HF model.
 """
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import fastdit
 from fastdit.calibration.plan_file import PLAN_FORMAT, PLAN_VERSION, PlanError
+from fastdit.integrations.profiles import (FORMULA, ProfileError, SoftmaxAttention, apply_profile, profile_options,
+                                           read_profile, sparse_attention_config, write_profile)
 from fastdit.kernels import skip_reference
 from fastdit.methods import OptionError, get_method
-from fastdit.integrations.profiles import (FORMULA, ProfileError, apply_profile, profile_options, read_profile,
-                              sparse_attention_config, write_profile)
 
 from layer_capture import LayerCapture
 from tiny_transformers import tiny_wan, wan_inputs
@@ -42,23 +41,6 @@ from modelopt.torch.sparsity.attention_sparsity.plugins.sparse_attn_config impor
     load_from_checkpoint_metadata, match_sparse_config)
 
 TARGET = 0.1  # within the sparsity the tiny model reaches below lambda = 1 (about 20 %)
-SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-class EagerSDPA(TorchFunctionMode):
-    """SDPA as ``softmax(q k^T * scale) v`` through ``torch.nn.functional.softmax`` (looked up per
-    call, so ModelOpt's patched softmax sees the scores), for ModelOpt's eager calibration path."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **(kwargs or {}))
-        call = {**dict(zip(SDPA_ARGS, args)), **(kwargs or {})}
-        assert call.get("attn_mask") is None and not call.get("is_causal")
-        q, k, v = call["query"], call["key"], call["value"]
-        scale = call.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-        return torch.nn.functional.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v
-
-
 def _peaked_wan(seed=3, gain=3.0):
     """The tiny Wan with its self-attention q / k norm gains raised, so that attention is peaked
     (random weights give near-uniform attention, which no threshold below the row maximum thins)."""
@@ -81,7 +63,7 @@ def _modelopt_export(tmp_path, disabled_steps=0):
     model, inputs = _peaked_wan(), _inputs()
 
     def forward_loop(m):
-        with torch.no_grad(), EagerSDPA():
+        with torch.no_grad(), SoftmaxAttention():
             for t in (900.0, 400.0):
                 m(**{**inputs, "timestep": torch.full((1,), t)})
 

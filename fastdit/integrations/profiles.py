@@ -52,10 +52,13 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 from fastdit.calibration.plan_file import PlanError, load_plan, model_facts, plan_options_for
 
-__all__ = ["ALGORITHMS", "FLAT_B", "FORMULA", "Profile", "ProfileError", "ProfileGroup", "apply_profile",
-           "profile_options", "read_profile", "sparse_attention_config", "write_profile"]
+__all__ = ["ALGORITHMS", "FLAT_B", "FORMULA", "Profile", "ProfileError", "ProfileGroup", "SoftmaxAttention",
+           "apply_profile", "profile_options", "read_profile", "sparse_attention_config", "write_profile"]
 
 #: ModelOpt algorithm -> the fastdit method that runs it.
 ALGORITHMS = {"skip_softmax": "skip_softmax", "vsa": "vsa"}
@@ -66,6 +69,36 @@ DEFAULT_LAMBDA = 0.1
 DEFAULT_TARGET = 0.5
 #: The ``b`` fastdit writes (a single calibrated threshold, no sparsity curve; must be > 0).
 FLAT_B = 1e-6
+
+
+class SoftmaxAttention(TorchFunctionMode):
+    """Inside it, ``F.scaled_dot_product_attention`` runs as ``softmax(q k^T * scale + mask) v``
+    through ``torch.nn.functional.softmax`` (looked up per call). ModelOpt's PyTorch skip-softmax
+    path (``flash_skip_softmax``: calibration, and its masked inference) patches ``F.softmax``, which
+    diffusers' SDPA attention never calls; run a diffusers pipeline or model under this mode to
+    calibrate it with ModelOpt on any device (scores are materialised: small sizes only). Boolean
+    or additive ``attn_mask``, ``is_causal`` and ``enable_gqa`` are honoured; dropout is refused."""
+
+    ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        call = {**dict(zip(self.ARGS, args)), **(kwargs or {})}
+        if call.get("dropout_p"):
+            raise ValueError(f"SoftmaxAttention runs attention without dropout, got dropout_p={call['dropout_p']}")
+        q, k, v = call["query"], call["key"], call["value"]
+        if call.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        scale = call.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+        scores = (q @ k.transpose(-1, -2)) * scale
+        mask = call.get("attn_mask")
+        if call.get("is_causal"):
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        return torch.nn.functional.softmax(scores, dim=-1) @ v
 
 
 class ProfileError(PlanError):
