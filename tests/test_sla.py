@@ -257,3 +257,21 @@ def test_projection_trains_saves_and_loads_with_the_patch(tmp_path):
     assert (loaded - out.detach()).abs().max() > 1e-6  # the learned linear branch changes the output
     with pytest.raises(PlanError, match="softmax.*elu|elu.*softmax"):
         fastdit.patch(model, "sla", backend="torch", method_params=tmp_path, **dict(options, feature_map="elu"))
+
+
+@pytest.mark.guard_defaults
+def test_the_guard_checks_sla_and_replaces_failing_heads():
+    """On by default (a dynamic selection); a head over the bound is retried at twice topk_ratio, then dense."""
+    import fastdit
+
+    assert SLA.resolve().guard == 0.1
+    layout = TokenLayout((3, 6, 6), 5, "suffix")
+    q, k, v = (t[:1] for t in _inputs(layout, 21, dim=16))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    out, info = fastdit.attention(q, k, v, "sla", layout=layout, tile=(1, 3, 3), topk_ratio=0.1, guard=0.01,
+                                  return_info=True)
+    assert info["guard"]["action"] == ["dense", "dense"] and min(info["guard"]["first_error"]) > 0.01
+    torch.testing.assert_close(out, dense, **TOL)
+    loose, info = fastdit.attention(q, k, v, "sla", layout=layout, tile=(1, 3, 3), topk_ratio=0.1, guard=100.0,
+                                    return_info=True)
+    assert info["guard"]["action"] == ["pass", "pass"] and (loose - dense).abs().max() > 1e-2
