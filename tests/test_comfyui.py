@@ -271,6 +271,30 @@ def test_same_kept_blocks_as_the_diffusers_model(comfy, method):
     handle.remove()
 
 
+@pytest.mark.parametrize("method", ["sta", "radial"])
+def test_hunyuan_node_computes_the_diffusers_patchs_masks(comfy, method):
+    """Text tokens included: diffusers' HunyuanVideo (text suffix) patched with the same method and
+    options records per layer and head the masks under which the node's ComfyUI output equals the
+    float64 reference (same resolved config, same kept blocks, text rows and columns included)."""
+    from tiny_transformers import hunyuan_inputs, tiny_hunyuan
+
+    options = {"sta": dict(tile=(1, 2, 4), window=(3, 3, 1)), "radial": dict(block_size=64)}[method]
+    text = " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in options.items())
+    patched = patch(cm.build("hunyuan_video"), method, options=text)
+    twin = tiny_hunyuan()
+    handle = fastdit.patch(twin, method, dense_steps=0, dense_layers=0, record_masks=True, backend="torch", **options)
+    assert handle.config == runtime_of(patched).config
+    frames, height, width = cm.SIZES["hunyuan_video"]
+    args = hunyuan_inputs(frames=frames, height=height, width=width, batch=1, text=cm.TEXT)
+    args["encoder_attention_mask"][:] = True
+    with torch.no_grad():
+        twin(**args)
+    calls = record(patched)
+    cm.forward(patched, "hunyuan_video")
+    assert check_layers(calls, layout_of("hunyuan_video"), handle.mask) == 2
+    handle.remove()
+
+
 def test_sampler_honours_dense_steps(comfy):
     """ComfyUI's own sampler (``comfy.sample.sample``, euler, 4 steps, CFG): the first two steps run
     dense (ComfyUI's attention), the last two the method; each step is read off the sigmas."""
