@@ -1,6 +1,7 @@
 """fastdit methods as vllm-omni sparse-attention plugins (entry-point group ``vllm_omni.sparse_attn``).
 
-vllm-omni (0.30+) serves DiT models and hands the attention of a layer configured with the
+vllm-omni (with its sparse-attention plugin interface, vllm-project/vllm-omni#4493: not in the
+released 0.30.0, docs/serving.md) serves DiT models and hands the attention of a layer configured with the
 ``SPARSE_ATTN`` backend to a callable found by name in the entry-point group
 ``vllm_omni.sparse_attn`` (its ``vllm_omni/diffusion/attention/backends/sparse_attn.py``). The
 contract, as that file states it::
