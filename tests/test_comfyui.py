@@ -378,6 +378,24 @@ def test_dense_blocks_and_an_earlier_override(comfy):
     check_layers([second], layout, lambda layer, head: mask)
 
 
+def test_reference_tokens_run_comfyuis_attention(comfy):
+    """Flux Kontext's reference latents add tokens beside the image grid: every call of that forward
+    runs ComfyUI's own attention (bit-exact), counted as a fallback with the reason, warned once."""
+    model = cm.build("flux")
+    args = cm.inputs("flux")
+    args["ref_latents"] = [torch.randn(1, 4, 14, 22, generator=torch.Generator().manual_seed(5))]
+    reference = cm.forward(model, "flux", args)
+    patched = patch(model, "sta", options="tile=1,2,4 window=1,3,1")
+    with pytest.warns(UserWarning, match="ref_latents") as caught:
+        out = cm.forward(patched, "flux", args)
+        cm.forward(patched, "flux", args)
+    assert len([w for w in caught if "ref_latents" in str(w.message)]) == 1
+    assert torch.equal(out, reference)
+    stats = runtime_of(patched).stats
+    assert stats.sparse_calls == 0 and len(stats.fallbacks) == 1
+    assert "ref_latents" in next(iter(stats.fallbacks))
+
+
 def test_unsupported_family_passes_through_and_warns_once(comfy):
     class Other(torch.nn.Module):
         pass
