@@ -33,7 +33,9 @@ interpreter of Triton 3.x multiplies the raw uint16 storage of bfloat16 operands
 with one small fixed configuration instead of autotuning (the autotuner times configs on a GPU).
 
 Only Triton features present from 3.0 on are used (``tl.dot(input_precision=...)``, autotune,
-heuristics); no TMA descriptors, no warp specialisation.
+heuristics); no TMA descriptors, no warp specialisation: those are in the Hopper / Blackwell variant
+``block_sparse_tma.py``, which the launcher runs instead where ``FASTDIT_TRITON_VARIANT`` and the
+offline table choose it.
 """
 from __future__ import annotations
 
@@ -433,6 +435,10 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
     args = kernel_args(q, k, v, out, lse, skipped, kv_indices, kv_counts, kv_valid, block_m, block_n, scale,
                        skip_threshold, interpreted)
     block_d = args[_ARG_INDEX["BLOCK_D"]]
+    from . import block_sparse_tma  # the Hopper / Blackwell TMA variant, where chosen (FASTDIT_TRITON_VARIANT)
+    if block_sparse_tma.run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, skip_tile,
+                                      interpreted):
+        return (out, lse, skipped) if skip else (out, lse)
 
     if skip:  # fixed tiles: they define which sub-tiles the rule looks at
         bm, bn = skip_tile_sizes(block_m, block_n, skip_tile)

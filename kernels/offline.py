@@ -66,7 +66,9 @@ import torch
 import triton
 
 from . import block_sparse_bwd_triton as bwd
+from . import block_sparse_tma as tma
 from . import block_sparse_varlen_triton as bsv
+from . import sass_census
 from . import triton_tuning as tuning
 from .offline_compile import (  # noqa: F401  (re-exported: the check's vocabulary)
     BWD_KERNELS,
@@ -157,10 +159,16 @@ def check(entries, all_cases):
       the pruner's short list for the target (at run time the clean default joins that list, so the
       autotuner always has a clean config);
     * ``varlen``, likewise: no clean config among ``launch_config``'s choices (a choice that is not
-      clean is replaced by the nearest clean one at run time).
+      clean is replaced by the nearest clean one at run time); ``fixed_tma`` (sm_90 on): none of
+      ``TMA_PREFERENCE`` is clean;
+    * an entry whose instruction census (``sass``) lost what ``sass_census.expectation_failures``
+      asks: tensor-core instructions, the generation's own MMA (wgmma on sm_90, tcgen05 on sm_100)
+      for the fixed-size forward, TMA loads and no local memory for its TMA variant.
     """
     by_key = {e["key"]: e for e in entries}
     failures = []
+    for e in entries:  # the machine code lost tensor cores / the TMA path (sass_census)
+        failures += sass_census.expectation_failures(e)
     for e in entries:
         if e["error"]:
             failures.append(f"{e['kernel']} on {e['target']} ({e['dtype']}, d={e['head_dim']}, "
@@ -217,6 +225,9 @@ def used_cases(names, all_cases):
                 wanted.add(c)
             elif c.kernel == "skip" and c.config == skip_used(name, c.head_dim, c.dtype):
                 wanted.add(c)
+            elif c.kernel == "fixed_tma" and c.config == (tma.tma_config(cap, c.head_dim, c.dtype)
+                                                          or tuning.TMA_PREFERENCE[0]):
+                wanted.add(c)
             elif c.kernel in BWD_KERNELS and c.config == bwd.bwd_config(c.kernel, c.head_dim, cap, c.dtype):
                 wanted.add(c)
             elif c.kernel == "varlen" and c.config == bsv.launch_config(_TOKENS, 100, _TOKENS, 500, c.head_dim, cap,
@@ -236,11 +247,13 @@ def markdown(table, version=None):
     """The target x kernel x config table (Markdown) of Triton ``version``'s entries: one row per
     (target, kernel, config), one column per (dtype, head dim), each cell
     ``registers / spill bytes (stores + loads) / shared KiB``; **bold**: the config that runs there
-    without autotuning (fixed: ``default_config``; varlen: the Wan 480p svg2-like choice)."""
+    without autotuning (fixed: ``default_config``; varlen: the Wan 480p svg2-like choice); the last
+    column is the row's instruction census (``sass_census.short``; bf16 d128 where compiled, ``-``
+    for entries compiled before the census existed)."""
     version = version or triton.__version__
     entries = list(current_entries(table, version).values())
     columns = sorted({(e["dtype"], e["head_dim"]) for e in entries}, key=lambda c: (DTYPES.index(c[0]), c[1]))
-    cells, rows = {}, []
+    cells, rows, census = {}, [], {}
     for e in entries:
         row = (TARGETS[e["target"]].capability if e["target"] in TARGETS else 0, e["target"], e["kernel"],
                tuple(e["config"]))
@@ -260,22 +273,26 @@ def markdown(table, version=None):
             with _env("FASTDIT_TRITON_CONFIG", None):
                 choice = bsv.launch_config(_TOKENS, 100, _TOKENS, 500, e["head_dim"])
             used = tuple(e["config"]) == next((c for c in bsv._fallback_order(choice) if group.get(c)), choice)
+        if e["kernel"] == "fixed_tma":  # tma_config: the first clean candidate
+            used = tuple(e["config"]) == next((c for c in tuning.TMA_PREFERENCE if group.get(c)), None)
         if e["kernel"] == "skip":  # the deepest clean pipeline, with this version's verdicts
             used = tuple(e["config"]) == max((c for c, ok in group.items() if ok), key=lambda c: c[3], default=None)
         cells[(row, (e["dtype"], e["head_dim"]))] = f"**{text}**" if used else text
-    order = {"fixed": 0, "skip": 1, "varlen": 2}
+        if e.get("sass") and (row not in census or (e["dtype"], e["head_dim"]) == ("bf16", 128)):
+            census[row] = sass_census.short(e["sass"])  # bf16 d128's when compiled, else any column's
+    order = {"fixed": 0, "fixed_tma": 1, "skip": 2, "varlen": 3}
     rows.sort(key=lambda r: (r[0], order.get(r[2], 9), [-x for x in r[3]]))
     head = " | ".join(f"{dt} d{d}" for dt, d in columns)
-    lines = [f"| target (shared KiB) | kernel | config | {head} |", "|" + " --- |" * (3 + len(columns))]
+    lines = [f"| target (shared KiB) | kernel | config | {head} | SASS census |", "|" + " --- |" * (4 + len(columns))]
     for row in rows:
         _, target, kernel, cfg = row
         limit = TARGETS[target].shared_limit // KIB if target in TARGETS else "?"
         label = Case(kernel, target, "bf16", 0, cfg).label
         lines.append(f"| {target} ({limit}) | {kernel} | {label} | "
-                     + " | ".join(cells.get((row, c), "") for c in columns) + " |")
+                     + " | ".join(cells.get((row, c), "") for c in columns) + f" | {census.get(row, '-')} |")
     for s in table.get("skipped_targets", []):
         if s["triton"] == version:
-            lines.append(f"| {s['target']} | all | skipped | {s['reason']} |" + " |" * (len(columns) - 1))
+            lines.append(f"| {s['target']} | all | skipped | {s['reason']} |" + " |" * len(columns))
     return "\n".join(lines)
 
 

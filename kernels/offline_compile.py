@@ -18,8 +18,10 @@ import triton
 import triton.language as tl
 
 from . import block_sparse_bwd_triton as bwd
+from . import block_sparse_tma as tma
 from . import block_sparse_triton as bst
 from . import block_sparse_varlen_triton as bsv
+from . import sass_census
 from . import triton_tuning as tuning
 from .triton_tuning import env_var as _env
 from .quant import triton_fixed as qfx
@@ -53,6 +55,7 @@ _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 KERNELS = {
     "fixed": bst._block_sparse_fwd_kernel,
     "skip": bst._block_sparse_fwd_kernel,
+    "fixed_tma": tma._tma_fwd_kernel,
     "varlen": bsv._varlen_fwd_kernel,
     "bwd_dq": bwd._bwd_dq_kernel,
     "bwd_dkdv": bwd._bwd_dkdv_kernel,
@@ -160,6 +163,9 @@ def cases(targets=tuple(TARGETS), kernels=tuple(KERNELS), head_dims=HEAD_DIMS, d
                     out += [Case("fixed", t, dtype, d, cfg, role) for cfg, role in chosen.items()]
                 if "skip" in kernels:
                     out += [Case("skip", t, dtype, d, cfg, "default") for cfg in skip_configs(t, d, dtype)]
+                if "fixed_tma" in kernels and target.capability >= tma.MIN_CAPABILITY and tma.HAS_TENSOR_DESCRIPTORS:
+                    # the TMA variant's candidates (Hopper on); the first clean one runs (tma_config)
+                    out += [Case("fixed_tma", t, dtype, d, cfg, "default") for cfg in tuning.TMA_PREFERENCE]
                 if "varlen" in kernels:  # all of launch_config's choices; one clean one must exist
                     out += [Case("varlen", t, dtype, d, cfg, "default") for cfg in varlen_configs(d)]
                 for kernel in BWD_KERNELS:  # the backward's candidates (bwd_config takes the first clean one)
@@ -189,7 +195,7 @@ def launch(case):
     lse = _meta(b, h, n, dtype=torch.float32)
     kv_valid = _meta(b, n, dtype=torch.bool)
     fn = KERNELS[case.kernel]
-    if case.kernel in ("fixed", "skip"):
+    if case.kernel in ("fixed", "skip", "fixed_tma"):
         m = -(-n // _PLAN_BLOCK)
         kv_indices = _meta(1, h, m, 64, dtype=torch.int32)
         kv_counts = _meta(1, h, m, dtype=torch.int32)
@@ -199,6 +205,8 @@ def launch(case):
                                d ** -0.5, 1.0 if skip else None, False)
         named = dict(zip(fn.arg_names, args), BLOCK_M=bm, BLOCK_N=bn)
         named.update({name: rule(named) for name, rule in bst._HEURISTICS.items()})
+        if case.kernel == "fixed_tma":
+            named["WARP_SPEC"] = tma.warp_spec_for(TARGETS[case.target].capability)
     elif case.kernel in ("bwd_dq", "bwd_dkdv"):
         m = -(-n // _PLAN_BLOCK)
         plan_idx = _meta(1, h, m, 64 if case.kernel == "bwd_dq" else m, dtype=torch.int32)
@@ -357,7 +365,7 @@ def source_hash(kernel):
     digest = hashlib.sha256()
     for fn in dependencies(kernel):
         digest.update(fn.__name__.encode() + b"\0" + _source(fn).encode() + b"\0")
-    if kernel == "fixed" or kernel == "skip":  # the heuristics decide constexpr flags
+    if kernel in ("fixed", "skip", "fixed_tma"):  # the heuristics decide constexpr flags
         import inspect
         for rule in bst._HEURISTICS.values():
             digest.update(inspect.getsource(rule).encode())
@@ -401,7 +409,7 @@ def compile_case(case):
     entry = dict(asdict(case), key=case.key, capability=target.capability, triton=triton.__version__,
                  source_hash=source_hash(case.kernel), shared_limit=target.shared_limit,
                  registers=None, spill_stores=None, spill_loads=None, stack=None, shared=None,
-                 clean=False, error=None, compile_s=None)
+                 clean=False, error=None, compile_s=None, sass=None)
     entry["config"] = list(case.config)
     start = time.perf_counter()
     log = io.StringIO()
@@ -413,6 +421,8 @@ def compile_case(case):
                 contextlib.redirect_stdout(log):
             kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options)
         entry["shared"] = int(kernel.metadata.shared)
+        # instruction census of the machine code (the wheel's cuobjdump; None without one)
+        entry["sass"] = sass_census.census(kernel.asm["cubin"])
         text = log.getvalue()
         for field, pattern in _PTXAS_RE.items():
             found = pattern.findall(text)

@@ -55,6 +55,11 @@ _DEFAULT_GPU_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stage
 DEFAULT_PREFERENCE = ((128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2))
 TABLE_PATH = Path(__file__).with_name("offline_table.json")
 
+# The TMA variant's launch candidates (``block_sparse_tma.py``; Hopper / Blackwell only): the first
+# one the offline table records as clean for kernel ``fixed_tma`` on the device's architecture runs
+# (no autotuning of this variant yet); an architecture without a clean one runs the classic kernel.
+TMA_PREFERENCE = ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3))
+
 _SMEM_CACHE = {}
 
 

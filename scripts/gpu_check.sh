@@ -31,6 +31,12 @@
 #            engine at N=32768 and sta at Wan 480p's grid, against dense SDPA (and sageattention when
 #            installed), bf16, then the accuracy table on structured inputs
 #            (python scripts/bench_quant.py --speed; then without --speed)               (T_QUANT=90 s)
+#   tma      (opt-in: GPU_CHECK_PARTS=tma) the two forward variants of the engine (issue 44): the
+#            classic cp.async kernel (autotuned, and its untuned default) and the Hopper / Blackwell
+#            TMA variant (FASTDIT_TRITON_VARIANT=tma) against dense SDPA (flash; flash_attn when
+#            installed), densities 0.1-0.5, N 32768 and 75600, head dims 64 / 128, bf16, each row
+#            beside the cost model's prediction, then the measured efficiencies the cost model
+#            should take for this GPU (python scripts/bench_tma.py; TMA_ARGS)           (T_TMA=300 s)
 #   predict  last: every measured time of the parts above beside the cost model's prediction for this
 #            GPU (python -m fastdit.eval.predict --compare; fastdit/costmodel.py)   (T_PREDICT=15 s)
 #
@@ -75,6 +81,8 @@ T_PATCHED="${T_PATCHED:-60}"
 T_VARLEN="${T_VARLEN:-40}"
 T_BACKWARD="${T_BACKWARD:-90}"
 T_QUANT="${T_QUANT:-90}"
+T_TMA="${T_TMA:-300}"
+TMA_ARGS="${TMA_ARGS:-}"
 BACKWARD_ARGS="${BACKWARD_ARGS:-}"
 T_METHODS="${T_METHODS:-60}"
 T_WAN="${T_WAN:-130}"
@@ -209,6 +217,9 @@ fi
 if want quant; then
     part quant "$T_QUANT" bash -c "\"$PY\" \"$REPO/scripts/bench_quant.py\" --speed --json \"$OUT_DIR/quant_speed_$STAMP.json\" \
         && \"$PY\" \"$REPO/scripts/bench_quant.py\" --json \"$OUT_DIR/quant_accuracy_$STAMP.json\""
+fi
+if want tma; then
+    part tma "$T_TMA" "$PY" "$REPO/scripts/bench_tma.py" --json "$OUT_DIR/tma_$STAMP.json" $TMA_ARGS
 fi
 if want methods; then
     part methods "$T_METHODS" "$PY" -m fastdit.eval.bench.attention --path methods \

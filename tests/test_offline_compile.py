@@ -204,6 +204,8 @@ def test_ci_targets_compile_within_budgets(tmp_path):
             got = (e["registers"], e["spill_stores"], e["spill_loads"], e["shared"])
             want = (old["registers"], old["spill_stores"], old["spill_loads"], old["shared"])
             assert got == want, f"{e['key']}: fresh compile {got} != table {want} (regenerate the table)"
+            if old.get("sass") and e.get("sass"):
+                assert e["sass"] == old["sass"], f"{e['key']}: fresh census {e['sass']} != table {old['sass']}"
 
 
 def test_unsupported_target_is_skipped_with_its_reason(tmp_path):
@@ -217,3 +219,85 @@ def test_unsupported_target_is_skipped_with_its_reason(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+# -------------------------------------------------------------------------------------------------
+# The instruction census (sass_census) and the TMA variant in CI
+# -------------------------------------------------------------------------------------------------
+
+_SASS = """
+        /*0a40*/                   @!P0 UTMALDG.2D [UR8], [UR14] ;
+        /*0a50*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0a60*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;
+        /*0a70*/              @P1  STL.64 [R1], R2 ;
+        /*0a80*/                   UTCHMMA gdesc[UR12], gdesc[UR14], tmem[UR8], tmem[UR10], idesc[UR11], UPT ;
+        /*0a90*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0aa0*/                   USETMAXREG.DEALLOC.CTAPOOL 0x18 ;
+        /*0ab0*/                   FMUL R2, R3, R4 ;
+"""
+
+
+def test_census_counts_the_instruction_groups():
+    from fastdit.kernels import sass_census
+    got = sass_census.census_of_text(_SASS)
+    assert got == {"tma": 1, "ldgsts": 1, "wgmma": 1, "tcgen05": 1, "mma_sync": 1, "local": 1, "setmaxreg": 1}
+    assert sass_census.short(got).startswith("tma 1, ldgsts 1")
+    assert sass_census.short(None) == "-"
+
+
+def test_census_expectations_name_what_was_lost():
+    from fastdit.kernels import sass_census
+    base = {"kernel": "fixed_tma", "target": "sm_90", "capability": 90, "dtype": "bf16", "head_dim": 128,
+            "config": [128, 64, 8, 3], "error": None}
+    good = dict(sass_census.census_of_text(_SASS), local=0)
+    assert sass_census.expectation_failures(dict(base, sass=good)) == []
+    assert sass_census.expectation_failures(dict(base, sass=None)) == []  # no census: nothing to judge
+    lost_tma = sass_census.expectation_failures(dict(base, sass=dict(good, tma=0)))
+    assert len(lost_tma) == 1 and "fixed_tma on sm_90 (bf16, d=128, config 128x64 w8 s3): no tma" in lost_tma[0]
+    stack = sass_census.expectation_failures(dict(base, clean=True, sass=dict(good, local=4)))
+    assert any("local-memory" in f for f in stack)
+    assert sass_census.expectation_failures(dict(base, clean=False, sass=dict(good, local=4))) == []  # budgets
+    no_tc = dict(good, wgmma=0, tcgen05=0, mma_sync=0)
+    assert any("no tensor-core" in f for f in sass_census.expectation_failures(dict(base, kernel="varlen",
+                                                                                    sass=no_tc)))
+    blackwell = dict(base, target="sm_100", capability=100, sass=dict(good, tcgen05=0))
+    assert any("no tcgen05" in f for f in sass_census.expectation_failures(blackwell))
+    # and the check reports them with the budgets
+    entry = dict(base, key=offline.Case("fixed_tma", "sm_90", "bf16", 128, (128, 64, 8, 3)).key, clean=True,
+                 spill_stores=0, spill_loads=0, shared=1024, shared_limit=227 * 1024, sass=dict(good, tma=0))
+    assert any("no tma" in f for f in offline.check([entry], []))
+
+
+def test_tma_variant_keeps_tma_loads_and_tensor_cores(tmp_path):
+    """sm_90 and sm_100, bf16, d 64 / 128: the TMA variant's and the classic fixed kernel's launch
+    configs compiled fresh (8 compiles); the census must show TMA loads (UTMALDG) and wgmma
+    (sm_90) / tcgen05 (sm_100) for the variant, the generation's MMA for the classic kernel, no
+    spills, and equal the checked-in table's census."""
+    from fastdit.kernels import sass_census
+    if not sass_census.tools():
+        pytest.skip(f"Triton {triton.__version__} ships no cuobjdump / nvdisasm: no census")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONWARNINGS"] = "ignore"
+    out = tmp_path / "offline.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastdit.kernels.offline", "--targets", "sm_90,sm_100", "--kernels", "fixed,fixed_tma",
+         "--dtypes", "bf16", "--configs", "default", "--fresh", "used", "--jobs", "2", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert out.exists(), proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert not result["failures"], "\n".join(result["failures"])
+    assert not result["skipped"], result["skipped"]
+    compiled = {(e["kernel"], e["target"], e["head_dim"]): e for e in result["compiled"]}
+    for target, mma in (("sm_90", "wgmma"), ("sm_100", "tcgen05")):
+        for d in (64, 128):
+            e = compiled[("fixed_tma", target, d)]
+            assert e["sass"]["tma"] > 0 and e["sass"][mma] > 0 and e["sass"]["ldgsts"] == 0, e["sass"]
+            assert e["clean"] and e["sass"]["local"] == 0
+            assert compiled[("fixed", target, d)]["sass"][mma] > 0
+    have = offline.current_entries(offline.load_table())
+    for e in result["compiled"]:
+        old = have.get(e["key"])
+        if old is not None and old["source_hash"] == e["source_hash"] and old.get("sass"):
+            assert e["sass"] == old["sass"], f"{e['key']}: fresh census {e['sass']} != table {old['sass']}"
