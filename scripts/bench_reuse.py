@@ -1,6 +1,7 @@
 """End to end on tiny-shapes: what selection reuse across steps (``fastdit/methods/reuse.py``) saves.
 
-    python scripts/bench_reuse.py [--method svg2] [--thresholds 0.9,0.95] [--max-steps 4] [--audit]
+    python scripts/bench_reuse.py [--method svg2] [--thresholds 0.9,0.8@3] [--max-steps 4] [--audit]
+                                  [--height 64 --width 64] [--seed 0] [--dense-cache dense.npy]
 
 Runs the trained tiny-shapes pipeline at its native call (12 steps, CFG, 9 x 32 x 32 latents) once
 dense and once per setting of ``--method`` at its tiny-shapes preset (svg2: the calibrated plan):
@@ -25,12 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
+
+import numpy as np
 
 import torch
 
 import fastdit
-from fastdit.compare import fidelity, generate, pipeline_frames
+from fastdit.compare import Generation, fidelity, generate, pipeline_frames
 from fastdit.cli.common import call_arguments
 from fastdit.eval.runner.settings import tiny_method_presets
 from fastdit.methods.guard import MASS_TOLERANCE
@@ -137,7 +141,9 @@ def run_setting(pipe, method, options, call_kwargs, prompt, seed, reference, aud
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="scripts/bench_reuse.py", description=__doc__.split("\n")[0])
     parser.add_argument("--method", default="svg2")
-    parser.add_argument("--thresholds", default="0.9,0.95")
+    parser.add_argument("--thresholds", default="0.9,0.95", help="reuse_threshold values, each optionally "
+                        "@reuse_max_steps (e.g. 0.8@3)")
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the run without reuse")
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt", default=SHAPES_PROMPT)
@@ -145,18 +151,30 @@ def main(argv=None):
     parser.add_argument("--no-timing", dest="timing", action="store_false")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--steps", type=int, default=None, help="default: the model's native 12")
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--dense-cache", default=None, help="an .npy file: the dense frames, read when present")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = load_pipeline("tiny-shapes", "cpu", None)
-    call_kwargs = call_arguments(pipe, "tiny-shapes")
+    call_kwargs = call_arguments(pipe, "tiny-shapes", args.height, args.width, None, args.steps)
     grid = latent_grid(pipe, call_kwargs)
     preset = tiny_method_presets("tiny-shapes", [args.method], {}, grid).get(args.method, {})
-    dense = generate(pipe, args.prompt, args.seed, call_kwargs, method="dense")
-    print(f"dense: {dense.latency:.1f} s; {args.method} preset {preset}", flush=True)
-    settings = [dict(preset)] + [dict(preset, reuse_threshold=float(t), reuse_max_steps=args.max_steps)
-                                 for t in args.thresholds.split(",") if t]
-    results = {"dense_seconds": dense.latency, "call": {k: v for k, v in call_kwargs.items()
+    if args.dense_cache and os.path.exists(args.dense_cache):
+        cached = np.load(args.dense_cache, allow_pickle=True).item()
+        dense = Generation("dense", {}, cached["frames"], cached["latency_s"])
+    else:
+        dense = generate(pipe, args.prompt, args.seed, call_kwargs, method="dense")
+        if args.dense_cache:
+            np.save(args.dense_cache, {"frames": dense.frames, "latency_s": dense.latency_s})
+    print(f"dense: {dense.latency_s:.1f} s; {args.method} preset {preset}", flush=True)
+    settings = [dict(preset)] if args.baseline else []
+    for item in (t for t in args.thresholds.split(",") if t):  # THRESHOLD or THRESHOLD@MAX_STEPS
+        threshold, _, steps = item.partition("@")
+        settings.append(dict(preset, reuse_threshold=float(threshold), reuse_max_steps=int(steps or args.max_steps)))
+    results = {"dense_seconds": dense.latency_s, "call": {k: v for k, v in call_kwargs.items()
                                                         if isinstance(v, (int, float, str))}, "rows": []}
     for options in settings:
         row = {}
@@ -169,7 +187,7 @@ def main(argv=None):
         results["rows"].append(row)
         reuse = row["reuse"]
         rate = "-" if reuse["rate"] is None else f"{reuse['rate']:.2f}"
-        line = (f"{json.dumps(row['options'])}: {row['seconds']:.1f} s (dense {dense.latency:.1f}), select "
+        line = (f"{json.dumps(row['options'])}: {row['seconds']:.1f} s (dense {dense.latency_s:.1f}), select "
                 f"{row['select_seconds']:.2f} s ({100 * row['select_share']:.1f}%), PSNR {row['psnr_db']:.2f} dB, "
                 f"reuse rate {rate}, density {row['density']:.3f}, guard widened/dense "
                 f"{row['guard']['widened']}/{row['guard']['dense']} of {row['guard']['head_calls']}")

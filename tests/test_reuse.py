@@ -7,6 +7,7 @@ have been used (the stored one for reused heads, a fresh one for re-selected hea
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 import fastdit
 from fastdit.layout import TokenLayout
-from fastdit.methods import get_method
+from fastdit.methods import get_method, reuse
 
 from test_kmeans import direct_kmeans
 from tiny_models import TINY, run
@@ -83,11 +84,13 @@ def structured(kinds, seed):
 def test_reused_selection_is_the_earlier_mask_on_the_new_inputs(method):
     q0, k0, v0 = structured(("spatial", "temporal", "spatial"), 1)
     state = {}
-    _, info0 = call(method, q0, k0, v0, state, 0, reuse_threshold=0.0)
+    _, info0 = call(method, q0, k0, v0, state, 0, reuse_threshold=0.99)
     assert info0["reuse"] == {"heads": HEADS, "reused": 0, "selected": [0, 1, 2]} and info0["density"] < 0.7
     stored = masks(info0["plan"])
     q1, k1, v1 = structured(("temporal", "spatial", "temporal"), 2)  # other heads: other selections
-    out, info1 = call(method, q1, k1, v1, state, 1, reuse_threshold=0.0)
+    # the similarity test is checked elsewhere: here the stored signatures are the new inputs', so it passes
+    state["fastdit.reuse"]["q"], state["fastdit.reuse"]["k"] = reuse.signatures(q1), reuse.signatures(k1)
+    out, info1 = call(method, q1, k1, v1, state, 1, reuse_threshold=0.99)
     assert info1["reuse"]["reused"] == HEADS
     assert info1["plan"] is info0["plan"]
     assert close(out, masked_reference(q1, k1, v1, stored))
@@ -120,25 +123,32 @@ def test_a_head_whose_queries_change_is_reselected_alone(method):
 
 
 def test_similarity_follows_the_formula():
-    """min over q and k of the Frobenius cosine of 128-token chunk means, smallest over the batch."""
+    """1 - ||P - P0|| / ||P0|| of the row-centred score maps of 128-token chunk means, smallest over
+    the batch; a shift shared by every key changes nothing, a scale change is seen."""
     q0, k0, v0 = qkv(5)
     n1, n2, _ = qkv(6)
     q1, k1 = q0 + 0.5 * n1, k0 + 0.3 * n2
-    state = {}
-    call("sparge", q0, k0, v0, state, 0, reuse_threshold=0.5)
-    _, info = call("sparge", q1, k1, v0, state, 1, reuse_threshold=0.5)
 
     def chunk_means(x, b, h):
         rows = x[b, h].double()
         return torch.stack([rows[s:s + 128].mean(0) for s in range(0, rows.shape[0], 128)])
 
-    def cosine(a, b):
-        return float((a * b).sum() / (a.norm() * b.norm()))
+    def centred(q, k, b, h):
+        scores = chunk_means(q, b, h) @ chunk_means(k, b, h).t()
+        return scores - scores.mean(1, keepdim=True)
 
-    for h in range(HEADS):
-        want = min(min(cosine(chunk_means(q1, b, h), chunk_means(q0, b, h)),
-                       cosine(chunk_means(k1, b, h), chunk_means(k0, b, h))) for b in range(2))
-        assert abs(info["reuse"]["similarity"][h] - want) < 1e-5
+    def want(q, k, h):
+        return min(1 - float((centred(q, k, b, h) - centred(q0, k0, b, h)).norm() / centred(q0, k0, b, h).norm())
+                   for b in range(2))
+
+    for q, k in ((q1, k1), (2 * q0, k0), (q0, k0 + torch.randn(16, generator=torch.Generator().manual_seed(0)))):
+        state = {}
+        call("sparge", q0, k0, v0, state, 0, reuse_threshold=0.5)
+        _, info = call("sparge", q, k, v0, state, 1, reuse_threshold=0.5)
+        for h in range(HEADS):
+            assert abs(info["reuse"]["similarity"][h] - want(q, k, h)) < 1e-5
+    assert abs(info["reuse"]["similarity"][0] - 1) < 1e-5  # keys shifted by one vector: the same map
+    assert abs(want(2 * q0, k0, 0)) < 1e-9  # queries twice as large: a change as large as the map
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -264,3 +274,18 @@ def test_pipeline_state_resets_per_call_and_after_remove_and_stats_count_reuse()
     with fastdit.patch(model, "svg2", **opts):  # patched again: a fresh state, the same run
         for a, b in zip(first, steps()):
             assert torch.equal(a, b)
+
+
+def test_bench_selection_reports_the_cost_with_and_without_reuse(tmp_path):
+    from fastdit.eval.bench import selection as bench
+
+    out = tmp_path / "sel.json"
+    bench.main(["--frames", "2", "--height", "8", "--width", "16", "--kinds", "spatial", "--heads", "1",
+                "--head-dim", "32", "--thresholds", "0.9", "--oracle-densities", "0.5", "--no-time",
+                "--methods", "svg2:q_clusters=8:k_clusters=16", "--runs", "1", "--warmup", "0", "--reuse", "0.5",
+                "--reuse-steps", "3", "--reuse-max-steps", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())["reuse"]
+    assert [r["reuse_threshold"] for r in rows] == [None, 0.5]
+    assert rows[0]["reuse_rate"] is None and rows[0]["saving"] == 1.0
+    assert abs(rows[1]["reuse_rate"] - 1 / 3) < 1e-9  # steps 0 and 2 select (reuse_max_steps 2), step 1 reuses
+    assert all(r["select_ms"] > 0 and 0 < r["density"] <= 1 and r["error"] >= 0 for r in rows)

@@ -10,24 +10,28 @@ cheap similarity test against that step passes.
 
 The test, per (layer, CFG branch) and head. Model-order tokens are cut into ``C = ceil(S / 128)``
 consecutive chunks of ``CHUNK = 128`` (the last one shorter) and each chunk's mean is taken, in
-float32: the signatures ``Qbar, Kbar`` ``(C, D)`` of the call. With ``Qbar0, Kbar0`` those of the
-step that selected the head's current selection (kept in ``ctx.state``), per batch element::
+float32: the signatures ``Qbar, Kbar`` ``(C, D)`` of the call, and from them the row-centred pooled
+score map ``P = Qbar Kbar^T - rowmean`` ``(C, C)`` (a row's mean drops out of its softmax, so a
+shift shared by all keys changes nothing). With ``P0`` the map of the step that selected the head's
+current selection (its signatures kept in ``ctx.state``), per batch element::
 
-    sim = min( cos(Qbar, Qbar0), cos(Kbar, Kbar0) ),   cos(X, Y) = <X, Y>_F / (||X||_F ||Y||_F)
+    sim = 1 - ||P - P0||_F / ||P0||_F
 
-(the Frobenius cosine of the flattened signatures), and the head's similarity is the smallest over
-the batch. The head **reuses** its selection when ``sim >= reuse_threshold`` (up to float32 rounding,
-``ROUNDING``) and the selection was
-made fewer than ``reuse_max_steps`` steps ago; otherwise it is **re-selected** (and its signatures
-and step are stored anew). A head is also re-selected when the quality guard did not pass it on
-the call before (its action was not ``"pass"``), when its similarity is not a number (non-finite
-input), and every head is when the call's shape, layout, heads, dtype or device differ from the
-stored selection's (or nothing is stored: the first sparse call of a layer in a pipeline call).
+(1 for an unchanged map, 0 for a change as large as the map, negative beyond), and the head's
+similarity is the smallest over the batch. Unlike a cosine, it sees a change of scale (queries
+twice as large: attention twice as sharp). The head **reuses** its selection when
+``sim >= reuse_threshold`` (up to float32 rounding, ``ROUNDING``) and the selection was made fewer
+than ``reuse_max_steps`` steps ago; otherwise it is **re-selected** (and its signatures and step are
+stored anew). A head is also re-selected when its own output failed the quality guard's check on
+the call before (a new failure: not a head the guard already runs at a wider setting), when its
+similarity is not a number (non-finite input), and every head is when the call's shape, layout,
+heads, dtype or device differ from the stored selection's (or nothing is stored: the first sparse
+call of a layer in a pipeline call).
 
 What it assumes: a selection depends on the queries and keys through what the block means of
 model order show. A change confined inside chunks that leaves their means in place (tokens
-swapping places within 128 tokens) is not seen; a large component shared by all tokens (a mean
-query) dilutes the cosine, so such models need a threshold nearer 1. ``reuse_max_steps`` bounds
+swapping places within 128 tokens) is not seen, nor one that changes the scores only at a finer
+scale than 128-token chunks (what a sharp head's selection depends on). ``reuse_max_steps`` bounds
 how long any miss can last, and the quality guard (on by default for these methods) still checks
 every call, reused or not, on exact sampled rows.
 
@@ -63,12 +67,13 @@ import torch
 
 from .config import check_int, check_number, option
 from .guard import MASS_TOLERANCE
+from .guard import STATE_KEY as GUARD_KEY
 
 #: ``ctx.state`` key of a layer's stored selection.
 STATE_KEY = "fastdit.reuse"
 #: Model-order tokens per chunk of the signatures.
 CHUNK = 128
-#: float32 rounding of the cosine: identical signatures may give 1 - 6e-8, so the test is
+#: float32 rounding of the similarity: identical signatures may give 1 - 6e-8, so the test is
 #: ``sim >= reuse_threshold - ROUNDING`` (``reuse_threshold = 1`` reuses identical signatures)
 ROUNDING = 1e-6
 
@@ -79,15 +84,15 @@ class ReuseOptions:
 
     Attributes:
         reuse_threshold: a head keeps its earlier selection while the similarity of its pooled
-            queries and keys to those of the selecting step is at least this; None: off (every
-            call selects); in [0, 1].
+            score map to the selecting step's is at least this; None: off (every call selects);
+            in [0, 1].
         reuse_max_steps: a selection serves at most this many consecutive steps before the head is
             re-selected (>= 1; 1: every step).
     """
 
     reuse_threshold: float | None = option(
-        None, "reuse a head's selection from an earlier step while the cosine similarity of its block-pooled "
-        "queries and keys to that step's stays at least this (HASTE); empty: off", range=(0.0, 1.0),
+        None, "reuse a head's selection from an earlier step while its pooled score map (128-token means of q and "
+        "k) stays this similar to that step's: 1 - relative change (HASTE); empty: off", range=(0.0, 1.0),
         widget="number", advanced=True)
     reuse_max_steps: int = option(4, "reuse_threshold: a selection serves at most this many consecutive steps, then "
                                   "the head is selected again", range=(1, None), widget="number", advanced=True)
@@ -96,7 +101,7 @@ class ReuseOptions:
         super().validate()
         if self.reuse_threshold is not None:
             self.reuse_threshold = check_number("reuse_threshold", self.reuse_threshold, 0, 1,
-                                                note="cosine similarity of pooled queries and keys; empty: off")
+                                                note="1 - relative change of the pooled score map; empty: off")
         check_int("reuse_max_steps", self.reuse_max_steps, note="steps a selection serves at most")
 
 
@@ -112,17 +117,20 @@ def signatures(x):
     return torch.cat(parts, 2) if len(parts) > 1 else parts[0]
 
 
-def similarity(now, before):
-    """Frobenius cosine of two signatures per (batch, head): float32 ``(B, H)`` (NaN stays NaN)."""
-    dot = (now * before).sum((-1, -2))
-    norm = torch.linalg.vector_norm(now, dim=(-1, -2)) * torch.linalg.vector_norm(before, dim=(-1, -2))
-    return dot / norm.clamp_min(torch.finfo(torch.float32).tiny)
+def score_map(qs, ks):
+    """Row-centred pooled scores ``Qbar Kbar^T - rowmean``: float32 ``(B, H, C, C)``."""
+    scores = qs @ ks.transpose(-1, -2)
+    return scores - scores.mean(-1, keepdim=True)
 
 
 def head_similarity(q, k, entry):
-    """Per head, float32 ``(H,)``: the smaller of the query and key similarities, over the batch."""
-    sim = torch.minimum(similarity(signatures(q.detach()), entry["q"]), similarity(signatures(k.detach()), entry["k"]))
-    return sim.amin(0)
+    """Per head, float32 ``(H,)``: ``1 - ||P - P0||_F / ||P0||_F`` of the row-centred pooled score
+    maps now and at the selecting step, smallest over the batch (NaN stays NaN)."""
+    now = score_map(signatures(q.detach()), signatures(k.detach()))
+    before = score_map(entry["q"], entry["k"])
+    change = torch.linalg.vector_norm(now - before, dim=(-1, -2))
+    scale = torch.linalg.vector_norm(before, dim=(-1, -2)).clamp_min(torch.finfo(torch.float32).tiny)
+    return (1.0 - change / scale).amin(0)
 
 
 def _set_heads(target, source, index):
@@ -223,6 +231,8 @@ class ReuseSelection:
     def run_checked(self, ctx, q, k, v):
         """The call (under the guard when it is on); a head whose own output failed the guard's
         check (or whose input was not finite) is re-selected at the next call."""
+        memory = ctx.state.get(GUARD_KEY)
+        before = dict(memory["levels"]) if memory is not None else {}
         out = super().run_checked(ctx, q, k, v)
         report, entry = ctx.info.get("guard"), ctx.state.get(STATE_KEY)
         if report is not None and entry is not None and self.config.reuse_threshold is not None:
@@ -230,6 +240,6 @@ class ReuseSelection:
             for h, action in enumerate(report["action"]):
                 failed = (action == "nonfinite" or not report["first_error_bound"][h] <= report["bound"]
                           or (promise is not None and report["first_kept_mass"][h] < promise - MASS_TOLERANCE))
-                if failed and h < len(entry["stale"]):
+                if failed and not before.get(ctx.head_offset + h) and h < len(entry["stale"]):
                     entry["stale"][h] = True
         return out
