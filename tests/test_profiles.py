@@ -136,11 +136,12 @@ def test_skip_softmax_threshold_follows_the_key_count():
     config.validate()
     assert threshold_for(config, 4000) == pytest.approx(math.log(100.0))
     assert threshold_for(config, 30) == 0.0  # lambda >= 1: the most the engine's rule expresses
+    assert get_method("skip_softmax").make_config().skip_threshold == pytest.approx(math.log(10.0))  # ModelOpt's 0.1
 
 
 @pytest.mark.parametrize("options, words", [
-    ({}, "exactly one of skip_threshold"),
-    ({"skip_threshold": 2.0, "scale_factor": 10.0}, "exactly one of skip_threshold"),
+    ({"skip_threshold": 2.0, "scale_factor": 10.0}, "not both"),
+    ({"skip_threshold": -1.0}, "skip_threshold"),
     ({"scale_factor": 0.0}, "scale_factor"),
     ({"scale_factor": float("nan")}, "scale_factor"),
     ({"skip_threshold": 2.0, "correction": "pooled"}, "correction must be 'none'"),
@@ -247,6 +248,37 @@ def test_fastdit_profile_is_read_by_modelopt(tmp_path, form):
     assert back["scale_factor"] == pytest.approx(keys * math.exp(-3.0) if form == "skip_threshold" else 12.5)
 
 
+def test_per_layer_thresholds_write_the_strictest():
+    """``fastdit calibrate`` picks a threshold per layer; ModelOpt's format has one: the strictest
+    (smallest lambda, i.e. largest skip_threshold) keeps every layer within its budget."""
+    keys = 3 * 7 * 13
+    written = sparse_attention_config(_plan({"skip_threshold": 3.0}, {"0_0": {"skip_threshold": 5.0}, "0_1": {}}),
+                                      tiny_wan())
+    scale = written["config_groups"]["group_0"]["threshold_scale_factor"]["prefill"]["a"]
+    assert scale == pytest.approx(keys * math.exp(-5.0), rel=1e-5)
+    assert written["fastdit"]["scale_factors"] == {"0": pytest.approx(keys * math.exp(-5.0)),
+                                                   "1": pytest.approx(keys * math.exp(-3.0))}
+    dense_first = sparse_attention_config(_plan({"scale_factor": 50.0}, {"0_0": None, "0_1": {"scale_factor": 9.0}}),
+                                          tiny_wan())  # a dense layer takes no part
+    assert dense_first["config_groups"]["group_0"]["threshold_scale_factor"]["prefill"]["a"] == pytest.approx(9.0)
+
+
+def test_calibrated_plan_is_written(tmp_path):
+    """``fastdit.calibrate(..., "skip_softmax")`` on a tiny pipeline, then its plan as a profile that
+    ModelOpt's loader resolves."""
+    from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
+
+    pipe = tiny("wan")
+    call = {k: v for k, v in TINY_TEST_DEFAULTS["wan"].items() if k != "prompt"}
+    plan = fastdit.calibrate(pipe, "skip_softmax", ["a red fox"], budget=0.5, out=str(tmp_path / "plan.json"),
+                             call_kwargs=call, progress=False)
+    assert plan["method"] == "skip_softmax"
+    written = write_profile(tmp_path / "plan.json", tmp_path, pipe)
+    resolved = load_from_checkpoint_metadata(SimpleNamespace(**json.loads((tmp_path / "config.json").read_text())))
+    assert resolved is not None and resolved[1] == "CHECKPOINT_CALIBRATED_SOFTMAX_SKIP"
+    assert written["fastdit"]["model"]["layers"] == 4
+
+
 # -- bad input -----------------------------------------------------------------------------------
 def _profile(**group):
     return {"config_groups": {"group_0": {"algorithm": "skip_softmax", "targets": ["WanAttention"], **group}},
@@ -311,8 +343,11 @@ def test_bad_profiles_and_plans(tmp_path):
     sparge = {**_plan({}), "method": "sparge", "settings": {"0_0": {"cdf": 0.9}}}
     with pytest.raises(ProfileError, match="method 'sparge'.*skip_softmax"):
         sparse_attention_config(sparge, model)
-    with pytest.raises(ProfileError, match="one threshold per component"):
-        sparse_attention_config(_plan({"skip_threshold": 3.0}, {"0_0": {"skip_threshold": 5.0}}), model)
+    with pytest.raises(ProfileError, match="no step buckets"):
+        sparse_attention_config({**_plan({"skip_threshold": 3.0}, {"0_0": {}, "2_1": None}), "step_buckets": [0, 2]},
+                                model)
+    with pytest.raises(ProfileError, match=r"sets \['block'\]"):
+        sparse_attention_config(_plan({"skip_threshold": 3.0}, {"0_0": {"block": 32}}), model)
     with pytest.raises(ProfileError, match="pass keys="):
         sparse_attention_config(_plan({"skip_threshold": 3.0}, grids=()), model)
     with pytest.raises(ProfileError, match="sets option"):

@@ -42,8 +42,11 @@ file of that method) the same way, with ``"producer": {"name": "fastdit", ...}``
 back onto another model is refused naming both. fastdit's calibration picks one threshold, not a
 curve: it writes ``b = FLAT_B`` (ModelOpt's runtime needs ``a, b > 0``) and ``a`` so that
 ``a * exp(b * target_sparsity)`` is its scale factor; changing ``target_sparsity`` at serving time
-therefore barely moves the threshold. ModelOpt's profile has one threshold per component, so a plan
-whose layers use different thresholds (or dense layers only in later step buckets) is refused.
+therefore barely moves the threshold. ModelOpt's profile has one threshold per component: where a
+plan's layers have their own thresholds (``fastdit calibrate`` picks one per layer), the strictest
+(smallest ``lambda``) is written, which keeps every layer within its calibrated error budget, and
+the per-layer factors are recorded under ``"fastdit"``; a plan with step buckets beyond the first,
+or other per-layer options, is refused.
 """
 from __future__ import annotations
 
@@ -65,6 +68,10 @@ ALGORITHMS = {"skip_softmax": "skip_softmax", "vsa": "vsa"}
 FORMULA = "a * exp(b * target_sparsity)"
 #: ModelOpt's static threshold for a skip_softmax group without calibration (SKIP_SOFTMAX_TRITON_DEFAULT).
 DEFAULT_LAMBDA = 0.1
+#: ``-ln(DEFAULT_LAMBDA)``: the skip_softmax method's threshold when none is given.
+DEFAULT_THRESHOLD = -math.log(DEFAULT_LAMBDA)
+#: The options that carry a skip_softmax threshold.
+THRESHOLD_OPTIONS = ("skip_threshold", "scale_factor")
 #: ModelOpt's target sparsity when a profile gives none.
 DEFAULT_TARGET = 0.5
 #: The ``b`` fastdit writes (a single calibrated threshold, no sparsity curve; must be > 0).
@@ -203,7 +210,7 @@ def _skip_softmax_options(group, where, target_sparsity):
         if a > 0 and b > 0:  # what ModelOpt's runtime requires of a calibration; else its static default
             options["scale_factor"] = a * math.exp(b * target)
     if "scale_factor" not in options:
-        options["skip_threshold"] = -math.log(DEFAULT_LAMBDA)
+        options["skip_threshold"] = DEFAULT_THRESHOLD
     steps = group.get("initial_disabled_steps", 0)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ProfileError(f"{where}: initial_disabled_steps must be an int >= 0, got {steps!r}")
@@ -351,23 +358,39 @@ def sparse_attention_config(plan, target, *, keys=None, steps=None, target_spars
     patched, transformer = _patched(target)
     settings = options.pop("layer_settings", None) or {}
     dense = set(range(options.get("dense_layers") or 0))
+    own = {}  # layer -> its threshold option, where its setting gives one
     for key, value in settings.items():
         step, layer = map(int, key.split("_"))
-        if value is None and step == plan["step_buckets"][0] == 0:
+        if step != 0:
+            raise ProfileError(f"{where}: settings entry {key!r} starts at step {step}; ModelOpt's "
+                               f"sparse_attention_config has no step buckets (only initial_disabled_steps)")
+        if value is None:
             dense.add(layer)
-        elif value is None or any(value.get(k) != options.get(k) for k in value):
-            raise ProfileError(f"{where}: settings entry {key!r} ({value!r}) differs from the shared options; "
-                               f"ModelOpt's sparse_attention_config has one threshold per component and can keep "
-                               f"layers dense only for every step")
-    scale = options.get("scale_factor")
-    if scale is None:
-        if keys is None:
-            grids = plan["model"].get("grids") or []
-            if len(grids) != 1:
-                raise ProfileError(f"{where}: a fixed skip_threshold becomes ModelOpt's scale factor for one key count; "
-                                   f"the plan has grids {grids}: pass keys=")
-            keys = math.prod(grids[0])
-        scale = keys * math.exp(-options["skip_threshold"])
+            continue
+        other = sorted(k for k in value if k not in THRESHOLD_OPTIONS and value[k] != options.get(k))
+        if other:
+            raise ProfileError(f"{where}: settings entry {key!r} sets {other}; ModelOpt's sparse_attention_config "
+                               f"carries one threshold per component and nothing else per layer")
+        own[layer] = {k: value[k] for k in THRESHOLD_OPTIONS if value.get(k) is not None}
+
+    def key_count():
+        if keys is not None:
+            return keys
+        grids = plan["model"].get("grids") or []
+        if len(grids) != 1:
+            raise ProfileError(f"{where}: a fixed skip_threshold becomes ModelOpt's scale factor for one key count; "
+                               f"the plan has grids {grids}: pass keys=")
+        return math.prod(grids[0])
+
+    def factor(chosen):
+        if chosen.get("scale_factor") is not None:
+            return float(chosen["scale_factor"])
+        threshold = chosen.get("skip_threshold")
+        return key_count() * math.exp(-(DEFAULT_THRESHOLD if threshold is None else threshold))
+
+    shared = {k: options.get(k) for k in THRESHOLD_OPTIONS}
+    factors = {layer: factor(own.get(layer) or shared) for layer in range(len(patched)) if layer not in dense}
+    scale = min(factors.values()) if factors else factor(shared)  # the strictest: every layer within its budget
     dense_steps = options.get("dense_steps") or 0
     if isinstance(dense_steps, float):
         if steps is None:
@@ -392,8 +415,8 @@ def sparse_attention_config(plan, target, *, keys=None, steps=None, target_spars
     group["target_sparsity"] = {"prefill": float(target_sparsity)}
     family, cls, layers, heads = model_facts(target)
     return {"config_groups": {"group_0": group}, "producer": {"name": "fastdit", "version": __version__},
-            "fastdit": {"method": plan["method"], "model": {"family": family, "transformer": cls, "layers": layers,
-                                                            "heads": heads}}}
+            "fastdit": {"method": plan["method"], "scale_factors": {str(k): v for k, v in sorted(factors.items())},
+                        "model": {"family": family, "transformer": cls, "layers": layers, "heads": heads}}}
 
 
 def write_profile(plan, path, target, **kwargs):

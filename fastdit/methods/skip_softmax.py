@@ -44,10 +44,15 @@ from .base import OptionError, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 
 
+#: ModelOpt's static default (``SKIP_SOFTMAX_TRITON_DEFAULT``: ``lambda = 0.1``) in log units.
+DEFAULT_THRESHOLD = math.log(10.0)
+
+
 @dataclass
 class SkipSoftmaxConfig(BlockSparseConfig):
-    """Options of ``skip_softmax`` (see the module docstring); exactly one of ``skip_threshold``
-    and ``scale_factor`` is set.
+    """Options of ``skip_softmax`` (see the module docstring); at most one of ``skip_threshold``
+    and ``scale_factor`` is set; neither: ModelOpt's static default ``lambda = 0.1``
+    (``skip_threshold = ln 10``).
 
     Attributes:
         scale_factor: ModelOpt's calibrated ``a * exp(b * target_sparsity)``; the threshold of a
@@ -67,10 +72,12 @@ class SkipSoftmaxConfig(BlockSparseConfig):
         if self.scale_factor is not None:
             self.scale_factor = check_number("scale_factor", self.scale_factor, 0, low_open=True,
                                              note="ModelOpt's a * exp(b * target_sparsity); or None")
-        if (self.scale_factor is None) == (self.skip_threshold is None):
-            raise OptionError("skip_softmax needs exactly one of skip_threshold (log units below the row maximum) "
-                              f"and scale_factor (ModelOpt's calibrated factor); got skip_threshold="
+        if self.scale_factor is not None and self.skip_threshold is not None:
+            raise OptionError("skip_softmax takes one of skip_threshold (log units below the row maximum) and "
+                              f"scale_factor (ModelOpt's calibrated factor), not both; got skip_threshold="
                               f"{self.skip_threshold!r}, scale_factor={self.scale_factor!r}")
+        if self.scale_factor is None and self.skip_threshold is None:
+            self.skip_threshold = DEFAULT_THRESHOLD
         if self.correction != "none":
             raise OptionError(f"skip_softmax drops no key block in advance, so correction must be 'none', got "
                               f"{self.correction!r}")
@@ -95,6 +102,11 @@ class SkipSoftmax(BlockSparseMethod):
     #: Runs from ModelOpt profiles (``fastdit.integrations.profiles``) or by name; not in fastdit's method lists yet.
     listed = False
     rank = 90
+
+    @classmethod
+    def candidates(cls, layout):
+        """``fastdit calibrate``'s default thresholds: lambda from 0.1 down to e^-8."""
+        return [{"skip_threshold": t} for t in (DEFAULT_THRESHOLD, 3.0, 4.0, 6.0, 8.0)]
 
     def prepare(self, layout, heads, device):
         block, seq = self.config.block, layout.seq_len
