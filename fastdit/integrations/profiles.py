@@ -226,7 +226,8 @@ def _vsa_options(group, where):
     for key in ("block_size_3d", "top_k_ratio"):
         if key in group:
             if key not in names:
-                raise ProfileError(f"{where}: fastdit's vsa method has no option {key!r} (its options: {sorted(names)})")
+                raise ProfileError(f"{where}: fastdit's vsa method has no option {key!r} "
+                                   f"(its options: {sorted(names)})")
             value = group[key]
             options[key] = tuple(value) if isinstance(value, list) else value
     return options
@@ -301,7 +302,8 @@ def profile_options(profile, target):
     family, cls, layers, heads = model_facts(target)
     if profile.model:
         facts = (("family", family, "model family"), ("transformer", cls, "transformer class"),
-                 ("layers", layers, "number of patched attention layers"), ("heads", heads, "number of attention heads"))
+                 ("layers", layers, "number of patched attention layers"),
+                 ("heads", heads, "number of attention heads"))
         for key, actual, what in facts:
             made = profile.model.get(key)
             if made is not None and actual is not None and made != actual:
