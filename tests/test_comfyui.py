@@ -235,6 +235,14 @@ def test_plan_file_sets_windows_per_layer(comfy, tmp_path):
     path.write_text(json.dumps(plan))
     with pytest.raises(PlanError, match="window"):
         patch(model, "sta", plan_file=str(path), options="window=1,1,1")
+    # settings measured on another grid: refused at the first forward on this grid, naming both
+    other = {"format": "fastdit-plan", "version": 2, "method": "sparge",
+             "model": {"family": "wan", "transformer": None, "layers": 2, "heads": 2, "grids": [[3, 4, 4]]},
+             "options": {}, "step_buckets": [0], "settings": {"0_0": {"cdf": 0.9}, "0_1": None}}
+    path.write_text(json.dumps(other))
+    patched = patch(model, "sparge", plan_file=str(path))
+    with pytest.raises(PlanError, match=r"grid \(5, 6, 9\).*\[\(3, 4, 4\)\]"):
+        cm.forward(patched, "wan")
 
 
 @pytest.mark.parametrize("method", ["sta", "radial"])

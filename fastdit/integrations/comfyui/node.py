@@ -29,7 +29,7 @@ import re
 import warnings
 
 from fastdit.app.method_options import DEFAULT_CHOICE, option_specs, parse_option
-from fastdit.calibration.plan_file import plan_options, with_plan
+from fastdit.calibration.plan_file import load_plan, plan_options, with_plan
 from fastdit.methods.base import get_method, method_names
 from fastdit.methods.config import MethodConfig
 
@@ -181,8 +181,10 @@ class FastditSparseAttention:
         method_cls = get_method(method)
         given = _given(method, widgets, dense_steps, dense_blocks, options)
         layers, heads = family.layers(diffusion_model), family.heads(diffusion_model)
+        plan = None
         if plan_file and str(plan_file).strip():
             path = os.path.expanduser(str(plan_file).strip())
+            plan = (load_plan(path), path)
             planned = plan_options(path, method, family=family.family, layers=layers, heads=heads)
             given = with_plan(planned, given, path)
         try:
@@ -195,12 +197,12 @@ class FastditSparseAttention:
                 method_cls.check_family(adapter, config)
         except (ValueError, TypeError) as error:
             raise ValueError(f"{NAME} ({method} on {family.label}): {error}") from None
-        return (patched_clone(model, family, method, config),)
+        return (patched_clone(model, family, method, config, plan),)
 
 
-def patched_clone(model, family, method, config):
+def patched_clone(model, family, method, config, plan=None):
     """``model.clone()`` with the node's attention override and diffusion-model wrapper (a fastdit
-    node applied before is replaced, not stacked)."""
+    node applied before is replaced, not stacked); ``plan``: ``(contents, path)`` of a plan file."""
     from comfy.patcher_extension import WrappersMP
 
     clone = model.clone()
@@ -209,7 +211,7 @@ def patched_clone(model, family, method, config):
     if isinstance(previous, FastditAttention):
         previous = previous.previous
         clone.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
-    runtime = FastditAttention(family, method, config, previous)
+    runtime = FastditAttention(family, method, config, previous, plan)
     options["optimized_attention_override"] = runtime
     clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, runtime.wrapper)
     return clone

@@ -32,6 +32,7 @@ import warnings
 
 import torch
 
+from fastdit.calibration.plan_file import PlanError, grid_reason
 from fastdit.functional import run_call
 from fastdit.layout import key_mask_from_attn_mask
 from fastdit.stats import PatchStats
@@ -76,11 +77,15 @@ class FastditAttention:
     Args:
         family: the model's ``ComfyFamily``; method: the method name; config: its resolved config
             (``Method.resolve`` with the family's defaults); previous: an attention override set on
-            the model before the node's (dense calls go through it), or None.
+            the model before the node's (dense calls go through it), or None; plan: the plan file's
+            contents and path ``(plan, path)`` when the options came from one: a forward on a grid
+            where its settings do not mean what they were calibrated for raises ``PlanError``.
     """
 
-    def __init__(self, family, method, config, previous=None):
+    def __init__(self, family, method, config, previous=None, plan=None):
         self.family, self.method, self.config, self.previous = family, method, config, previous
+        self.plan = plan
+        self._grids_checked = set()
         self.stats = PatchStats()
         self._warned = set()
         self._lock = threading.Lock()
@@ -103,6 +108,8 @@ class FastditAttention:
         model = executor.class_obj
         options = arguments.get("transformer_options") or {}
         geometry = self.family.geometry(model, arguments)
+        if self.plan is not None and geometry.layout is not None:
+            self._check_grid(geometry.layout.grid)
         step, num_steps = step_of(options)
         branch = tuple(options.get("cond_or_uncond") or ())
         self._new_step(options, step)
@@ -111,6 +118,15 @@ class FastditAttention:
             return executor(*args, **kwargs)
         finally:
             _FORWARD.reset(token)
+
+    def _check_grid(self, grid):
+        if grid in self._grids_checked:
+            return
+        plan, path = self.plan
+        reason = grid_reason(plan, [grid])
+        if reason is not None:
+            raise PlanError(f"fastdit Sparse Attention: plan {path} cannot be applied to grid {grid}: {reason}")
+        self._grids_checked.add(grid)
 
     def _new_step(self, options, step):
         schedule = options.get("sample_sigmas")
