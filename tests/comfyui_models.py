@@ -32,7 +32,10 @@ def comfy_source():
     """A folder holding ComfyUI's ``comfy/`` package, or None."""
     given = os.environ.get("FASTDIT_COMFYUI_SRC")
     if given:
-        return Path(given) if (Path(given) / "comfy" / "model_patcher.py").exists() else None
+        if (Path(given) / "comfy" / "model_patcher.py").exists():
+            return Path(given)
+        _STATE["reason"] = f"FASTDIT_COMFYUI_SRC={given} is not a ComfyUI checkout (no comfy/model_patcher.py in it)"
+        return None
     for folder in (ROOT.parent / "shared" / "thirdparty", ROOT / "shared" / "thirdparty"):
         if (folder / TARBALL).exists():
             target = Path(tempfile.mkdtemp(prefix="fastdit-comfyui-"))
@@ -40,6 +43,11 @@ def comfy_source():
                 tar.extractall(target, filter="data")
             return target
     return None
+
+
+def skip_reason():
+    """Why the ComfyUI tests skip (after ``load_comfy()`` returned None)."""
+    return _STATE.get("reason", SKIP_REASON)
 
 
 def load_comfy():

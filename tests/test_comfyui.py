@@ -32,7 +32,7 @@ STA = dict(tile=(1, 2, 4), window=(3, 3, 1))  # tiles of 8 tokens; windows that 
 def comfy():
     loaded = cm.load_comfy()
     if loaded is None:
-        pytest.skip(cm.SKIP_REASON)
+        pytest.skip(cm.skip_reason())
     return loaded
 
 
