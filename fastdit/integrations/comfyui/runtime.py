@@ -33,6 +33,7 @@ import warnings
 import torch
 
 from fastdit.calibration.plan_file import PlanError, grid_reason
+from fastdit.context import CallState
 from fastdit.functional import run_call
 from fastdit.layout import key_mask_from_attn_mask
 from fastdit.stats import PatchStats
@@ -173,8 +174,9 @@ class FastditAttention:
             if forward.step is None:
                 return self._dense(own, "no sampler step (transformer_options has no sigmas within sample_sigmas): "
                                    f"dense_steps={dense_steps!r} needs it", q, heads, skip_reshape)
-            threshold = dense_steps * forward.num_steps if isinstance(dense_steps, float) else dense_steps
-            if forward.step < threshold:
+            call = CallState(forward.num_steps)  # the pipeline's rule: step i is dense iff i < the threshold
+            call.rounds = forward.step
+            if call.is_dense_step(dense_steps):
                 self.stats.count_dense(size)
                 return own()
         if q.dtype not in _ENGINE_DTYPES:
