@@ -352,3 +352,29 @@ def test_bad_profiles_and_plans(tmp_path):
         sparse_attention_config(_plan({"skip_threshold": 3.0}, grids=()), model)
     with pytest.raises(ProfileError, match="sets option"):
         apply_profile(model, read_profile(_profile()), dense_steps=1)
+
+
+def test_cli_profile_export_and_show(tmp_path, capsys):
+    from fastdit.cli import main
+
+    plan = _plan({"skip_threshold": 3.0, "dense_steps": 1}, {"0_0": {}, "0_1": None}, grids=((3, 10, 14),))
+    plan["model"]["layers"] = 4
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "exported" / "transformer"  # made when missing
+    assert main(["profile", "export", str(tmp_path / "plan.json"), "--model", "tiny-wan", "--out", str(out)]) == 0
+    data = json.loads((out / "config.json").read_text())
+    assert data["sparse_attention_config"]["config_groups"]["group_0"]["initial_disabled_steps"] == 1
+    capsys.readouterr()
+    assert main(["profile", "show", str(out), "--model", "tiny-wan"]) == 0
+    shown = capsys.readouterr().out
+    assert "algorithm skip_softmax -> fastdit method skip_softmax" in shown
+    assert "'layer_settings': {'0_1': None}" in shown and "'dense_steps': 1" in shown
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "show", str(tmp_path / "missing")])
+    assert exit_info.value.code == 1
+    assert "cannot read it" in capsys.readouterr().err
+    sparge = {**plan, "method": "sparge", "options": {}, "settings": {"0_0": {"cdf": 0.9}}}
+    (tmp_path / "sparge.json").write_text(json.dumps(sparge))
+    with pytest.raises(SystemExit):
+        main(["profile", "export", str(tmp_path / "sparge.json"), "--model", "tiny-wan", "--out", str(out)])
+    assert "method 'sparge'" in capsys.readouterr().err

@@ -422,11 +422,13 @@ def sparse_attention_config(plan, target, *, keys=None, steps=None, target_spars
 
 
 def write_profile(plan, path, target, **kwargs):
-    """Write ``sparse_attention_config(plan, target, **kwargs)`` into ``path``: a component's
-    ``config.json`` (or its folder), merged into what is there, else a new file. Returns the dict."""
+    """Write ``sparse_attention_config(plan, target, **kwargs)`` into ``path``: a ``.json`` file or a
+    component folder (its ``config.json``; the folder is made when missing), merged into what is
+    there, else a new file. Returns the dict."""
     config = sparse_attention_config(plan, target, **kwargs)
     path = os.fspath(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) or not path.endswith(".json"):  # a component folder (made when missing)
+        os.makedirs(path, exist_ok=True)
         path = os.path.join(path, "config.json")
     data = {}
     if os.path.exists(path):
