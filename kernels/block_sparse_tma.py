@@ -33,7 +33,7 @@ launcher installs a torch allocator (``triton.set_allocator``) when none is set.
 
 Which variant runs (``forward_variant``): ``FASTDIT_TRITON_VARIANT`` = ``auto`` (default), ``tma``
 or ``cp_async``. ``auto`` runs this variant on a GPU whose architecture the offline table records
-it as compiled clean for (sm_90, sm_100: ``offline_table.json``, kernel ``fixed_tma``), for the
+it as compiled clean for (sm_90, sm_100, sm_120: ``offline_table.json``, kernel ``fixed_tma``), for the
 call's dtype and head dim, never below sm_90, never for the skip rule (whose launches keep the
 classic kernel) and never when the layout does not meet the TMA rules. ``tma`` forces it: on a GPU
 below sm_90 or a layout it cannot take, a ``ValueError`` naming the GPU / the layout and the

@@ -301,3 +301,10 @@ def test_tma_variant_keeps_tma_loads_and_tensor_cores(tmp_path):
         old = have.get(e["key"])
         if old is not None and old["source_hash"] == e["source_hash"] and old.get("sass"):
             assert e["sass"] == old["sass"], f"{e['key']}: fresh census {e['sass']} != table {old['sass']}"
+
+
+def test_markdown_table_has_the_census_column():
+    lines = offline.markdown(offline.load_table()).splitlines()
+    assert lines[0].endswith("| SASS census |")
+    rows = [ln for ln in lines if ln.startswith("| sm_90 ") and "| fixed_tma |" in ln]
+    assert rows and all("tma " in ln and "wgmma " in ln for ln in rows), rows
