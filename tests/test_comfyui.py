@@ -402,6 +402,27 @@ def test_reference_tokens_run_comfyuis_attention(comfy):
     assert "ref_latents" in next(iter(stats.fallbacks))
 
 
+def test_tokens_off_the_layout_run_comfyuis_attention(comfy):
+    """A ComfyUI ``post_input`` patch that appends tokens to Flux's image sequence: the layers see more
+    tokens than the grid and the text; they run ComfyUI's own attention (bit-exact), one warning."""
+    model = cm.build("flux")
+    args = cm.inputs("flux")
+
+    def extra_tokens(inputs):
+        img, ids = inputs["img"], inputs["img_ids"]
+        return {**inputs, "img": torch.cat([img, img[:, :3]], 1), "img_ids": torch.cat([ids, ids[:, :3]], 1)}
+
+    model.set_model_patch(extra_tokens, "post_input")
+    reference = cm.forward(model, "flux", args)
+    patched = patch(model, "sta", options="tile=1,2,4 window=1,3,1")
+    with pytest.warns(UserWarning, match="87 tokens.*grid \\(1, 7, 11\\) and 7 text tokens make 84") as caught:
+        out = cm.forward(patched, "flux", args)
+    assert len([w for w in caught if "tokens" in str(w.message)]) == 1
+    assert torch.equal(out, reference)
+    stats = runtime_of(patched).stats
+    assert stats.sparse_calls == 0 and stats.fallback_calls == 3
+
+
 def test_unsupported_family_passes_through_and_warns_once(comfy):
     class Other(torch.nn.Module):
         pass

@@ -99,7 +99,7 @@ class ComfyFamily:
         text = int(context.shape[1]) if context is not None and hasattr(context, "shape") and self.text != "none" \
             else 0
         byt5 = arguments.get("txt_byt5") if self.family == "hunyuan_video" else None
-        if byt5 is not None:
+        if byt5 is not None and getattr(model, "byt5_in", None) is not None:  # joined to the text only then
             text += int(byt5.shape[1])
         cross = ()
         if self.text == "none":

@@ -157,7 +157,10 @@ class FastditAttention:
         if k.shape[seq_dim] != q.shape[seq_dim] or heads is None:
             return own()  # cross-attention
         if expected is not None and q.shape[seq_dim] != expected:
-            return own()  # not a layer of the model's token grid (HunyuanVideo's text refiner)
+            if q.shape[seq_dim] > layout.video_len:  # a layer with tokens the family's layout does not place
+                return self._dense(own, f"self-attention over {q.shape[seq_dim]} tokens, but the grid {layout.grid} "
+                                   f"and {layout.text_len} text tokens make {expected}", q, heads, skip_reshape)
+            return own()  # shorter: not a layer of the token grid (HunyuanVideo's text refiner)
         if layout is None:
             return self._dense(own, forward.geometry.reason, q, heads, skip_reshape)
         layer = forward.layer
