@@ -17,7 +17,8 @@ ComfyUI class or module):
   ComfyUI's token order (text prefix / suffix included), the key mask ComfyUI passes (HunyuanVideo's
   text padding) and per (layer, CFG batch) state kept across the steps of one sampling run. Every
   other call (cross-attention, HunyuanVideo's text refiner, dense steps and layers, method
-  ``dense``, masks that are not key masks, unknown steps) runs ComfyUI's own attention ``func``
+  ``dense``, masks that are not key masks, unknown steps, layers with more tokens than the grid and
+  the text, e.g. added by another node's ``post_input`` patch) runs ComfyUI's own attention ``func``
   (or an override that was set before the node's) with its own arguments, unchanged.
 
 ``stats`` (a ``PatchStats``) counts every layer call: sparse, dense by design, and fallbacks with
