@@ -217,7 +217,7 @@ def test_ring_is_refused_with_a_reason():
     from fastdit.methods.parallel.ring import ring_refusal
 
     reason = ring_refusal(SLA())
-    assert reason is not None and "sla" in reason and "Ulysses" in reason
+    assert reason is not None and "sla" in reason and "Ulysses" in reason and "linear branch" in reason
 
 
 def test_option_error_is_a_value_error():

@@ -193,7 +193,9 @@ class SLA(BlockSparseMethod):
     #: tiny-shapes' 9 x 32 x 32 grid in 3 x 8 x 8 tiles (48 blocks): the sparse branch at a quarter of them.
     tiny_options = {"tile": (3, 8, 8), "topk_ratio": 0.25}
     rank, engine_geometry, cost_model = 36, "grid", "density"  # in an engine: training-free (no layer identity)
-    ring = False  # the linear branch needs every key block's sums: a ring shard holds one key range
+    ring = False
+    ring_reason = ("its linear branch sums phi(K)^T V over every marginal key block of the whole sequence, which one "
+                   "ring shard does not hold")
     reports_lse = False  # the output is not a softmax over the computed keys (the linear branch adds to it)
 
     #: the quality guard's bound when ``guard`` is left empty (a dynamic selection, like sparge's)
