@@ -30,6 +30,9 @@ class PatchStats:
         plan_names: names of the plans used. padding_fraction: the largest padding of any plan.
         reuse_head_calls, reused_heads: head-calls of a dynamic method with ``reuse_threshold`` set,
             and those of them that kept an earlier step's selection (``methods/reuse.py``).
+        skipped_subtiles, walked_subtiles: the in-kernel skip rule (``skip_threshold``, and the
+            ``skip_softmax`` method): key sub-tiles it skipped / looked at over every (batch, head)
+            of the calls that ran it (read from the device when asked); ``skip_share`` their ratio.
     """
 
     def __init__(self, method=None):
@@ -59,6 +62,9 @@ class PatchStats:
         # selection reuse across steps (fastdit/methods/reuse.py): head-calls with reuse on, and reused
         self.reuse_head_calls = 0
         self.reused_heads = 0
+        # the in-kernel skip rule: device tensors summed per call (no host synchronisation)
+        self._skipped_subtiles = 0
+        self._walked_subtiles = 0
 
     # -- counting ---------------------------------------------------------------------------
     def count_dense(self, size):
@@ -106,6 +112,11 @@ class PatchStats:
             with self._lock:
                 self.reuse_head_calls += reuse["heads"]
                 self.reused_heads += reuse["reused"]
+        skipped, walked = info.get("skipped_subtiles"), info.get("walked_subtiles")
+        if skipped is not None and walked is not None and not info.get("dense"):
+            with self._lock:
+                self._skipped_subtiles = self._skipped_subtiles + skipped.sum()
+                self._walked_subtiles = self._walked_subtiles + walked.expand(skipped.shape).sum()
         if info.get("dense"):
             self.count_dense(size)
         elif "performed" in info:
@@ -160,6 +171,20 @@ class PatchStats:
         return self.sparse_density
 
     @property
+    def skipped_subtiles(self):
+        return int(self._skipped_subtiles)
+
+    @property
+    def walked_subtiles(self):
+        return int(self._walked_subtiles)
+
+    @property
+    def skip_share(self):
+        """Skipped / looked-at key sub-tiles of the skip rule; None when no call ran it."""
+        walked = self.walked_subtiles
+        return self.skipped_subtiles / walked if walked else None
+
+    @property
     def total_calls(self):
         return self.dense_calls + self.sparse_calls + self.fallback_calls
 
@@ -186,6 +211,8 @@ class PatchStats:
                       "seconds": self.guard_seconds},
             "reuse": {"head_calls": self.reuse_head_calls, "reused": self.reused_heads,
                       "rate": self.reused_heads / self.reuse_head_calls if self.reuse_head_calls else None},
+            "skip": {"skipped_subtiles": self.skipped_subtiles, "walked_subtiles": self.walked_subtiles,
+                     "share": self.skip_share},
         }
 
     def __repr__(self):

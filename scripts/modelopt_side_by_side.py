@@ -51,32 +51,6 @@ def _relative(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@contextlib.contextmanager
-def _skip_counter():
-    """Counts skipped / walked sub-tiles of every engine call (wraps ``run_plan`` where the
-    methods look it up, restored on exit): measurement only."""
-    import fastdit.methods.base as base
-
-    counts = {"skipped": 0, "walked": 0}
-    original = base.run_plan
-
-    def counting(q, k, v, plan, **kwargs):
-        from fastdit.kernels import skip_subtiles_walked
-
-        result = original(q, k, v, plan, **kwargs)
-        if kwargs.get("return_skipped"):
-            counts["skipped"] += int(result[-1].sum())
-            walked = skip_subtiles_walked(plan.kv_counts, plan.kernel_len, plan.block_m, plan.block_n)
-            counts["walked"] += int(walked.expand(q.shape[0], q.shape[1]).sum())
-        return result
-
-    base.run_plan = counting
-    try:
-        yield counts
-    finally:
-        base.run_plan = original
-
-
 def _modelopt(load, call, calibration, target):
     import modelopt.torch.sparsity.attention_sparsity as mtsa
     from modelopt.torch.sparsity.attention_sparsity.conversion import export_sparse_attention_config
@@ -117,11 +91,11 @@ def _fastdit(load, call, profile, scale_factor=None):
         profile.group.options["scale_factor"] = scale_factor
     patch = apply_profile(pipe, profile, backend="torch")
     start = time.perf_counter()
-    with _skip_counter() as counts:
-        latents = _latents(pipe, call)
+    latents = _latents(pipe, call)
     seconds = time.perf_counter() - start
+    share = patch.stats.skip_share or 0.0  # skipped / walked sub-tiles over the run (PatchStats)
     patch.remove()
-    return latents, counts["skipped"] / max(counts["walked"], 1), profile.group.options["scale_factor"], seconds
+    return latents, share, profile.group.options["scale_factor"], seconds
 
 
 def _equal_sparsity(load, call, profile, wanted, start_factor, rounds):

@@ -190,6 +190,8 @@ def test_modelopt_profile_runs_as_its_skip_rule(exported, monkeypatch):
         assert torch.isfinite(out).all() and error < 1e-5
         skipped, walked = skipped + int(ref["skipped"].sum()), walked + int(ref["walked"].sum())
     assert 0 < skipped < walked
+    assert (patch.stats.skipped_subtiles, patch.stats.walked_subtiles) == (skipped, walked)  # counted by the patch
+    assert patch.stats.as_dict()["skip"]["share"] == pytest.approx(skipped / walked)
     patch.remove()
 
 
