@@ -275,3 +275,20 @@ def test_the_guard_checks_sla_and_replaces_failing_heads():
     loose, info = fastdit.attention(q, k, v, "sla", layout=layout, tile=(1, 3, 3), topk_ratio=0.1, guard=100.0,
                                     return_info=True)
     assert info["guard"]["action"] == ["pass", "pass"] and (loose - dense).abs().max() > 1e-2
+
+
+def test_calibrate_tries_sla_candidates_and_its_plan_runs(tmp_path):
+    """``candidates`` (topk_ratio 0.5 .. 0.05) are what fastdit.calibrate tries; a huge budget keeps the sparsest."""
+    import fastdit
+    from fastdit.calibration.search import calibrate
+    from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
+
+    pipe = tiny("wan")
+    call = dict(TINY_TEST_DEFAULTS["wan"])
+    plan = calibrate(pipe, "sla", ["a cat"], budget=10.0, out=tmp_path / "plan.json", call_kwargs=call,
+                     options={"tile": (1, 2, 2)}, rows=48, progress=False)
+    assert [c["topk_ratio"] for c in plan["candidates"]] == [0.5, 0.3, 0.2, 0.1, 0.05]
+    assert set(map(str, plan["settings"].values())) == {str({"topk_ratio": 0.05})}
+    with fastdit.patch(pipe, "sla", plan=tmp_path / "plan.json", guard=False) as p:
+        pipe("a cat", **call)
+    assert p.stats.sparse_calls > 0 and p.stats.sparse_density < 0.2
