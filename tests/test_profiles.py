@@ -293,15 +293,31 @@ def test_unknown_algorithm_names_it_and_fastdit_s(algorithm):
         read_profile(_profile(algorithm=algorithm))
 
 
-def test_vsa_maps_to_the_vsa_method_or_says_it_is_missing():
-    from fastdit.methods import method_names
+def test_vsa_profile_runs_fastdit_s_vsa_or_says_it_is_missing():
+    """ModelOpt's VSA keys (``block_size_3d``, ``top_k_ratio``) become fastdit's ``vsa`` options;
+    without a ``vsa`` method the read names the algorithm and says fastdit does not have it yet."""
+    from fastdit.methods import register_method, unregister_method
 
-    profile = _profile(algorithm="vsa", block_size_3d=[4, 4, 4], top_k_ratio=0.5)
-    if "vsa" not in method_names():
-        with pytest.raises(ProfileError, match="'vsa'.*does not have yet"):
+    profile = _profile(algorithm="vsa", block_size_3d=[1, 2, 2], top_k_ratio=0.5,
+                       ignore=["blocks.0.attn2", "blocks.1.attn2"])
+    model, inputs = tiny_wan(), _inputs()
+    method, options = profile_options(read_profile(profile), model)
+    assert method == "vsa" and options == {"block_size_3d": (1, 2, 2), "top_k_ratio": 0.5}
+    with torch.no_grad():
+        patch = apply_profile(model, read_profile(profile), backend="torch")
+        out = model(**inputs).sample
+    assert torch.isfinite(out).all() and patch.stats.sparse_calls == 2 and patch.stats.sparse_density < 0.9
+    patch.remove()
+    with pytest.raises(ProfileError, match=r"config_groups.group_0: top_k_ratio must be a number in \(0, 1\]"):
+        read_profile(_profile(algorithm="vsa", top_k_ratio=1.5))
+    vsa = get_method("vsa")
+    unregister_method("vsa")
+    try:
+        with pytest.raises(ProfileError, match=r"algorithm 'vsa' runs as fastdit's method 'vsa', which this fastdit "
+                                               r"does not have yet; its methods are \["):
             read_profile(profile)
-    else:
-        assert read_profile(profile).group.method == "vsa"
+    finally:
+        register_method(vsa)
 
 
 def test_uncalibrated_skip_softmax_is_modelopt_s_static_default():

@@ -266,6 +266,10 @@ def read_profile(source, *, target_sparsity=None):
                                f"fastdit does not have yet; its methods are {method_names()}") from None
         options = (_skip_softmax_options(group, here, target_sparsity) if algorithm == "skip_softmax"
                    else _vsa_options(group, here))
+        try:
+            get_method(method).make_config(**options)
+        except (ValueError, TypeError) as error:
+            raise ProfileError(f"{here}: {error}") from None
         for entry in ("targets", "ignore"):
             value = group.get(entry, [])
             if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
@@ -295,7 +299,9 @@ def _patched(target):
 def profile_options(profile, target):
     """``(method, options)`` that run ``profile`` on ``target`` (a pipeline or its transformer) with
     ``fastdit.patch``. ``ProfileError`` (a ``PlanError``) when the profile was made for another
-    model: its attention classes, the modules it names or (fastdit's profiles) its layers and heads."""
+    model: its attention classes, the modules it names or (fastdit's profiles) its layers and heads.
+    A profile is one component's (``transformer``): on a pipeline with a second transformer (Wan 2.2)
+    fastdit runs it on both, and ``ignore`` names modules of the first."""
     profile = profile if isinstance(profile, Profile) else read_profile(profile)
     where, group = _where(profile.source), profile.group
     patched, transformer = _patched(target)
