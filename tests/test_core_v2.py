@@ -54,6 +54,7 @@ def test_compiled_patched_model_matches_eager(family, backend):
 
 DYNAMIC = {  # per-call plans chosen from q, k (and v): really sparse on the 3x8x10 grid
     "sparge": dict(tile=(1, 4, 4), topk=0.25, simthresh=-1.0, dense_steps=0),
+    "sla": dict(tile=(1, 4, 4), topk_ratio=0.25, dense_steps=0),
     "svg": dict(density=0.34, block_size=16, n_samples=16, dense_steps=0, dense_layers=0),
     "svg2": dict(q_clusters=6, k_clusters=12, top_p=0.5, warm_start=False, dense_steps=0, dense_layers=0),
 }
