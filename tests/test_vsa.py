@@ -251,3 +251,53 @@ def test_patch_trains_gates_and_loads_them_for_this_model_only(tmp_path):
         fastdit.patch(model, "vsa", method_params=tmp_path, block_size_3d=(4, 4, 4))
     with pytest.raises(OptionError, match="vsa takes no correction"):
         fastdit.patch(model, "vsa", correction="pooled")
+
+
+def test_recipe_trains_the_gates_beside_the_lora_and_resumes_them(tmp_path):
+    """``train_lora`` with vsa: the gates join the optimiser, every checkpoint and
+    ``fastdit_method_params.safetensors``; 2 + 2 resumed steps equal 4 in one go (gates included),
+    and the evaluation helpers measure the trained gates (``method_params=``)."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from fastdit.pipelines.tiny import tiny
+    from fastdit.train import LoraTrainConfig, output_error, train_lora
+    from fastdit.train.method_params import FILE
+
+    call = {"num_frames": 9, "height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 1.0,
+            "max_sequence_length": 16}  # a 3 x 4 x 4 latent grid: 12 cubes of 1 x 2 x 2, 3 kept
+    options = {"block_size_3d": (1, 2, 2), "top_k_ratio": 0.25}
+
+    def pipe():
+        made = tiny("wan", seed=0, num_layers=2)
+        made.set_progress_bar_config(disable=True)
+        return made
+
+    def config(steps):
+        return LoraTrainConfig(method="vsa", options=options, prompts=("a cat", "a dog"), seeds=(0,), samples=3,
+                               steps=steps, lr=1e-2, rank=4, checkpoint_every=2, call_kwargs=call, backend="torch")
+
+    whole = train_lora(pipe(), config(4), tmp_path / "whole", progress=False)
+    assert whole["method_params"] == str(tmp_path / "whole" / FILE)
+    assert whole["stats"]["fallback_calls"] == 0 and whole["stats"]["sparse_density"] < 0.5
+    gates = load_file(whole["method_params"])
+    assert len(gates) == 4 and all(torch.isfinite(g).all() for g in gates.values())
+    assert max(float(g.abs().max()) for g in gates.values()) > 0  # trained away from the zero init
+    train_lora(pipe(), config(2), tmp_path / "split", progress=False)
+    resumed_pipe = pipe()
+    resumed = train_lora(resumed_pipe, config(4), tmp_path / "split", resume=True, progress=False)
+    assert resumed["resumed_from"] == 2
+    assert resumed["losses"] == pytest.approx(whole["losses"], rel=1e-5, abs=1e-9)
+    for key, value in load_file(resumed["method_params"]).items():
+        torch.testing.assert_close(value, gates[key], rtol=1e-4, atol=1e-7)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, resumed_pipe.transformer.config.in_channels, 3, 8, 8, generator=gen)
+    text = resumed_pipe.encode_prompt("a bird", do_classifier_free_guidance=False, max_sequence_length=16)[0]
+    with torch.no_grad():
+        target = resumed_pipe.transformer(hidden_states=x, timestep=torch.tensor([300.0]), encoder_hidden_states=text,
+                                          return_dict=False)[0]
+    sample = {"hidden_states": x, "timestep": torch.tensor([300.0]), "encoder_hidden_states": text, "target": target}
+    free = output_error(resumed_pipe.transformer, [sample], "vsa", options, "torch")
+    trained = output_error(resumed_pipe.transformer, [sample], "vsa", options, "torch",
+                           method_params=resumed["method_params"])
+    assert free > 0 and trained > 0 and free != trained
