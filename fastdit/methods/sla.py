@@ -37,16 +37,17 @@ kernel uses 128-row query and 64-row key blocks). Per call, batch and head, with
    Masked query rows are 0.
 
 Cost per head: the sparse branch is ``topk_ratio`` of dense attention's work (plus the text blocks);
-the linear branch is about ``4 N D^2`` FLOPs for the block sums and the feature products, ``2 N D^2``
-for the projection, and ``2 n^2 D^2 = 2 N^2 D^2 / b^2`` to mix the block sums per query block
+the linear branch is about ``4 N D^2`` FLOPs for the block sums and the feature products, ``2 N
+D^2`` for the projection, and ``2 n^2 D^2 = 2 N^2 D^2 / b^2`` to mix the block sums per query block
 (1/256 of dense's ``4 N^2 D`` at ``b = D = 128``); its memory is two ``n x D x D`` float32 tensors
-per head (the published kernel keeps the same per-query-block sums). What is fused: nothing across branches. The published kernel
-adds the linear branch's block sums inside the sparse kernel's loop over a query block's key blocks;
-fastdit's engine is shared with every block-sparse method, so here the sparse branch is one engine
-call and the linear branch three batched matmuls beside it (block sums, their per-row mix by the
-marginal mask, the feature products), never an ``N x N`` matrix. ``fastdit.eval.predict`` counts both
-(``outside_work``). A zero projection (the training-free form) skips the linear branch; telling it
-from a trained one reads the projection once per call (one host synchronisation on a GPU).
+per head (the published kernel keeps the same per-query-block sums). What is fused: nothing across
+branches. The published kernel adds the linear branch's block sums inside the sparse kernel's loop
+over a query block's key blocks; fastdit's engine is shared with every block-sparse method, so here
+the sparse branch is one engine call and the linear branch three batched matmuls beside it (block
+sums, their per-row mix by the marginal mask, the feature products), never an ``N x N`` matrix.
+``fastdit.eval.predict`` counts both (``outside_work``). A zero projection (the training-free form)
+skips the linear branch; telling it from a trained one reads the projection once per call (one host
+synchronisation on a GPU).
 
 Not under ring attention (the linear branch needs every key block's sums; ring cuts the plan only).
 """
