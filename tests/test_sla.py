@@ -292,3 +292,20 @@ def test_calibrate_tries_sla_candidates_and_its_plan_runs(tmp_path):
     with fastdit.patch(pipe, "sla", plan=tmp_path / "plan.json", guard=False) as p:
         pipe("a cat", **call)
     assert p.stats.sparse_calls > 0 and p.stats.sparse_density < 0.2
+
+
+@pytest.mark.guard_defaults
+def test_training_eval_measures_the_method_not_the_guard():
+    """``fastdit.train --eval``'s video PSNR runs the method as it trains (guard off unless asked for):
+    with sla's default guard on, failing heads would run dense and the 'before' row would be dense's."""
+    from fastdit.pipelines.tiny import tiny
+    from fastdit.train.__main__ import TINY_CALL
+    from fastdit.train.evaluate import dense_videos, video_fidelity
+
+    pipe = tiny("wan")
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(TINY_CALL, num_inference_steps=2)
+    dense = dense_videos(pipe, ["a cat"], (0,), call)
+    options = dict(tile=(2, 4, 4), topk_ratio=0.25, dense_steps=0, dense_layers=0)
+    assert video_fidelity(pipe, dense, ["a cat"], (0,), call, "sla", options)["density"] < 0.5
+    assert video_fidelity(pipe, dense, ["a cat"], (0,), call, "sla", dict(options, guard=0.01))["density"] > 1.0

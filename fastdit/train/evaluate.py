@@ -55,10 +55,13 @@ def dense_videos(pipe, prompts, seeds, call_kwargs):
 def video_fidelity(pipe, dense, prompts, seeds, call_kwargs, method, options, backend="auto", method_params=None):
     """``{"psnr", "ssim", "density"}`` (means over the videos) of the patched pipeline against
     ``dense`` (``dense_videos`` of the same prompts and seeds); ``method_params``: the method's
-    trained parameters (``fastdit.patch(..., method_params=)``), None for its training-free form."""
+    trained parameters (``fastdit.patch(..., method_params=)``), None for its training-free form.
+    The quality guard is off unless ``options`` set it, as in ``layer_errors`` / ``output_error`` and
+    in training: its dense re-runs of failing heads would be measured instead of the method."""
     import fastdit
     from fastdit.eval.metrics.fidelity import psnr, ssim
 
+    options = {"guard": False, **options}
     with fastdit.patch(pipe, method, backend=backend, method_params=method_params, **options) as p:
         sparse = _videos(pipe, prompts, seeds, call_kwargs)
         density = p.stats.sparse_density
