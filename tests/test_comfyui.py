@@ -147,6 +147,23 @@ def test_step_of_reads_the_samplers_sigmas():
 # -- ComfyUI's models ----------------------------------------------------------------------------------
 
 
+def test_widgets_use_comfyuis_input_types(comfy):
+    """Every input of every node is one of ComfyUI's IO types (or a combo list) with options that
+    ComfyUI's ``InputTypeOptions`` defines; the node returns ComfyUI's MODEL type."""
+    import typing
+
+    from comfy.comfy_types.node_typing import IO, InputTypeOptions
+
+    known = set(typing.get_type_hints(InputTypeOptions))
+    types = {member.value for member in IO}
+    for cls in NODE_CLASS_MAPPINGS.values():
+        assert cls.RETURN_TYPES == (IO.MODEL.value,) and callable(getattr(cls(), cls.FUNCTION))
+        for part in cls.INPUT_TYPES().values():
+            for name, spec in part.items():
+                assert isinstance(spec[0], list) or spec[0] in types, (cls.__name__, name, spec[0])
+                assert set(spec[1] if len(spec) > 1 else {}) <= known, (cls.__name__, name)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_dense_is_exact_and_the_original_is_untouched(comfy, kind):
     model = cm.build(kind)
