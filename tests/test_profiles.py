@@ -396,3 +396,19 @@ def test_cli_profile_export_and_show(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["profile", "export", str(tmp_path / "sparge.json"), "--model", "tiny-wan", "--out", str(out)])
     assert "method 'sparge'" in capsys.readouterr().err
+
+
+def test_profile_steps_and_layers_in_a_pipeline_run():
+    """initial_disabled_steps and ignored self-attention layers, counted in a real pipeline call:
+    the tiny Wan (4 layers), 2 steps, CFG as two calls."""
+    from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
+
+    pipe = tiny("wan")
+    profile = _profile(ignore=[f"blocks.{i}.attn2" for i in range(4)] + ["blocks.3.attn1"], initial_disabled_steps=1,
+                       threshold_scale_factor={"formula": FORMULA, "prefill": {"a": 1.0, "b": 2.0}})
+    patch = apply_profile(pipe, read_profile(profile), backend="torch")
+    call = {**TINY_TEST_DEFAULTS["wan"], "num_inference_steps": 2, "prompt": "a red fox"}
+    pipe(generator=torch.Generator().manual_seed(0), output_type="latent", **call)
+    assert (patch.stats.dense_calls, patch.stats.sparse_calls) == (8 + 2, 6)  # step 0 all dense; layer 3 dense
+    assert patch.stats.walked_subtiles > 0
+    patch.remove()
