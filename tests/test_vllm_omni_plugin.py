@@ -36,8 +36,10 @@ OPTIONS = {
     "svg2": dict(q_clusters=6, k_clusters=12, top_p=0.3, init_iters=3),
     "todo": dict(factor=2),
     "tome": dict(ratio=0.5),
+    "vsa": dict(block_size_3d=(2, 2, 4), top_k_ratio=0.25),
 }
-BLOCK_SPARSE = ("sta", "radial", "sparge", "svg", "svg2", "sla")  # sla in an engine: its sparse branch
+#: sla in an engine: its sparse branch; vsa: its fine stage (no layer identity, so no trained gate: zero)
+BLOCK_SPARSE = ("sta", "radial", "sparge", "svg", "svg2", "sla", "vsa")
 
 
 def dispatch(name, q, k, v, static=None, per_forward=None, extra=None, attn_mask=None, full_attn_spans=None,

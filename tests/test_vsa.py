@@ -301,3 +301,20 @@ def test_recipe_trains_the_gates_beside_the_lora_and_resumes_them(tmp_path):
     trained = output_error(resumed_pipe.transformer, [sample], "vsa", options, "torch",
                            method_params=resumed["method_params"])
     assert free > 0 and trained > 0 and free != trained
+
+
+def test_generic_checks_exact_remove_stats_compile_guard():
+    """The registry's generic checks (tests/test_new_method.py) on vsa, and the quality guard on it."""
+    from test_new_method import check_compile, check_exact_at_full_density, check_patch_remove_and_stats
+
+    sparse = {"block_size_3d": (1, 2, 2), "top_k_ratio": 0.3}
+    check_exact_at_full_density("vsa", {"top_k_ratio": 1.0, "block_size_3d": (1, 2, 2)}, TokenLayout((2, 4, 6)))
+    check_patch_remove_and_stats("vsa", sparse)
+    check_compile("vsa", sparse)
+    layout = TokenLayout((3, 6, 8))
+    q, k, v, _, _ = _inputs(layout, 41)
+    out, info = fastdit.attention(q, k, v, "vsa", layout=layout, guard=0.05, return_info=True, **sparse)
+    assert info["guard"]["action"] == ["dense"] * 3  # random heads: 30% of the cubes miss the bound
+    assert (out - torch.nn.functional.scaled_dot_product_attention(q, k, v)).abs().max() < 1e-5
+    out, info = fastdit.attention(q, k, v, "vsa", layout=layout, guard=10.0, return_info=True, **sparse)
+    assert info["guard"]["action"] == ["pass"] * 3 and info["density"] < 0.5
