@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -200,7 +199,7 @@ def main(argv=None):
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+            json.dump(results, handle, indent=1, default=str)
 
 
 if __name__ == "__main__":

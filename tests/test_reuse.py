@@ -289,3 +289,17 @@ def test_bench_selection_reports_the_cost_with_and_without_reuse(tmp_path):
     assert rows[0]["reuse_rate"] is None and rows[0]["saving"] == 1.0
     assert abs(rows[1]["reuse_rate"] - 1 / 3) < 1e-9  # steps 0 and 2 select (reuse_max_steps 2), step 1 reuses
     assert all(r["select_ms"] > 0 and 0 < r["density"] <= 1 and r["error"] >= 0 for r in rows)
+
+
+def test_auto_members_reuse_inside_their_head_group():
+    q, k, v = qkv(15)
+    candidate = {"method": "svg2", **METHODS["svg2"], "reuse_threshold": 0.5, "reuse_max_steps": 4}
+    options = dict(candidates=[candidate], choices={"0_0_0": 0, "0_0_1": 0, "0_0_2": None}, backend="torch")
+    state = {}
+    fastdit.attention(q, k, v, "auto", layout=LAYOUT, state=state, step=0, **options)
+    group = state[("auto", 0, (0, 1))]["fastdit.reuse"]
+    plan = group["plan"]
+    out = fastdit.attention(q, k, v, "auto", layout=LAYOUT, state=state, step=1, **options)
+    assert group["plan"] is plan and group["since"] == [0, 0]  # both heads of the group kept the selection
+    ref = masked_reference(q[:, :2], k[:, :2], v[:, :2], masks(plan, heads=2))
+    assert close(out[:, :2], ref)

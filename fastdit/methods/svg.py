@@ -391,8 +391,9 @@ class SparseVideoGen(ReuseSelection, BlockSparseMethod):
     reuse_info = ("errors",)
 
     def fresh_select(self, ctx, q, k, v=None):
-        """The ``HeadOrderPlan`` of this call (``select`` adds reuse across steps, ``reuse.py``). Heads are chosen by the error of the sampled outputs,
-        which needs ``v``: passed here, or left in ``ctx.info["values"]`` by ``attend``."""
+        """The ``HeadOrderPlan`` of this call (``select`` adds reuse across steps, ``reuse.py``). Heads
+        are chosen by the error of the sampled outputs, which needs ``v``: passed here, or left in
+        ``ctx.info["values"]`` by ``attend``."""
         v = ctx.info.get("values") if v is None else v
         if v is None:
             raise ValueError("svg chooses each head's pattern by the error of the sampled outputs: pass v")
