@@ -36,14 +36,14 @@ rule at ``scale_factor = a * exp(b * target_sparsity)``; ``initial_disabled_step
 the ``vsa`` method when this fastdit has one. Any other algorithm (``sparse_softmax``: N:M
 sparse softmax) raises ``ProfileError`` naming it and what fastdit has.
 
-fastdit writes a ``skip_softmax`` plan (``fastdit calibrate --method skip_softmax``, or any plan
-file of that method) the same way, with ``"producer": {"name": "fastdit", ...}`` and a
+fastdit writes a ``skip_softmax`` plan (``fastdit.calibrate(pipe, "skip_softmax", ...)``, or any
+plan file of that method) the same way, with ``"producer": {"name": "fastdit", ...}`` and a
 ``"fastdit"`` entry holding the model facts (family, transformer, layers, heads) so that reading it
 back onto another model is refused naming both. fastdit's calibration picks one threshold, not a
 curve: it writes ``b = FLAT_B`` (ModelOpt's runtime needs ``a, b > 0``) and ``a`` so that
 ``a * exp(b * target_sparsity)`` is its scale factor; changing ``target_sparsity`` at serving time
 therefore barely moves the threshold. ModelOpt's profile has one threshold per component: where a
-plan's layers have their own thresholds (``fastdit calibrate`` picks one per layer), the strictest
+plan's layers have their own thresholds (``fastdit.calibrate`` picks one per layer), the strictest
 (smallest ``lambda``) is written, which keeps every layer within its calibrated error budget, and
 the per-layer factors are recorded under ``"fastdit"``; a plan with step buckets beyond the first,
 or other per-layer options, is refused.

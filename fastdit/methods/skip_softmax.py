@@ -105,7 +105,7 @@ class SkipSoftmax(BlockSparseMethod):
 
     @classmethod
     def candidates(cls, layout):
-        """``fastdit calibrate``'s default thresholds: lambda from 0.1 down to e^-8."""
+        """``fastdit.calibrate``'s default thresholds: lambda from 0.1 down to e^-8."""
         return [{"skip_threshold": t} for t in (DEFAULT_THRESHOLD, 3.0, 4.0, 6.0, 8.0)]
 
     def prepare(self, layout, heads, device):
