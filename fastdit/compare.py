@@ -158,7 +158,8 @@ def format_table(rows):
     ``density`` is the effective density (all attention calls of the patched layers, dense steps
     and fallbacks included); ``fallbacks`` counts calls the patch ran with the model's own
     attention because it could not express them; ``guard`` the head-calls the quality guard widened
-    (w) or ran dense (d) out of those it checked (their work is in ``density``)."""
+    (w) or ran dense (d) out of those it checked (their work is in ``density``); ``reused`` (when a
+    method ran with ``reuse_threshold``) the head-calls that kept an earlier step's selection."""
     header = ["method", "latency (s)", "speedup", "PSNR (dB)", "SSIM", "density", "sparse-only", "fallbacks", "padding",
               "guard"]
     with_adherence = any(row.get("adherence") is not None for row in rows)
@@ -167,6 +168,9 @@ def format_table(rows):
     caches = any(row.get("cache") for row in rows)
     if caches:  # cache-dit runs: attention calls that ran, steps on which a block list reused its blocks
         header += ["attn calls", "cached steps"]
+    reuses = any((row.get("reuse") or {}).get("head_calls") for row in rows)
+    if reuses:  # reuse_threshold (methods/reuse.py): head-calls that kept an earlier step's selection
+        header.append("reused")
     lines = []
     for row in rows:
         psnr_db = row.get("psnr_db")
@@ -181,7 +185,8 @@ def format_table(rows):
             "-" if row.get("fallback_calls") is None else str(row["fallback_calls"]),
             "-" if row.get("padding_fraction") is None else f"{100 * row['padding_fraction']:.1f}%",
             guard_summary(row),
-        ] + ([_calls(row), str(row["cache"]["cached_steps"]) if row.get("cache") else "-"] if caches else []))
+        ] + ([_calls(row), str(row["cache"]["cached_steps"]) if row.get("cache") else "-"] if caches else [])
+          + ([reuse_summary(row)] if reuses else []))
         if with_adherence:
             lines[-1].insert(5, "-" if row.get("adherence") is None else f"{row['adherence']:.3f}")
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
@@ -218,6 +223,12 @@ def guard_summary(row):
     if not guard.get("head_calls"):
         return "-"
     return f"{guard['widened']}w {guard['dense']}d /{guard['head_calls']}"
+
+
+def reuse_summary(row):
+    """``"60 /108"``: head-calls that kept an earlier step's selection / ran with reuse on, "-" when off."""
+    reuse = row.get("reuse") or {}
+    return f"{reuse['reused']} /{reuse['head_calls']}" if reuse.get("head_calls") else "-"
 
 
 def _calls(row):

@@ -303,3 +303,13 @@ def test_auto_members_reuse_inside_their_head_group():
     assert group["plan"] is plan and group["since"] == [0, 0]  # both heads of the group kept the selection
     ref = masked_reference(q[:, :2], k[:, :2], v[:, :2], masks(plan, heads=2))
     assert close(out[:, :2], ref)
+
+
+def test_compare_table_shows_the_reused_head_calls():
+    from fastdit.compare import format_table
+
+    rows = [{"method": "dense", "latency_s": 2.0, "speedup": 1.0},
+            {"method": "svg2", "latency_s": 1.0, "speedup": 2.0, "reuse": {"head_calls": 108, "reused": 60}}]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split()[-1] == "reused" and lines[2].split()[-1] == "-" and lines[3].endswith("60 /108")
+    assert "reused" not in format_table(rows[:1])
