@@ -18,6 +18,8 @@ from fastdit.layout import TokenLayout
 from fastdit.methods.base import OptionError
 from fastdit.methods.sla import SLA, feature
 
+from kernel_backends import BACKENDS, DEVICE
+
 
 def tile_blocks(layout, tile):
     """Block index of every model token: 3-D tiles in tile-grid order, then text in blocks of the
@@ -40,7 +42,9 @@ def tile_blocks(layout, tile):
 def reference(q, k, v, layout, tile, topk_ratio, negligible_ratio, feature_map, weight, bias, key_mask=None,
               query_mask=None):
     """SLA in float64, token level (module docstring)."""
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()  # differentiable moves: grads reach the inputs
+    key_mask = None if key_mask is None else key_mask.cpu()
+    query_mask = None if query_mask is None else query_mask.cpu()
     batch, heads, seq, dim = q.shape
     blocks, n_video, n = tile_blocks(layout, tile)
     scale = 1 / math.sqrt(dim)
@@ -76,16 +80,16 @@ def reference(q, k, v, layout, tile, topk_ratio, negligible_ratio, feature_map, 
             a = (phi_q @ phi_k.T) * ((kind == 0) & valid)
             den = a.sum(-1, keepdim=True)
             o_l = torch.where(den > 0, (a @ v[b, h]) / torch.where(den > 0, den, 1.0), 0.0)
-            o = o_s if weight is None else o_s + o_l @ weight.double().T + bias.double()
+            o = o_s if weight is None else o_s + o_l @ weight.double().cpu().T + bias.double().cpu()
             out[b, h] = o * query_ok[b][:, None]
     return out
 
 
-def call(method, q, k, v, layout, proj=None, key_mask=None, query_mask=None):
+def call(method, q, k, v, layout, proj=None, key_mask=None, query_mask=None, backend="torch"):
     """One call of ``method`` through the protocol, with ``proj`` as the layer's parameters."""
     ctx = AttentionContext(layer=0, layer_name="layer", step=0, num_steps=None, branch=0, layout=layout,
                            call=CallState(), key_mask=key_mask, query_mask=query_mask, num_heads=q.shape[1],
-                           params=proj, backend="torch")
+                           params=proj, backend=backend)
     return method(ctx, q, k, v), ctx
 
 
@@ -131,14 +135,17 @@ def _masks(layout, key, query, seed):
     return key_mask, query_mask
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout,options,key,query", CASES)
-def test_forward_equals_float64_reference(layout, options, key, query):
+def test_forward_equals_float64_reference(layout, options, key, query, backend):
     seed = 1000 + sum(layout.grid) + layout.text_len
     method = make(**options)
     q, k, v = _inputs(layout, seed)
     key_mask, query_mask = _masks(layout, key, query, seed)
     proj = projection(q.shape[-1], seed)
-    out, ctx = call(method, q, k, v, layout, proj, key_mask, query_mask)
+    on = [t.to(DEVICE) if t is not None else None for t in (q, k, v, key_mask, query_mask)]
+    out, ctx = call(method, *on[:3], layout, proj.to(DEVICE), *on[3:], backend=backend)
+    out = out.cpu()
     tile = method.tile_for(layout)
     expected = reference(q, k, v, layout, tile, method.config.topk_ratio, method.config.negligible_ratio,
                          method.config.feature_map, proj.weight, proj.bias, key_mask, query_mask)
@@ -149,24 +156,25 @@ def test_forward_equals_float64_reference(layout, options, key, query):
     assert float(ctx.info["marginal_density"].min()) > 0.1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout,options,key,query", CASES[1:3])
-def test_backward_equals_float64_reference(layout, options, key, query):
+def test_backward_equals_float64_reference(layout, options, key, query, backend):
     seed = 2000 + sum(layout.grid)
     method = make(**options)
-    q, k, v = (t.requires_grad_() for t in _inputs(layout, seed))
-    key_mask, query_mask = _masks(layout, key, query, seed)
-    proj = projection(q.shape[-1], seed)
-    out, _ = call(method, q, k, v, layout, proj, key_mask, query_mask)
+    q, k, v = (t.to(DEVICE).requires_grad_() for t in _inputs(layout, seed))
+    key_mask, query_mask = (None if m is None else m.to(DEVICE) for m in _masks(layout, key, query, seed))
+    proj = projection(q.shape[-1], seed).to(DEVICE)
+    out, _ = call(method, q, k, v, layout, proj, key_mask, query_mask, backend=backend)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v, proj.weight, proj.bias), grad)
     ref_w, ref_b = (p.detach().clone().requires_grad_() for p in (proj.weight, proj.bias))
     expected_out = reference(q, k, v, layout, method.tile_for(layout), method.config.topk_ratio,
                              method.config.negligible_ratio, method.config.feature_map, ref_w, ref_b, key_mask,
                              query_mask)
-    expected = torch.autograd.grad(expected_out, (q, k, v, ref_w, ref_b), grad.double())
+    expected = torch.autograd.grad(expected_out, (q, k, v, ref_w, ref_b), grad.double().cpu())
     for name, a, b in zip(("q", "k", "v", "weight", "bias"), got, expected):
         assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a.double(), b.double(), **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+        torch.testing.assert_close(a.double().cpu(), b.double().cpu(), **TOL, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_zero_projection_is_the_sparse_branch_alone():
