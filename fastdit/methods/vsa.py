@@ -69,8 +69,9 @@ class VSAConfig(BlockSparseConfig):
     Attributes:
         block_size_3d: ``(bt, bh, bw)`` tokens per cube (each clamped to the grid).
         top_k_ratio: share of the video key cubes each video query cube keeps, in (0, 1].
-        sparsity: FastVideo's ``VSA_sparsity``, ``1 - top_k_ratio``, in [0, 1); None: use
-            ``top_k_ratio``. Both set: they must agree.
+        sparsity: FastVideo's ``VSA_sparsity``, in [0, 1); when set it sets ``top_k_ratio = 1 -
+            sparsity`` (a ``top_k_ratio`` other than its default 0.5 that disagrees is refused);
+            None: ``top_k_ratio`` applies.
         gate: ``"learned"`` or ``"sum"``.
     """
 
