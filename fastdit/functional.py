@@ -104,9 +104,10 @@ def attention(q, k, v, method, config=None, *, layout, key_mask=None, step=0, nu
         raise ValueError(f"key_mask must be a bool tensor of shape ({batch}, {k.shape[2]}), got "
                          f"{key_mask.dtype} {tuple(key_mask.shape)}")
     if return_info == "mass" and not method_cls.reports_lse:
+        why = ("its output adds another branch to the block-sparse one, so it is not one softmax over the "
+               "computed scores") if method_cls.block_sparse else "a token method: it attends reduced or cached tokens"
         raise ValueError(f"return_info='mass' needs the log-sum-exp of the computed scores, which method "
-                         f"{method_cls.name!r} does not have (a token method: it attends reduced or cached "
-                         f"tokens); use return_info=True")
+                         f"{method_cls.name!r} does not have ({why}); use return_info=True")
     # No pipeline here: a default dense_steps (a fraction of a run) or dense_layers (a layer position)
     # would silently make the call dense or fail; only what the caller asks for applies (where="call").
     config = method_cls.resolve(config, None, options=options, where="call")

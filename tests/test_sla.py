@@ -221,6 +221,15 @@ def test_bad_options_name_the_option(options, words):
         make(**options)
 
 
+def test_mass_is_refused_with_the_reason():
+    import fastdit
+
+    layout = TokenLayout((2, 4, 4))
+    q = torch.randn(1, 2, layout.seq_len, 8)
+    with pytest.raises(ValueError, match="sla.*another branch"):
+        fastdit.attention(q, q, q, "sla", layout=layout, return_info="mass")
+
+
 def test_ring_is_refused_with_a_reason():
     from fastdit.methods.parallel.ring import ring_refusal
 
