@@ -17,10 +17,11 @@ kernel uses 128-row query and 64-row key blocks). Per call, batch and head, with
    valid key get 0). The published code ranks ``qbar_m . (kbar_j - mean(k))`` (SageAttention's
    smoothing); the subtracted term is constant along a row, so the ranking is the same.
 2. **classification** of each (query block, key block) pair by row ``m``'s ranking of ``P_c``:
-   the ``max(1, ceil(topk_ratio * n))`` highest are **critical** (the paper's ``k_h``), the
-   ``floor(negligible_ratio * n)`` lowest of the rest **negligible** (the paper's ``k_l``), the others
-   **marginal**. Text key blocks are always critical and text query blocks keep every key block
-   critical (as in every fastdit block-sparse method).
+   the ``max(1, ceil(topk_ratio * n))`` highest are **critical** (the paper's ``k_h``), those among
+   the ``floor(negligible_ratio * n)`` lowest that are not critical **negligible** (the paper's
+   ``k_l``), the others **marginal**. Text key blocks are always critical and text query blocks keep
+   every key block critical (as in every fastdit block-sparse method). A key block without a valid
+   key (masked text padding) ranks last and is never attended.
 3. **sparse branch** on the block-sparse engine over the critical pairs only:
    ``O_s[i] = sum_{j in C_m} exp(s_ij) v_j / sum_{j in C_m} exp(s_ij)``, ``s_ij = scale q_i . k_j``.
 4. **linear branch** over the marginal pairs, blockwise (the published kernel's form): with the
