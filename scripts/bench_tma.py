@@ -1,8 +1,10 @@
 """Time the two forward variants of the block-sparse engine against dense attention, beside the
 cost model (``scripts/gpu_check.sh``, part ``tma``; issue 44).
 
-For each token count N, head dim D and density: a random 128 x 128 block plan keeping ``density``
-of the key blocks of every query row (the diagonal block always), bf16, 1 x ``--heads`` heads;
+First both variants are checked against the float64 reference on a small odd case (exit 1, no
+timing, when one is wrong). Then for each token count N, head dim D and density: a random
+128 x 128 block plan keeping ``density`` of the key blocks of every query row (the diagonal block
+always), bf16, 1 x ``--heads`` heads;
 rows: dense SDPA (the flash backend; FlashAttention's own kernel too when ``flash_attn`` is
 installed), the classic kernel (``FASTDIT_TRITON_VARIANT=cp_async``, autotuned as by default, and
 with its untuned per-architecture default) and the TMA variant (``FASTDIT_TRITON_VARIANT=tma``, the
@@ -109,6 +111,37 @@ def engine_rows(q, k, v, idx, cnt, runs, device):
     return rows
 
 
+def check_variants(device):
+    """Both variants against the float64 reference on a small odd case (1100 queries, 1000 keys,
+    plan blocks 128 x 96, a key mask, rows without keys, bf16, d 72 and 128): the errors, and
+    whether each is within 2e-2 (relative) with the exact -inf pattern of lse."""
+    from fastdit.kernels import dense_reference, plan_to_token_mask
+    gen = torch.Generator().manual_seed(44)
+    report = []
+    for d in (72, 128):
+        q = torch.randn(1, 2, 1100, d, generator=gen)
+        k, v = (torch.randn(1, 2, 1000, d, generator=gen) for _ in range(2))
+        nq, nk = -(-1100 // 128), -(-1000 // 96)
+        cnt = torch.randint(0, nk + 1, (1, 2, nq), generator=gen).int()
+        cnt[..., 1] = 0
+        idx = torch.stack([torch.randperm(nk, generator=gen) for _ in range(2 * nq)]).view(1, 2, nq, nk).int()
+        kv_valid = torch.rand(1, 1000, generator=gen) > 0.2
+        ref, ref_lse = dense_reference(q.double(), k.double(), v.double(),
+                                       plan_to_token_mask(idx, cnt, 1100, 1000, 128, 96, kv_valid))
+        for variant in ("cp_async", "tma"):
+            with env_var(VARIANT_ENV, variant):
+                out, lse = block_sparse_attention(*(t.to(device, torch.bfloat16) for t in (q, k, v)),
+                                                  idx.to(device), cnt.to(device), 128, 96,
+                                                  kv_valid=kv_valid.to(device), backend="triton")
+            rel = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+            same_inf = torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+            ok = rel < 2e-2 and same_inf and bool(torch.isfinite(out).all())
+            report.append({"variant": variant, "head_dim": d, "rel_error": rel, "lse_inf_pattern": same_inf, "ok": ok})
+            print(f"[bench_tma] check {variant:<8} d={d}: relative error {rel:.2e}, lse -inf pattern "
+                  f"{'equal' if same_inf else 'DIFFERS'}: {'ok' if ok else 'FAILED'}", flush=True)
+    return report
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 75600])
@@ -126,6 +159,12 @@ def main(argv=None):
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     dtype = torch.bfloat16
     results, effs = [], {}
+    check = check_variants(device)
+    if not all(r["ok"] for r in check):
+        if args.json:
+            Path(args.json).write_text(json.dumps({"gpu": gpu_name, "check": check}, indent=1))
+        print("[bench_tma] a variant is wrong: no timing")
+        return 1
     print(f"[bench_tma] {gpu_name}; model: {gpu.name if gpu else 'none'}; bf16, 1 x {args.heads} heads, "
           f"{BLOCK}-token blocks, median of {args.runs}")
     print(f"{'N':>6} {'D':>4} {'dens':>5} {'row':<22} {'ms':>9} {'TFLOP/s':>8} {'eff':>6} {'model ms':>9}")
@@ -156,7 +195,7 @@ def main(argv=None):
     for key, value in summary.items():
         print(f"  {key:<32} {'-' if value is None else f'{value:.3f}'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": gpu_name, "model": gpu.name if gpu else None,
+        Path(args.json).write_text(json.dumps({"gpu": gpu_name, "model": gpu.name if gpu else None, "check": check,
                                                "rows": results, "efficiency": summary}, indent=1))
     return 0
 
