@@ -274,6 +274,10 @@ def test_projection_trains_saves_and_loads_with_the_patch(tmp_path):
     assert (loaded - out.detach()).abs().max() > 1e-6  # the learned linear branch changes the output
     with pytest.raises(PlanError, match="softmax.*elu|elu.*softmax"):
         fastdit.patch(model, "sla", backend="torch", method_params=tmp_path, **dict(options, feature_map="elu"))
+    other = tiny.inputs(model, (2, 8, 8), 0)  # another latent grid than the one trained on
+    with torch.no_grad(), fastdit.patch(model, "sla", backend="torch", method_params=tmp_path, **options):
+        with pytest.raises(PlanError, match=r"\(4, 8, 8\).*\(2, 8, 8\)|4, 8, 8.*2, 8, 8"):
+            model(**dict(other, timestep=torch.tensor([400])))
 
 
 @pytest.mark.guard_defaults
