@@ -111,23 +111,23 @@ def engine_rows(q, k, v, idx, cnt, runs, device):
     return rows
 
 
-def check_variants(device):
-    """Both variants against the float64 reference on a small odd case (1100 queries, 1000 keys,
+def check_variants(device, n_q=1100, n_k=1000):
+    """Both variants against the float64 reference on a small odd case (``n_q`` queries, ``n_k`` keys,
     plan blocks 128 x 96, a key mask, rows without keys, bf16, d 72 and 128): the errors, and
     whether each is within 2e-2 (relative) with the exact -inf pattern of lse."""
     from fastdit.kernels import dense_reference, plan_to_token_mask
     gen = torch.Generator().manual_seed(44)
     report = []
     for d in (72, 128):
-        q = torch.randn(1, 2, 1100, d, generator=gen)
-        k, v = (torch.randn(1, 2, 1000, d, generator=gen) for _ in range(2))
-        nq, nk = -(-1100 // 128), -(-1000 // 96)
+        q = torch.randn(1, 2, n_q, d, generator=gen)
+        k, v = (torch.randn(1, 2, n_k, d, generator=gen) for _ in range(2))
+        nq, nk = -(-n_q // 128), -(-n_k // 96)
         cnt = torch.randint(0, nk + 1, (1, 2, nq), generator=gen).int()
         cnt[..., 1] = 0
         idx = torch.stack([torch.randperm(nk, generator=gen) for _ in range(2 * nq)]).view(1, 2, nq, nk).int()
-        kv_valid = torch.rand(1, 1000, generator=gen) > 0.2
+        kv_valid = torch.rand(1, n_k, generator=gen) > 0.2
         ref, ref_lse = dense_reference(q.double(), k.double(), v.double(),
-                                       plan_to_token_mask(idx, cnt, 1100, 1000, 128, 96, kv_valid))
+                                       plan_to_token_mask(idx, cnt, n_q, n_k, 128, 96, kv_valid))
         for variant in ("cp_async", "tma"):
             with env_var(VARIANT_ENV, variant):
                 out, lse = block_sparse_attention(*(t.to(device, torch.bfloat16) for t in (q, k, v)),
@@ -151,6 +151,7 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
+    p.add_argument("--check-tokens", default="1100,1000", help="queries,keys of the correctness check")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -159,7 +160,7 @@ def main(argv=None):
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     dtype = torch.bfloat16
     results, effs = [], {}
-    check = check_variants(device)
+    check = check_variants(device, *(int(x) for x in args.check_tokens.split(",")))
     if not all(r["ok"] for r in check):
         if args.json:
             Path(args.json).write_text(json.dumps({"gpu": gpu_name, "check": check}, indent=1))

@@ -191,3 +191,23 @@ def test_layout_rules():
 
 def test_warp_specialisation_only_on_blackwell():
     assert [tma.warp_spec_for(c) for c in (None, 80, 90, 100, 120)] == [False, False, False, True, False]
+
+
+@needs_triton
+def test_bench_script_checks_and_times_both_variants(tmp_path):
+    """scripts/bench_tma.py (gpu_check.sh's tma part) end to end on tiny sizes: the float64 check of
+    both variants passes and every row is timed."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_tma.py"
+    spec = importlib.util.spec_from_file_location("bench_tma", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "tma.json"
+    assert bench.main(["--device", DEVICE.type, "--tokens", "160", "--head-dims", "64", "--densities", "0.5",
+                       "--runs", "1", "--heads", "1", "--check-tokens", "200,150", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["check"]) == 4 and all(r["ok"] for r in result["check"])
+    rows = {r["row"]: r for r in result["rows"]}
+    assert {"cp_async autotuned", "cp_async default", "tma"} <= set(rows)
+    assert all(r["ms"] is not None and r["error"] is None for r in result["rows"])
