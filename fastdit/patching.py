@@ -151,6 +151,7 @@ class Patch:
         #: here, never on the model (fastdit/train/method_params.py saves and loads them)
         self.method_modules = {}
         self._param_grids = None  # grids the loaded method parameters were trained on (None: any)
+        self._param_grids_source = ""
         self.grids_seen = set()  # latent grids of the calls so far (saved with the method parameters)
         self.id = register_patch(self)
 
@@ -186,6 +187,21 @@ class Patch:
         layer_module = layer_module.to(device=weight.device if weight is not None else "cpu", dtype=torch.float32)
         layer_module.requires_grad_(self.trainable)
         self.method_modules[name] = layer_module
+
+    @property
+    def model_class(self):
+        """Class name of the (first) patched transformer."""
+        return type(self._transformers[0][1]).__name__
+
+    def layer_module_key(self):
+        """The method's ``layer_module_key()``: what its per-layer parameters depend on."""
+        return self._method.layer_module_key()
+
+    def set_param_grids(self, grids, source=""):
+        """Refuse, at the first call on it, a latent grid outside ``grids`` (the grids loaded method
+        parameters were trained on; empty: any grid); ``source`` names them in the PlanError."""
+        self._param_grids = {tuple(int(x) for x in g) for g in grids} or None
+        self._param_grids_source = source
 
     def _untrack_scheduler(self):
         untrack, self._untrack = self._untrack, None

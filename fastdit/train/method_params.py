@@ -46,10 +46,10 @@ def method_state(patch):
 def method_record(patch, grids=None):
     """What the parameters were made for (module docstring); ``grids``: default the patch's
     ``grids_seen``."""
-    model = type(patch._transformers[0][1]).__name__
+    model = patch.model_class
     grids = sorted(patch.grids_seen if grids is None else {tuple(g) for g in grids})
     return {"format": FORMAT, "version": VERSION, "method": patch.method, "model": model, "family": patch.family,
-            "key": patch._method.layer_module_key(), "grids": [list(g) for g in grids],
+            "key": patch.layer_module_key(), "grids": [list(g) for g in grids],
             "layers": {layer: {k: list(v.shape) for k, v in module.state_dict().items()}
                        for layer, module in patch.method_modules.items()}}
 
@@ -133,7 +133,5 @@ def load_method_params(patch, source):
         for layer, module in patch.method_modules.items():
             for key, value in module.state_dict().items():
                 value.copy_(state[f"{layer}{_SEP}{key}"].to(value))
-    grids = {tuple(int(x) for x in g) for g in record.get("grids") or []}
-    patch._param_grids = grids or None
-    patch._param_grids_source = where
+    patch.set_param_grids(record.get("grids") or [], where)
     return record
