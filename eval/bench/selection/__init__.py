@@ -41,7 +41,7 @@ density, then svg2's own-block oracle (``claim_oracle``); ``error_claim_best`` c
 against the lower of the two oracles as well (the strictest reading).
 
 ``--reuse 0.9,0.95``: also the selection cost over a run of drifting steps with reuse across steps
-off and at each ``reuse_threshold`` (``results["reuse"]``; ``eval/bench/selection_reuse.py``).
+off and at each ``reuse_threshold`` (``results["reuse"]``; ``eval/bench/selection/reuse.py``).
 
 Default size: 4x32x32 = 4096 video tokens, 2 heads per kind, D = 64 (a CPU run of a few minutes).
 """
@@ -277,8 +277,8 @@ def run_benchmark(args):
                 results["rows"].append(row)
                 print(format_row(row), flush=True)
     results["claims"] = claims(results["rows"], specs)
-    if args.reuse:  # selection cost with and without reuse across steps (eval/bench/selection_reuse.py)
-        from fastdit.eval.bench.selection_reuse import reuse_rows
+    if args.reuse:  # selection cost with and without reuse across steps (eval/bench/selection/reuse.py)
+        from fastdit.eval.bench.selection.reuse import reuse_rows
 
         results["reuse"] = reuse_rows(args, specs, split_top_level(args.kinds), THRESHOLD, timed_threshold)
     return results
@@ -386,7 +386,7 @@ def build_parser():
     parser.add_argument("--no-time", dest="time", action="store_false", help="do not time the selection")
     parser.add_argument("--json", default=None, help="write the results here (and the plot beside, .png)")
     parser.add_argument("--reuse", default="", help="reuse_threshold values: also time the selection over "
-                        "--reuse-steps drifting steps with reuse off and at each (eval/bench/selection_reuse.py)")
+                        "--reuse-steps drifting steps with reuse off and at each (eval/bench/selection/reuse.py)")
     parser.add_argument("--reuse-steps", type=int, default=8)
     parser.add_argument("--reuse-max-steps", type=int, default=4)
     parser.add_argument("--drift", type=float, default=0.02, help="input change per step, relative to its scale")
@@ -411,6 +411,3 @@ def main(argv=None):
             print(f"wrote {args.json} (no matplotlib: no plot)")
     return results
 
-
-if __name__ == "__main__":
-    main()
