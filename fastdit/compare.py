@@ -169,7 +169,7 @@ def format_table(rows):
     if caches:  # cache-dit runs: attention calls that ran, steps on which a block list reused its blocks
         header += ["attn calls", "cached steps"]
     reuses = any((row.get("reuse") or {}).get("head_calls") for row in rows)
-    if reuses:  # reuse_threshold (methods/reuse.py): head-calls that kept an earlier step's selection
+    if reuses:  # reuse_threshold (methods/selection/reuse.py): head-calls that kept an earlier step's selection
         header.append("reused")
     lines = []
     for row in rows:

@@ -29,7 +29,7 @@ class PatchStats:
         fallbacks: reason -> number of fallback calls.
         plan_names: names of the plans used. padding_fraction: the largest padding of any plan.
         reuse_head_calls, reused_heads: head-calls of a dynamic method with ``reuse_threshold`` set,
-            and those of them that kept an earlier step's selection (``methods/reuse.py``).
+            and those of them that kept an earlier step's selection (``methods/selection/reuse.py``).
         skipped_subtiles, walked_subtiles: the in-kernel skip rule (``skip_threshold``, and the
             ``skip_softmax`` method): key sub-tiles it skipped / looked at over every (batch, head)
             of the calls that ran it (read from the device when asked); ``skip_share`` their ratio.
@@ -59,7 +59,7 @@ class PatchStats:
         self.guard_nonfinite_calls = 0
         self.guard_seconds = 0.0  # host time of the checks and re-runs (on a GPU: without device syncs)
         self._guard_computed = 0.0  # the guard's own work (checks, re-runs), in call-size units
-        # selection reuse across steps (fastdit/methods/reuse.py): head-calls with reuse on, and reused
+        # selection reuse across steps (fastdit/methods/selection/reuse.py): head-calls with reuse on, and reused
         self.reuse_head_calls = 0
         self.reused_heads = 0
         # the in-kernel skip rule: device tensors summed per call (no host synchronisation)

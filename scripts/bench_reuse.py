@@ -1,4 +1,4 @@
-"""End to end on tiny-shapes: what selection reuse across steps (``fastdit/methods/reuse.py``) saves.
+"""End to end on tiny-shapes: what selection reuse across steps (``fastdit/methods/selection/reuse.py``) saves.
 
     python scripts/bench_reuse.py [--method svg2] [--thresholds 0.9,0.8@3] [--max-steps 4] [--audit]
                                   [--height 64 --width 64] [--seed 0] [--dense-cache dense.npy]

@@ -1,5 +1,5 @@
 """``correction="ear"`` (SVG-EAR's error-aware routing with centroid compensation,
-``fastdit/methods/error_routing.py``): the routed blocks and the output against an independent
+``fastdit/methods/corrections/error_routing.py``): the routed blocks and the output against an independent
 float64 reference written from the module's formulas (per query block, per key block, in loops),
 on permuted / padded sliding-tile plans with text and key masks and on svg2's cluster plans; the
 budget is the method's own; nothing dropped means dense; lower error than ``pooled`` at the same

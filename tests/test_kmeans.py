@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdit.methods.kmeans import kmeans, spread_init
+from fastdit.methods.selection.kmeans import kmeans, spread_init
 
 
 def direct_kmeans(x, centroids, iters, valid=None):

@@ -10,7 +10,7 @@ import torch
 
 from fastdit.eval.bench import selection
 from fastdit.eval.bench.structured import KINDS, structured_qkv
-from fastdit.methods.mass import row_block_masses, rowwise_block_masses
+from fastdit.methods.selection.mass import row_block_masses, rowwise_block_masses
 
 
 def two_point_head(spread):
@@ -108,7 +108,7 @@ def test_refining_each_rows_own_largest_blocks_matches_a_direct_reference(seed):
     """``refine = 2``: each row's own 2 largest estimates (not its query block's) become exact, the
     rest stay second order: against a float64 reference built from one-hot block sums, with more
     rows choosing a block than one tile holds (``REFINE_ROWS``), random block sizes, padded keys."""
-    from fastdit.methods.mass import REFINE_ROWS
+    from fastdit.methods.selection.mass import REFINE_ROWS
 
     seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
     g = torch.Generator().manual_seed(seed)
@@ -130,7 +130,7 @@ def test_refining_each_rows_own_largest_blocks_matches_a_direct_reference(seed):
 def test_block_key_sample_spreads_its_keys_over_each_block():
     """A block of 10 valid keys sampled with 4 slots takes its keys 1, 3, 6, 8 (floor((2t + 1) * 10 /
     8)); a block of 2 takes both and leaves 2 slots unused; invalid keys are never taken."""
-    from fastdit.methods.mass import block_key_sample, block_moments
+    from fastdit.methods.selection.mass import block_key_sample, block_moments
 
     length = 14
     k = torch.arange(length, dtype=torch.float32)[None, None, :, None]  # each key's value = its position

@@ -1,4 +1,4 @@
-"""Selection reuse across steps (``fastdit/methods/reuse.py``) for sparge, svg and svg2.
+"""Selection reuse across steps (``fastdit/methods/selection/reuse.py``) for sparge, svg and svg2.
 
 References are written here: the similarity test from chunk means in float64 loops, and each
 output against float64 masked-softmax attention under the token mask of the selection that should
@@ -15,7 +15,8 @@ import torch
 
 import fastdit
 from fastdit.layout import TokenLayout
-from fastdit.methods import get_method, reuse
+from fastdit.methods import get_method
+from fastdit.methods.selection import reuse
 
 from test_kmeans import direct_kmeans
 from tiny_models import TINY, run

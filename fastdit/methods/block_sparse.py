@@ -12,7 +12,7 @@ plan each accepts
   dense refresh steps every ``refresh_every`` steps store the dense - sparse residual per layer
   and head, the following sparse steps add it back, rescaled by the softmax mass) or ``"ear"``
   (after SVG-EAR: the plan's key budget re-routed to the blocks whose centroid compensation would
-  err most per key, the rest compensated as in ``"pooled"``; ``error_routing.py``);
+  err most per key, the rest compensated as in ``"pooled"``; ``corrections/error_routing.py``);
 * ``quant`` (after SageAttention): ``None``, ``"int8"`` (smoothed K, INT8 Q.K^T with one scale per
   plan block, P.V in the input's half type) or ``"int8-fp8"`` (P.V in FP8 e4m3 as well; CUDA
   compute capability 8.9 or later). Formulas: ``fastdit.kernels.quant``. float16 / bfloat16 inputs
@@ -20,7 +20,7 @@ plan each accepts
   no backward. Refresh steps of ``"cached"`` run quantised too (their result is the reference the
   following steps are corrected towards).
 
-The formulas of the corrections are in ``corrections.py`` and ``error_routing.py``; the skip
+The formulas of the corrections are in ``corrections/__init__.py`` and ``corrections/error_routing.py``; the skip
 rule's exact statement is in ``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64 sub-tiles, cut by
 the plan blocks; the kernel then uses exactly those tiles instead of autotuned ones). A call with
 the rule on records ``ctx.info["skipped_subtiles"]`` and ``["walked_subtiles"]`` (device tensors
@@ -44,7 +44,7 @@ from fastdit.kernels.quant import QUANT_MODES, check_quant, check_quant_mode
 from . import base as _base  # run_plan is looked up on the base module (tests wrap it there)
 from .base import Method, MethodConfig, OptionError, check_number, option
 from .corrections import cached_apply, cached_entry, cached_store, complement_plan, merge_lse, pooled_correction
-from .error_routing import route_plan
+from .corrections.error_routing import route_plan
 
 CORRECTIONS = ("none", "pooled", "cached", "ear")
 

@@ -72,8 +72,8 @@ from fastdit.plan import BlockPlan
 
 from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .mass import representative_rows, row_block_masses, rowwise_block_masses
-from .reuse import ReuseOptions, ReuseSelection
+from .selection.mass import representative_rows, row_block_masses, rowwise_block_masses
+from .selection.reuse import ReuseOptions, ReuseSelection
 from .sta import choose_tile, padding_fraction, tile_permutation
 
 VIDEO_TILE = (2, 8, 8)

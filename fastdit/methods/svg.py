@@ -82,7 +82,7 @@ from fastdit.plan import BlockPlan
 
 from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .reuse import ReuseOptions, ReuseSelection
+from .selection.reuse import ReuseOptions, ReuseSelection
 
 PATTERNS = ("spatial", "temporal", "textural")
 #: Kernel order of each pattern: 0 frame-major, 1 position-major.

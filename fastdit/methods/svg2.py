@@ -5,7 +5,7 @@ Permutation" (Yang, Xi et al., 2025). Per call, batch element ``b`` and head ``h
 once, on the device, no host synchronisation):
 
 1. Clustering: the video queries are clustered into ``Cq = q_clusters`` and the video keys into
-   ``Ck = k_clusters`` clusters by batched L2 k-means (``fastdit.methods.kmeans``; SVG2 uses plain
+   ``Ck = k_clusters`` clusters by batched L2 k-means (``fastdit.methods.selection.kmeans``; SVG2 uses plain
    Euclidean k-means as well). Cold start: the centroids are ``Cq`` (``Ck``) distinct video tokens
    drawn once with a fixed seed (deterministic, spread over the video; evenly spaced tokens would
    alias with the frame length, see ``kmeans.spread_init``), then ``init_iters`` iterations. Warm
@@ -81,9 +81,9 @@ from fastdit.plan import BlockPlan
 
 from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .kmeans import cluster_permutation, inverse_order, kmeans, spread_init
-from .mass import row_block_masses, rowwise_block_masses, stratified_rows
-from .reuse import ReuseOptions, ReuseSelection
+from .selection.kmeans import cluster_permutation, inverse_order, kmeans, spread_init
+from .selection.mass import row_block_masses, rowwise_block_masses, stratified_rows
+from .selection.reuse import ReuseOptions, ReuseSelection
 
 #: How cluster masses are predicted (``SVG2Config.estimator``).
 ESTIMATORS = ("rowwise", "sampled", "centroids")
@@ -507,7 +507,7 @@ class SparseVideoGen2(ReuseSelection, BlockSparseMethod):
     def row_estimate(self, ctx, q, k, q_order, q_offsets, k_blocks, cq, ck, scale):
         """``estimator="sampled"``: ``(p (G, Cq, Ck), text mass (G, Cq))`` float32: per query cluster,
         the mean over ``mass_rows`` sampled member rows (stratified over the cluster, see
-        ``fastdit.methods.mass``) of their exact softmax mass on each key cluster and on the text."""
+        ``fastdit.methods.selection.mass``) of their exact softmax mass on each key cluster and on the text."""
         batch, heads, seq, dim = q.shape
         groups = batch * heads
         starts = q_offsets[:, :cq].long()

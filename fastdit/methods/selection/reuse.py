@@ -65,9 +65,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import check_int, check_number, option
-from .guard import MASS_TOLERANCE
-from .guard import STATE_KEY as GUARD_KEY
+from ..config import check_int, check_number, option
+from ..guard import MASS_TOLERANCE
+from ..guard import STATE_KEY as GUARD_KEY
 
 #: ``ctx.state`` key of a layer's stored selection.
 STATE_KEY = "fastdit.reuse"

@@ -46,7 +46,7 @@ import copy
 
 import torch
 
-from .corrections import POOLED_CHUNK_ELEMENTS, token_blocks
+from . import POOLED_CHUNK_ELEMENTS, token_blocks
 
 
 def _block_means(x, blocks, weights, n_blocks):
