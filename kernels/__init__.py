@@ -20,6 +20,7 @@ else:
     )
     from .block_sparse_varlen import block_sparse_attention_varlen
     from . import autograd  # noqa: F401  (registers the backward of the custom ops)
+    from . import block_sparse_tma  # noqa: F401  (registers the Hopper / Blackwell forward variant)
     from .block_sparse_bwd_torch import transpose_plan
     from .op import (
         block_sparse_attention_op,

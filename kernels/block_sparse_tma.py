@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from . import triton_tuning as tuning
+from . import block_sparse_triton as bst
 from .block_sparse_triton import _HEURISTICS, _online_update
 
 VARIANTS = ("auto", "tma", "cp_async")
@@ -290,7 +291,6 @@ def run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, ski
     """Called by ``block_sparse_attention_triton`` with the classic kernel's arguments ``args``:
     launch the TMA variant when ``forward_variant`` picks it (or raise for a forced variant that
     cannot run, before any launch) and return True; False: the classic kernel runs."""
-    from . import block_sparse_triton as bst
     requested = requested_variant()
     if requested == "cp_async" or (interpreted and requested != "tma"):
         return False
@@ -328,3 +328,7 @@ def run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, ski
         with torch.cuda.device(q.device):
             launch_tma(grid, args, config, capability)
     return True
+
+
+# The classic launcher asks its registered variants first (it never imports this module: no circle).
+bst.FORWARD_VARIANTS.append(run_if_chosen)

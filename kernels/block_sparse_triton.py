@@ -46,6 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
+#: Launchers of other forward variants, asked in order before the classic kernel runs: each takes the
+#: classic kernel's arguments and returns True when it launched (``block_sparse_tma`` registers its own).
+FORWARD_VARIANTS = []
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -435,9 +439,9 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
     args = kernel_args(q, k, v, out, lse, skipped, kv_indices, kv_counts, kv_valid, block_m, block_n, scale,
                        skip_threshold, interpreted)
     block_d = args[_ARG_INDEX["BLOCK_D"]]
-    from . import block_sparse_tma  # the Hopper / Blackwell TMA variant, where chosen (FASTDIT_TRITON_VARIANT)
-    if block_sparse_tma.run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, skip_tile,
-                                      interpreted):
+    # other variants first (block_sparse_tma: the Hopper / Blackwell TMA loads, FASTDIT_TRITON_VARIANT)
+    if any(run(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, skip_tile, interpreted)
+           for run in FORWARD_VARIANTS):
         return (out, lse, skipped) if skip else (out, lse)
 
     if skip:  # fixed tiles: they define which sub-tiles the rule looks at

@@ -1,4 +1,4 @@
-"""A method's own trainable parameters (``Method.layer_module``, ``fastdit/train/method_params.py``).
+"""A method's own trainable parameters (``Method.layer_module``, ``fastdit/calibration/method_params.py``).
 
 A toy method registered here scales the model's attention per head by ``1 + w_h`` with ``w``
 (zero-initialised) its per-layer parameter: the patch builds one per layer (never on the model),
@@ -13,7 +13,7 @@ import torch
 import fastdit
 from fastdit.calibration.plan_file import PlanError
 from fastdit.methods.base import Method, MethodConfig, option, register_method, unregister_method
-from fastdit.train.method_params import FILE, method_parameters, save_method_params
+from fastdit.calibration.method_params import FILE, method_parameters, save_method_params
 
 from tiny_transformers import tiny_hunyuan, tiny_wan, wan_inputs
 

@@ -247,7 +247,7 @@ def test_projection_trains_saves_and_loads_with_the_patch(tmp_path):
     and loaded beside the adapter; parameters of another feature map are refused naming both."""
     import fastdit
     from fastdit.calibration.plan_file import PlanError
-    from fastdit.train.method_params import method_parameters, save_method_params
+    from fastdit.calibration.method_params import method_parameters, save_method_params
 
     from tiny_models import TINY
 

@@ -223,7 +223,7 @@ def test_ring_is_refused_with_the_reason():
 def test_patch_trains_gates_and_loads_them_for_this_model_only(tmp_path):
     """The gates are the patch's (not the model's), get gradients under trainable=True, change the
     output once loaded, and a file of another cube size is refused naming both."""
-    from fastdit.train.method_params import method_parameters, save_method_params
+    from fastdit.calibration.method_params import method_parameters, save_method_params
 
     model, inputs = tiny_wan(), wan_inputs(frames=5, height=10, width=12, batch=1)
     options = {"block_size_3d": (2, 2, 2), "top_k_ratio": 0.25}
@@ -262,7 +262,7 @@ def test_recipe_trains_the_gates_beside_the_lora_and_resumes_them(tmp_path):
 
     from fastdit.pipelines.tiny import tiny
     from fastdit.train import LoraTrainConfig, output_error, train_lora
-    from fastdit.train.method_params import FILE
+    from fastdit.calibration.method_params import FILE
 
     call = {"num_frames": 9, "height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 1.0,
             "max_sequence_length": 16}  # a 3 x 4 x 4 latent grid: 12 cubes of 1 x 2 x 2, 3 kept

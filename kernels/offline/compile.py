@@ -17,15 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import block_sparse_bwd_triton as bwd
-from . import block_sparse_tma as tma
-from . import block_sparse_triton as bst
-from . import block_sparse_varlen_triton as bsv
+from .. import block_sparse_bwd_triton as bwd
+from .. import block_sparse_tma as tma
+from .. import block_sparse_triton as bst
+from .. import block_sparse_varlen_triton as bsv
 from . import sass_census
-from . import triton_tuning as tuning
-from .triton_tuning import env_var as _env
-from .quant import triton_fixed as qfx
-from .quant import triton_varlen as qvl
+from .. import triton_tuning as tuning
+from ..triton_tuning import env_var as _env
+from ..quant import triton_fixed as qfx
+from ..quant import triton_varlen as qvl
 
 KIB = 1024
 

@@ -65,12 +65,12 @@ from pathlib import Path
 import torch
 import triton
 
-from . import block_sparse_bwd_triton as bwd
-from . import block_sparse_tma as tma
-from . import block_sparse_varlen_triton as bsv
+from .. import block_sparse_bwd_triton as bwd
+from .. import block_sparse_tma as tma
+from .. import block_sparse_varlen_triton as bsv
 from . import sass_census
-from . import triton_tuning as tuning
-from .offline_compile import (  # noqa: F401  (re-exported: the check's vocabulary)
+from .. import triton_tuning as tuning
+from .compile import (  # noqa: F401  (re-exported: the check's vocabulary)
     BWD_KERNELS,
     CI_TARGETS,
     DTYPES,
@@ -437,5 +437,3 @@ def main(argv=None):
     return 1 if failures else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
