@@ -120,7 +120,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     try:
         result._install(modules_per_transformer)
         if method_params is not None:
-            from fastdit.train.method_params import load_method_params
+            from fastdit.calibration.method_params import load_method_params
 
             load_method_params(result, method_params)
     except BaseException:

@@ -148,7 +148,7 @@ class Patch:
         self._removed = False
         self.trainable = False  # set by patch(..., trainable=True): calls with gradients run the method
         #: layer name -> the method's trainable parameters of that layer (``Method.layer_module``), held
-        #: here, never on the model (fastdit/train/method_params.py saves and loads them)
+        #: here, never on the model (fastdit/calibration/method_params.py saves and loads them)
         self.method_modules = {}
         self._param_grids = None  # grids the loaded method parameters were trained on (None: any)
         self._param_grids_source = ""

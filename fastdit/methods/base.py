@@ -240,7 +240,7 @@ class Method(GuardHooks):
         The patch builds one per attention layer at patch time (instance-level: kept on the patch,
         never set on the model, so ``remove()`` leaves the model as it was) and hands it to the calls
         as ``ctx.params``. ``fastdit.train`` adds their parameters to the optimiser and saves them
-        beside the LoRA adapter (``fastdit/train/method_params.py``); ``fastdit.patch(...,
+        beside the LoRA adapter (``fastdit/calibration/method_params.py``); ``fastdit.patch(...,
         method_params=...)`` loads them back. The initial values must be the method's training-free
         behaviour (a call without the module, ``ctx.params`` None, must give the same output)."""
         return None

@@ -16,7 +16,7 @@ Output directory: ``pytorch_lora_weights.safetensors`` (diffusers' LoRA format:
 ``pipe.load_lora_weights(out)``), ``checkpoints/step-N.pt`` (adapter, optimizer, step, losses:
 ``resume=True`` continues from the latest), ``losses.json`` and ``loss.png``; for a method with
 trainable parameters of its own (``Method.layer_module``: VSA's gates), ``fastdit_method_params.safetensors``
-(``method_params.py``; load with ``fastdit.patch(..., method_params=out)``), trained beside the adapter.
+(``fastdit/calibration/method_params.py``; load with ``fastdit.patch(..., method_params=out)``), trained beside the adapter.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import torch
 from fastdit.jsonutil import dump_json, to_json
 from fastdit.methods.base import check_int, check_number
 
-from .method_params import load_method_params, method_parameters, method_record, method_state, save_method_params
+from fastdit.calibration.method_params import (load_method_params, method_parameters, method_record, method_state,
+                                               save_method_params)
 
 
 @dataclass
