@@ -1,5 +1,5 @@
 """``fastdit.patch``: check the method, its options and the model, then install a ``Patch``
-(``fastdit/patching.py``) on the pipeline's transformer(s). Nothing is installed when a check
+(``fastdit/patching/``) on the pipeline's transformer(s). Nothing is installed when a check
 fails: a bad option or model raises and leaves the model untouched."""
 from __future__ import annotations
 

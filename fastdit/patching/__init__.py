@@ -1,4 +1,5 @@
-"""The ``Patch`` that ``fastdit.patch`` (``fastdit/apply.py``) installs: replace the attention of a diffusers DiT pipeline in one line, reversibly.
+"""The ``Patch`` that ``fastdit.patch`` (``fastdit/apply.py``) installs: replace the attention of a
+diffusers DiT pipeline in one line, reversibly.
 
 Everything is instance-level: on each patched attention module an instance ``forward`` and, for
 processors that dispatch through diffusers' backends, a backend of fastdit's own set on the
@@ -46,7 +47,8 @@ from fastdit.methods.base import OptionError
 from fastdit.stats import PatchStats
 from fastdit.steps import track_scheduler
 
-PATCH_MARK = "_fastdit_patch"
+from .unpatched import MISSING, PATCH_MARK, UnpatchedState, attention_geometry
+
 _ENGINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -71,43 +73,6 @@ class _Layer:
     name: str
     local_index: int
     transformer: object  # weakref.ref to the transformer
-
-
-_MISSING = object()
-
-
-class _UnpatchedState:
-    """Instance ``__getstate__`` of an object the patch changed (the transformer, each patched
-    attention module, each processor whose backend it pinned): the object's state without the
-    patch, so that ``copy.deepcopy``, ``copy.copy`` and pickling (``torch.save``) make an unpatched
-    object while the original stays patched. ``changes``: attribute -> (fastdit's value, a callable
-    giving the value to put back, ``_MISSING`` for none); ``hook_id``: the patch's forward pre-hook."""
-
-    def __init__(self, obj, changes, hook_id=None):
-        self.ref = weakref.ref(obj)
-        self.changes = changes
-        self.hook_id = hook_id
-
-    def __call__(self):
-        obj = self.ref()
-        base = type(obj).__getstate__(obj)
-        if not isinstance(base, dict):  # pragma: no cover - slots or a custom state: nothing to filter
-            return base
-        state = dict(base)
-        state.pop("__getstate__", None)
-        state.pop(PATCH_MARK, None)
-        for name, (ours, previous) in self.changes.items():
-            if state.get(name, _MISSING) is ours:
-                value = previous()
-                if value is _MISSING:
-                    state.pop(name)
-                else:
-                    state[name] = value
-        if self.hook_id is not None:
-            for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
-                if isinstance(state.get(name), dict):
-                    state[name] = type(state[name])((k, v) for k, v in state[name].items() if k != self.hook_id)
-        return state
 
 
 class Patch:
@@ -253,7 +218,7 @@ class Patch:
     def _unpatched_state(self, obj, changes, hook_id=None):
         """Give ``obj`` an instance ``__getstate__`` without the patch (``_UnpatchedState``); undone
         by ``remove()``."""
-        getstate = _UnpatchedState(obj, changes, hook_id)
+        getstate = UnpatchedState(obj, changes, hook_id)
         obj.__dict__["__getstate__"] = getstate
 
         def undo():
@@ -265,11 +230,11 @@ class Patch:
     def _unpatched_forward(self, module, forward):
         """A copy of ``module`` gets the ``forward`` it had before the patch (none, or the user's)."""
         previous = forward._previous
-        self._unpatched_state(module, {"forward": (forward, lambda: _MISSING if previous is forward._missing
+        self._unpatched_state(module, {"forward": (forward, lambda: MISSING if previous is forward._missing
                                                    else previous)})
 
     def _pin_backend(self, processor, value):
-        missing = _MISSING
+        missing = MISSING
         entry = [processor, value, processor.__dict__.get("_attention_backend", missing)]
         processor._attention_backend = value
         self._pinned.append(entry)
@@ -520,20 +485,6 @@ class Patch:
     def __repr__(self):
         state = "active" if self.active else "removed"
         return f"<fastdit.Patch {self.method} on {self.family}, {len(self.layers)} layers, {state}>"
-
-
-def attention_geometry(module):
-    """``(heads, head_dim)`` of a diffusers attention module (``heads`` and ``inner_dim`` or
-    ``to_q``), ``(None, None)`` when it does not say."""
-    heads = getattr(module, "heads", None)
-    if not isinstance(heads, int) or heads < 1:
-        return None, None
-    inner = getattr(module, "inner_dim", None)
-    if not isinstance(inner, int):
-        inner = getattr(getattr(module, "to_q", None), "out_features", None)
-    if not isinstance(inner, int) or inner % heads:
-        return None, None
-    return heads, inner // heads
 
 
 def _in_model_order(original, order):
