@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastdit.kernels import block_sparse_attention, plan_to_token_mask
+from fastdit.kernels import (block_sparse_attention, block_sparse_attention_varlen, plan_to_token_mask,
+                             validate_varlen_plan)
 
 
 @dataclass
@@ -207,3 +208,116 @@ def _dense_plan(n_q, n_k, device, single_block):
     counts = torch.full((1, 1, n_qb), n_kb, dtype=torch.int32, device=device)
     return BlockPlan(kv_indices=indices, kv_counts=counts, block_m=block_m, block_n=block_n, seq_len=n_q,
                      name="dense_over_keys", info={"dense": True})
+
+
+# -- variable-size (cluster) blocks: svg2's plans ------------------------------------------------
+
+@dataclass
+class ClusterPlan(BlockPlan):
+    """A ``BlockPlan`` of variable-size blocks, two permutations per (batch, head).
+
+    ``q_order`` / ``k_order`` ``(B, H, S)``: model token at each kernel query / key position;
+    ``q_inverse`` their inverse; ``q_offsets`` ``(B, H, Mq + 1)`` and ``k_offsets`` ``(B, H, Mk + 1)``
+    int32 block boundaries; ``q_blocks`` / ``k_blocks`` ``(B, H, S)`` each model token's block.
+    ``kv_indices`` ``(B, H, Mq, Mk)`` / ``kv_counts`` ``(B, H, Mq)`` index key blocks (not tokens);
+    ``block_m = block_n = 1`` carry no meaning here.
+    """
+
+    q_order: torch.Tensor | None = None
+    q_inverse: torch.Tensor | None = None
+    k_order: torch.Tensor | None = None
+    q_offsets: torch.Tensor | None = None
+    k_offsets: torch.Tensor | None = None
+    q_blocks: torch.Tensor | None = None
+    k_blocks: torch.Tensor | None = None
+
+    @property
+    def num_kv_blocks(self):
+        return self.k_offsets.shape[-1] - 1
+
+    def select_heads(self, offset, count):
+        raise NotImplementedError("a per-call svg2 plan covers exactly the heads of its call")
+
+    def pair_counts(self):
+        """Computed query-key pairs per (batch, head): float64 ``(B, H)`` (text included)."""
+        q_sizes = self.q_offsets.diff(dim=-1).double()
+        k_sizes = self.k_offsets.diff(dim=-1).double()
+        width = self.kv_indices.shape[-1]
+        used = torch.arange(width, device=self.kv_counts.device) < self.kv_counts[..., None]
+        keys = torch.gather(k_sizes[..., None, :].expand(*self.kv_indices.shape[:-1], k_sizes.shape[-1]), -1,
+                            self.kv_indices.long()) * used
+        return (keys.sum(-1) * q_sizes).sum(-1)
+
+    def block_density_tensor(self):
+        """Token-pair density per (batch, head): computed pairs / ``S^2``, float32 ``(B, H)``."""
+        return (self.pair_counts() / float(self.seq_len) ** 2).float()
+
+    def kept_pairs(self):
+        """Bool ``(B, H, Mq, Mk)``: True where the block pair is computed."""
+        mq, mk = self.kv_counts.shape[-1], self.num_kv_blocks
+        used = torch.arange(self.kv_indices.shape[-1], device=self.kv_counts.device) < self.kv_counts[..., None]
+        index = torch.where(used, self.kv_indices.long(), mk)
+        kept = torch.zeros(*self.kv_counts.shape[:2], mq, mk + 1, dtype=torch.bool, device=index.device)
+        return kept.scatter_(-1, index, True)[..., :mk]
+
+    def token_blocks(self, batch, heads, seq):
+        """For ``correction="pooled"``: each token's query and key cluster (text: the text block),
+        the dropped cluster pairs and the number of key blocks (see ``corrections.token_blocks``)."""
+        return self.q_blocks, self.k_blocks, ~self.kept_pairs(), self.num_kv_blocks
+
+    def token_mask(self, head=0, key_mask=None, batch=0):
+        """The ``(S, S)`` mask of one (batch, head), in model token order (small sizes only)."""
+        kept = self.kept_pairs()[batch, head]
+        mask = kept[self.q_blocks[batch, head]][:, self.k_blocks[batch, head]]
+        if key_mask is not None:
+            mask = mask & key_mask[batch].to(torch.bool)[None, :]
+        return mask
+
+    def validate(self):
+        problems = validate_varlen_plan(self.q_offsets, self.k_offsets, self.kv_indices, self.kv_counts,
+                                        self.seq_len, self.seq_len)
+        if problems:
+            raise ValueError(f"invalid svg2 plan {self.name!r}: " + "; ".join(problems))
+        return self
+
+    def run(self, q, k, v, key_mask=None, scale=None, backend="auto", query_mask=None, return_lse=False,
+            skip_threshold=None, skip_tile=(64, 64), return_skipped=False, quant=None):
+        """``fastdit.run_plan`` of this plan (same arguments and results; no skip rule)."""
+        if skip_threshold is not None:
+            raise ValueError("svg2 plans run on the variable-size engine, which has no skip rule: "
+                             "skip_threshold must be None")
+        out, lse = run_cluster_plan(q, k, v, self, key_mask=key_mask, query_mask=query_mask, scale=scale,
+                                    backend=backend, quant=quant)
+        result = (out, lse) if return_lse else (out,)
+        if return_skipped:
+            result = result + (torch.zeros(q.shape[:2], dtype=torch.int32, device=q.device),)
+        return result if len(result) > 1 else out
+
+
+def run_cluster_plan(q, k, v, plan, key_mask=None, query_mask=None, scale=None, backend="auto", quant=None):
+    """Attention of model-order ``(B, H, S, D)`` tensors under a ``ClusterPlan``: one engine call
+    for all heads; returns ``(out, lse)`` in model order."""
+    batch, heads, seq, dim = q.shape
+    groups = batch * heads
+    base = (torch.arange(groups, device=q.device) * seq).view(batch, heads, 1)
+    # one index_select per tensor over the (B*H*S, D) rows (a per-head gather)
+    q_rows = (plan.q_order + base).reshape(-1)
+    k_rows = (plan.k_order + base).reshape(-1)
+    q_k = q.reshape(groups * seq, dim).index_select(0, q_rows).view(groups, 1, seq, dim)
+    k_k, v_k = (t.reshape(groups * seq, dim).index_select(0, k_rows).view(groups, 1, seq, dim) for t in (k, v))
+    valid = None
+    if key_mask is not None:
+        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, :].expand(batch, heads, seq)
+        valid = torch.gather(keys, 2, plan.k_order).reshape(groups, seq)
+    mq, width = plan.kv_indices.shape[-2:]
+    out, lse = block_sparse_attention_varlen(
+        q_k, k_k, v_k, plan.q_offsets.reshape(groups, 1, -1), plan.k_offsets.reshape(groups, 1, -1),
+        plan.kv_indices.reshape(groups, 1, mq, width), plan.kv_counts.reshape(groups, 1, mq), scale=scale,
+        kv_valid=valid, return_lse=True, backend=backend, validate=False, quant=quant)  # plan valid by construction
+    back = (plan.q_inverse + base).reshape(-1)
+    out = out.reshape(groups * seq, dim).index_select(0, back).view(batch, heads, seq, dim)
+    lse = lse.reshape(-1).index_select(0, back).view(batch, heads, seq)
+    if query_mask is not None:
+        out = out * query_mask.to(device=out.device, dtype=out.dtype)[:, None, :, None]
+        lse = lse.masked_fill(~query_mask.to(device=lse.device, dtype=torch.bool)[:, None, :], float("-inf"))
+    return out, lse
