@@ -240,12 +240,17 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--compare", nargs="*", default=None, help="benchmark JSON files to compare with")
     parser.add_argument("--gpu", default=None, help="GPU for --compare (default: this machine's)")
+    parser.add_argument("--efficiency", default=None,
+                        help="scripts/bench_tma.py --json output measured on the GPU(s) of --gpus: its measured "
+                             "sdpa / kernel efficiencies replace the assumed ones")
     args = parser.parse_args(argv)
     if args.compare is not None:
         gpu = GPUS.get(args.gpu) if args.gpu else costmodel.gpu_for()
         if gpu is None:
             print(f"[predict] no model of this machine's GPU (covered: {', '.join(GPUS)}); pass --gpu NAME")
             return 0
+        if args.efficiency:
+            gpu = costmodel.with_measured_efficiency(gpu, args.efficiency)
         print("\n".join(compare(args.compare, gpu)))
         return 0
     unknown = [g for g in args.gpus.split(",") if g not in GPUS]
@@ -256,6 +261,8 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"method(s) {bad} are not modelled; modelled: {', '.join(modelled)} (token methods are not)")
     gpus = [GPUS[g] for g in args.gpus.split(",")]
+    if args.efficiency:
+        gpus = [costmodel.with_measured_efficiency(g, args.efficiency) for g in gpus]
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:  # all of them before the first model's plans are built
         raise SystemExit(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")

@@ -85,10 +85,41 @@ class GPU:
     gemm_eff: float
     memory_gb: float
     source: str
+    #: fastdit's kernel efficiency measured on this GPU (``with_measured_efficiency``); None: assumed
+    measured_kernel_eff: float | None = None
 
     @property
     def kernel_eff(self):
+        if self.measured_kernel_eff is not None:
+            return self.measured_kernel_eff
         return self.sdpa_eff * KERNEL_OVER_SDPA
+
+
+def with_measured_efficiency(gpu, efficiency, variant=None):
+    """``gpu`` with the efficiencies measured on it: ``efficiency`` is ``scripts/bench_tma.py``'s
+    ``"efficiency"`` (``{"sdpa_eff": x, "kernel_eff <variant>": y, ...}``: medians of achieved over
+    peak throughput), a JSON file holding it (the script's ``--json`` output), or a dict. ``sdpa_eff``
+    replaces the dense baseline's; ``kernel_eff`` is the named ``variant``'s (``"tma"``,
+    ``"cp_async autotuned"``, ...) or, when None, the best variant measured (the one the table picks
+    runs there). Missing or null entries keep the assumed values. The GPU's ``source`` says so."""
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    if not isinstance(efficiency, dict):
+        data = json.loads(Path(efficiency).read_text())
+        efficiency = data.get("efficiency", data)
+    sdpa = efficiency.get("sdpa_eff")
+    kernels = {key[len("kernel_eff "):]: value for key, value in efficiency.items()
+               if key.startswith("kernel_eff ") and isinstance(value, (int, float)) and value > 0}
+    if variant is not None and variant not in kernels:
+        raise ValueError(f"no measured kernel efficiency for variant {variant!r}; measured: {sorted(kernels)}")
+    kernel = kernels[variant] if variant is not None else (max(kernels.values()) if kernels else None)
+    for name, value in (("sdpa_eff", sdpa), ("kernel_eff", kernel)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value <= 1):
+            raise ValueError(f"measured {name} must be in (0, 1], got {value!r}")
+    return replace(gpu, sdpa_eff=sdpa if sdpa is not None else gpu.sdpa_eff, measured_kernel_eff=kernel,
+                   source=f"{gpu.source}; efficiencies measured (sdpa {sdpa}, kernel {kernel})")
 
 
 GPUS = {

@@ -198,6 +198,8 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": gpu_name, "model": gpu.name if gpu else None, "check": check,
                                                "rows": results, "efficiency": summary}, indent=1))
+        print(f"[bench_tma] the cost model takes them: python -m fastdit.eval.predict --gpus "
+              f"{gpu.name if gpu else 'NAME'} --efficiency {args.json}")
     return 0
 
 

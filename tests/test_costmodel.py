@@ -124,3 +124,40 @@ def test_predict_cli_rows(tmp_path):
         predict.main(["--methods", "tome"])
     with pytest.raises(SystemExit, match="unknown GPU"):
         predict.main(["--gpus", "V100"])
+
+
+def test_measured_efficiency_replaces_the_assumed_one(tmp_path):
+    """``with_measured_efficiency`` (scripts/bench_tma.py's output): the kernel's time scales with
+    1 / kernel_eff exactly where the kernel is compute-bound, dense SDPA with 1 / sdpa_eff; the best
+    variant is taken unless one is named; bad values and unknown variants are refused."""
+    import json
+
+    import pytest
+
+    from fastdit import costmodel
+    from fastdit.eval import predict
+
+    h100 = costmodel.GPUS["H100"]
+    measured = {"sdpa_eff": 0.5, "kernel_eff cp_async autotuned": 0.2, "kernel_eff tma": 0.4,
+                "kernel_eff cp_async default": None}
+    gpu = costmodel.with_measured_efficiency(h100, measured)
+    assert gpu.sdpa_eff == 0.5 and gpu.kernel_eff == 0.4 and "measured" in gpu.source
+    assert costmodel.with_measured_efficiency(h100, measured, variant="cp_async autotuned").kernel_eff == 0.2
+    assumed = costmodel.density_call(h100, 0.5, 1, 24, 32760, 128, dynamic=False).kernel_ms
+    faster = costmodel.density_call(gpu, 0.5, 1, 24, 32760, 128, dynamic=False).kernel_ms
+    launch = 1e-3 * costmodel.LAUNCH_US
+    assert (assumed - launch) / (faster - launch) == pytest.approx(0.4 / h100.kernel_eff, rel=1e-6)
+    dense_assumed = costmodel.dense_call(h100, 1, 24, 32760, 32760, 128).total_ms - launch
+    dense_measured = costmodel.dense_call(gpu, 1, 24, 32760, 32760, 128).total_ms - launch
+    assert dense_assumed / dense_measured == pytest.approx(0.5 / h100.sdpa_eff, rel=1e-6)
+    with pytest.raises(ValueError, match="variant 'wgmma'"):
+        costmodel.with_measured_efficiency(h100, measured, variant="wgmma")
+    with pytest.raises(ValueError, match="sdpa_eff must be in"):
+        costmodel.with_measured_efficiency(h100, {"sdpa_eff": 1.7})
+    path = tmp_path / "bench_tma.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H100", "efficiency": measured}))
+    out = tmp_path / "pred.json"
+    assert predict.main(["--gpus", "H100", "--models", "wan", "--methods", "sta", "--efficiency", str(path),
+                         "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())["gpus"]["H100"]
+    assert saved["sdpa_eff"] == 0.5 and saved["measured_kernel_eff"] == 0.4
