@@ -69,7 +69,7 @@ def builtin_model(model):
     return trained_name(model) is not None or tiny_name(model) is not None
 
 
-def trained_presets(name, folder=None, grid=None):
+def trained_presets(name, folder=None, grid=None, plans=True):
     """``{method: options}`` shipped with the trained model ``name`` (``presets.json`` beside its
     weights; ``{}`` when there is none). A method whose preset is a calibrated plan gets
     ``{"plan": <absolute path>}``. The file records the model and the latent grid it was made for;
@@ -77,7 +77,9 @@ def trained_presets(name, folder=None, grid=None):
 
     ``grid``: the latent grid of the run (None: the native one). A plan whose settings do not carry
     over to it (``plan_file.grid_reason``: all but sta windows in a fixed tile) gives way to the
-    method's entry under ``"methods"`` (options found on the native grid; ``{}``: its defaults)."""
+    method's entry under ``"methods"`` (options found on the native grid; ``{}``: its defaults);
+    ``plans=False``: those entries alone, for every method (what a user setting a plan's own
+    options gets instead of the plan)."""
     import json
 
     from fastdit.calibration.plan_file import PlanError, grid_reason, load_plan
@@ -98,7 +100,7 @@ def trained_presets(name, folder=None, grid=None):
         raise PlanError(f"preset file {path} was made for the latent grid {data['grid']} of {name}; {name}'s "
                         f"native grid is {list(native)}: re-calibrate it (see its model card)")
     presets = {method: dict(options) for method, options in (data.get("methods") or {}).items()}
-    for method, rel in (data.get("plans") or {}).items():
+    for method, rel in (data.get("plans") or {}).items() if plans else ():
         plan = os.path.join(folder, rel)
         if not os.path.isfile(plan):
             raise PlanError(f"preset file {path} names the plan {plan} for {method!r}, which is missing")

@@ -312,3 +312,18 @@ def test_the_app_opens_on_tiny_shapes_and_its_run_shows_the_contact_sheet():
     fallback = trained_presets("tiny-shapes", grid=(3, 16, 16)).get(method, {})
     assert "plan" not in fallback and not small.metrics["options"].get("layer_settings")
     assert all(small.metrics["options"][k] == v for k, v in fallback.items())
+
+
+def test_user_options_a_preset_plan_sets_replace_the_plan(capsys):
+    """``--set sta.tile=... --set sta.window=...`` on tiny-shapes: the shipped sta plan sets both, so
+    the preset file's options run under the user's (with a note) instead of a PlanError; options the
+    plan does not set keep the plan; ``--plan`` still wins."""
+    from fastdit.eval.runner.settings import tiny_method_presets
+
+    chosen = tiny_method_presets("tiny-shapes", ["sta", "sparge"], {"sta": {"tile": (3, 4, 4), "window": (1, 3, 3)},
+                                                                    "sparge": {"guard": False}})
+    assert "plan" not in chosen["sta"] and chosen["sta"]["tile"] == (3, 4, 4) and chosen["sta"]["window"] == (1, 3, 3)
+    assert "tile and window given" in capsys.readouterr().out.replace(", ", " and ")
+    assert chosen["sparge"]["plan"].endswith("sparge.json") and chosen["sparge"]["guard"] is False
+    kept = tiny_method_presets("tiny-shapes", ["sta"], {"sta": {"plan": "mine.json"}})
+    assert kept["sta"]["plan"] == "mine.json"

@@ -83,14 +83,36 @@ def method_presets(model, grid=None):
 def tiny_method_presets(model, methods, options, grid=None):
     """``options`` (method -> options) with the built-in model's method presets underneath
     (see :func:`method_presets`; ``grid``: the run's latent grid); else unchanged. A preset that is
-    a plan (``{"plan": path}``) gives way to the user's ``--plan``."""
+    a plan (``{"plan": path}``) gives way to the user's ``--plan``, and to user options that the plan
+    sets (``--set sta.tile=...`` on tiny-shapes: the preset file's options for that method run
+    instead of its calibrated plan, with a note)."""
     options = {method: dict(values) for method, values in options.items()}
     presets, _ = method_presets(model, grid)
     if presets:
         for method, preset in presets.items():
             if method in methods:
-                options[method] = {**preset, **options.get(method, {})}
+                given = options.get(method, {})
+                if "plan" in preset and "plan" not in given:
+                    preset = _unless_plan_options_given(model, method, preset, given)
+                options[method] = {**preset, **given}
     return options
+
+
+def _unless_plan_options_given(model, method, preset, given):
+    """The preset plan, or the preset file's options for ``method`` when ``given`` sets an option
+    the plan sets (the user chose those options; the plan would refuse them)."""
+    from fastdit.calibration.plan_file import load_plan
+    from fastdit.pipelines.loading import trained_name, trained_presets
+
+    plan = load_plan(preset["plan"])  # its shared options, per-layer settings, per-head windows
+    fixed = set(plan.get("options") or {}) | {k for v in (plan.get("settings") or {}).values() for k in (v or {})}
+    fixed |= {"window"} if "strategy" in plan else set()
+    clash = sorted(set(given) & fixed)
+    if not clash or not trained_name(model):
+        return preset
+    print(f"note: {method}: {', '.join(clash)} given, so {model}'s calibrated plan for {method} "
+          f"({preset['plan']}) is not used; its preset options run under yours")
+    return trained_presets(model, plans=False).get(method, {})
 
 
 def build_settings(cfg):
