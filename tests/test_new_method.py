@@ -99,7 +99,7 @@ def check_patch_remove_and_stats(name, options):
 
 def check_compile(name, options):
     """torch.compile with the aot_eager backend (the graph capture, no code generation: seconds on a
-    CPU; inductor is covered for the built-in methods by the slow tests of test_core_v2.py)."""
+    CPU; inductor is covered for the built-in methods by the slow tests of test_patch_runtime.py)."""
     torch._dynamo.reset()
     model, inputs = tiny_wan(), wan_inputs()
     try:

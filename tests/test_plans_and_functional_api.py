@@ -12,7 +12,7 @@ import fastdit.calibration.plan_file
 from fastdit.methods.base import OptionError
 
 from test_cli import no_model, one_line_error  # noqa: F401 - no_model: the fixture that fails if a model loads
-from test_hardening import _nothing_installed
+from test_robustness import _nothing_installed
 
 SPARSE_METHODS = [m for m in fastdit.method_names() if m != "dense"]
 
