@@ -317,8 +317,6 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     """One ring call on ``(B, H, L, D)`` local tensors (``L``: this ring rank's tokens): the method's
     plan over the whole sequence (dynamic methods select from the gathered q / k / v in model order,
     so exactly as in one process), then one ring step per key shard (``ring_attend``)."""
-    from fastdit.context import AttentionContext, transformer_call
-    from fastdit.layout import TokenLayout
     from fastdit.layout import key_mask_from_attn_mask
     from fastdit.methods.base import Method
     from fastdit.methods.parallel import ring_attend, ring_refusal as refusal, ring_shards
@@ -326,17 +324,15 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     _SEEN.set(_SEEN.get() + 1)  # reached fastdit (not through the op: the ring's collectives run here)
     ring, rank, ulysses = cp.ring_degree, cp._ring_local_rank, cp.ulysses_degree
     where = f"ring_degree={ring}, ulysses_degree={ulysses}"
-    if refusal(patch._method) is not None:
-        raise ring_refusal(where, refusal(patch._method))
+    method = patch.method_instance
+    if refusal(method) is not None:
+        raise ring_refusal(where, refusal(method))
     batch, heads, local, _ = q.shape
     seq = local * ring
-    spec = patch._layers[layer]
-    transformer = spec.transformer()
-    info = None if transformer is None else transformer_call(transformer)
+    info = patch.transformer_call_of(layer)
     if info is None or info.grid is None:
         raise ValueError(f"fastdit under ring attention ({where}) needs the call's token grid, and this call has none")
-    text_len = seq - math.prod(info.grid)
-    layout = TokenLayout(info.grid, text_len, patch.adapter.text_position if text_len else "none")
+    layout = patch.call_layout(layer, info, seq)
     shards = ring_shards(layout, ring, ulysses)
     if shards is None:
         raise ValueError(f"{where}: diffusers cuts each stream into ring_degree x ulysses_degree = {ring * ulysses} equal "
@@ -353,14 +349,9 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     def dense():
         return plain_sdpa(q, k_all, v_all, None if key_mask is None else key_mask[:, None, None, :], scale=scale)
 
-    ctx = AttentionContext(
-        layer=layer, layer_name=patch.layers[layer], step=info.call.step, num_steps=info.call.num_steps,
-        branch=info.branch, layout=layout, call=info.call, local_layer=spec.local_index,
-        key_mask=None if key_mask is None else key_mask.index_select(1, order), head_offset=head_offset,
-        num_heads=heads, total_heads=heads * ulysses, scale=scale, cfg=info.cfg,
-        state=info.call.layer_state(layer, info.branch), backend=patch.backend, dense_fn=dense,
-        timestep=info.timestep)
-    method = patch._method
+    ctx = patch.call_context(layer, info, layout, key_mask=None if key_mask is None else key_mask.index_select(1, order),
+                             query_mask=None, head_offset=head_offset, num_heads=heads, total_heads=heads * ulysses,
+                             scale=scale, dense_fn=dense)
     variant = None if method.is_dense_call(ctx) else method.layer_method(ctx.step, ctx.layer)[1]
     plan = None
     if variant is not None and type(variant).select is Method.select:  # a static plan

@@ -24,7 +24,6 @@ import os
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -47,32 +46,13 @@ from fastdit.methods.base import OptionError
 from fastdit.stats import PatchStats
 from fastdit.steps import track_scheduler
 
-from .unpatched import MISSING, PATCH_MARK, UnpatchedState, attention_geometry
+from .state import MISSING, PATCH_MARK, LayerRecord, UnpatchedState, LayerSpec, attention_geometry
 
 _ENGINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class AlreadyPatchedError(RuntimeError):
     """The model is already patched by fastdit; call ``remove()`` on the existing patch first."""
-
-
-@dataclass
-class LayerRecord:
-    """What one patched layer did in its latest call."""
-
-    layout: TokenLayout
-    dense: bool
-    plan: object = None
-    key_mask: torch.Tensor | None = None
-    num_heads: int = 0
-    query_mask: torch.Tensor | None = None
-
-
-@dataclass
-class _Layer:
-    name: str
-    local_index: int
-    transformer: object  # weakref.ref to the transformer
 
 
 class Patch:
@@ -128,7 +108,7 @@ class Patch:
             self._undo.append(lambda t=transformer: t.__dict__.pop(PATCH_MARK, None))
             for local_index, (name, module) in enumerate(modules):
                 self.layers.append(f"{attr_name}.{name}" if multi else name)
-                self._layers.append(_Layer(self.layers[-1], local_index, weakref.ref(transformer)))
+                self._layers.append(LayerSpec(self.layers[-1], local_index, weakref.ref(transformer)))
                 self._undo.append(self._intercept(module, len(self._layers) - 1))
                 self._add_layer_module(self.layers[-1], module)
             # The hook runs eagerly even inside torch.compile: it reads Python-side state (grid,
@@ -343,22 +323,13 @@ class Patch:
         if q.dtype not in _ENGINE_DTYPES:
             return self._fallback(layer, f"{q.dtype} attention (the kernels take float16, bfloat16 and float32)",
                                   size, original)
-        spec = self._layers[layer]
-        transformer = spec.transformer()
-        info = None if transformer is None else transformer_call(transformer)
+        info = self.transformer_call_of(layer)
         if info is None:
             return self._fallback(layer, "attention module called outside a forward of its transformer", size, original)
         if info.grid is None:
             return self._fallback(layer, "the adapter gives no single token grid for this call (e.g. reference "
                                   "images of another size)", size, original)
-        video_len = math.prod(info.grid)
-        text_len = seq - video_len
-        if text_len < 0 or (text_len > 0 and self.adapter.text_position == "none"):
-            raise RuntimeError(
-                f"fastdit ({self.family}): layer {self.layers[layer]} got {seq} tokens but the latent grid "
-                f"{info.grid} has {video_len}; the adapter's layout does not fit this model"
-            )
-        layout = TokenLayout(info.grid, text_len, self.adapter.text_position if text_len else "none")
+        layout = self.call_layout(layer, info, seq)
         key_mask, query_mask, mask_ok = key_mask_from_attn_mask(call["attn_mask"], batch, seq, seq)
         if not mask_ok:
             return self._fallback(layer, "the model's attention mask is not a key mask", size, original)
@@ -371,14 +342,9 @@ class Patch:
             order = order.to(q.device)
             q, k, v = (t.index_select(2, order) for t in (q, k, v))
             key_mask, query_mask = (None if m is None else m.index_select(1, order) for m in (key_mask, query_mask))
-        ctx = AttentionContext(
-            layer=layer, layer_name=self.layers[layer], step=info.call.step, num_steps=info.call.num_steps,
-            branch=info.branch, layout=layout, call=info.call, local_layer=spec.local_index, key_mask=key_mask,
-            query_mask=query_mask, head_offset=head_offset, num_heads=heads, total_heads=heads * shards,
-            scale=call["scale"], cfg=info.cfg, state=info.call.layer_state(layer, info.branch), backend=self.backend,
-            dense_fn=original if order is None else _in_model_order(original, order), timestep=info.timestep,
-            params=self.method_modules.get(self.layers[layer]),
-        )
+        ctx = self.call_context(layer, info, layout, key_mask=key_mask, query_mask=query_mask, head_offset=head_offset,
+                                num_heads=heads, total_heads=heads * shards, scale=call["scale"],
+                                dense_fn=original if order is None else _in_model_order(original, order))
         out = self._method(ctx, q, k, v)
         if not self._worth_checked and not ctx.info.get("dense"):  # once, on the first sparse call
             self._worth_checked = True
@@ -391,6 +357,43 @@ class Patch:
             dense = bool(ctx.info.get("dense")) or plan is None
             self._records[layer] = LayerRecord(layout, dense, None if dense else plan, key_mask, heads, query_mask)
         return out
+
+    # -- one attention call's context (the only builder: handle_call here, the ring path in intercept) --
+    @property
+    def method_instance(self):
+        """The ``Method`` this patch runs (its ``layer_method``, ``select``, capabilities)."""
+        return self._method
+
+    def transformer_call_of(self, layer):
+        """The ``TransformerCall`` info of the transformer forward that layer ``layer``'s call belongs
+        to (grid, step, branch, per-layer state), or None outside a forward of its transformer."""
+        transformer = self._layers[layer].transformer()
+        return None if transformer is None else transformer_call(transformer)
+
+    def call_layout(self, layer, info, seq):
+        """The ``TokenLayout`` of a ``seq``-token call of layer ``layer`` on the grid of ``info``: the
+        video tokens, then text where the adapter puts it; RuntimeError when they do not fit."""
+        video_len = math.prod(info.grid)
+        text_len = seq - video_len
+        if text_len < 0 or (text_len > 0 and self.adapter.text_position == "none"):
+            raise RuntimeError(
+                f"fastdit ({self.family}): layer {self.layers[layer]} got {seq} tokens but the latent grid "
+                f"{info.grid} has {video_len}; the adapter's layout does not fit this model"
+            )
+        return TokenLayout(info.grid, text_len, self.adapter.text_position if text_len else "none")
+
+    def call_context(self, layer, info, layout, *, key_mask, query_mask, head_offset, num_heads, total_heads, scale,
+                     dense_fn):
+        """The ``AttentionContext`` of one call of layer ``layer`` (masks and heads as the caller runs
+        them; ``dense_fn``: the exact attention of those tensors)."""
+        return AttentionContext(
+            layer=layer, layer_name=self.layers[layer], step=info.call.step, num_steps=info.call.num_steps,
+            branch=info.branch, layout=layout, call=info.call, local_layer=self._layers[layer].local_index,
+            key_mask=key_mask, query_mask=query_mask, head_offset=head_offset, num_heads=num_heads,
+            total_heads=total_heads, scale=scale, cfg=info.cfg, state=info.call.layer_state(layer, info.branch),
+            backend=self.backend, dense_fn=dense_fn, timestep=info.timestep,
+            params=self.method_modules.get(self.layers[layer]),
+        )
 
     # -- public -------------------------------------------------------------------------------
     def set_num_steps(self, num_steps):

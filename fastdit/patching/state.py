@@ -1,11 +1,37 @@
-"""What the patch leaves in copies (``UnpatchedState``: the instance ``__getstate__`` that makes
+"""What the patch keeps per layer (``LayerRecord``: the latest call; ``LayerSpec``: where the layer
+lives), what it leaves in copies (``UnpatchedState``: the instance ``__getstate__`` that makes
 ``copy.deepcopy`` / ``torch.save`` of a patched object give the unpatched one) and what it reads
 from an attention module (``attention_geometry``)."""
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+
+import torch
+
+from fastdit.layout import TokenLayout
 
 PATCH_MARK = "_fastdit_patch"
+
+
+@dataclass
+class LayerRecord:
+    """What one patched layer did in its latest call."""
+
+    layout: TokenLayout
+    dense: bool
+    plan: object = None
+    key_mask: torch.Tensor | None = None
+    num_heads: int = 0
+    query_mask: torch.Tensor | None = None
+
+
+@dataclass
+class LayerSpec:
+    name: str
+    local_index: int
+    transformer: object  # weakref.ref to the transformer
+
 
 MISSING = object()
 
