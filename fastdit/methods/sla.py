@@ -61,12 +61,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastdit.plan import BlockPlan
 
 from . import base as _base
 from .base import OptionError, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .sta import choose_tile, padding_fraction, tile_permutation
+from .selection.tiles import tile_order_plan
+from .sta import choose_tile
 
 VIDEO_TILE = (2, 8, 8)
 IMAGE_TILE = (1, 8, 16)
@@ -227,19 +227,7 @@ class SLA(BlockSparseMethod):
         """The static part: tile-order permutation, padding validity and the text blocks; the plan's
         own lists are dense (``select`` replaces them every call)."""
         tile = self.tile_for(layout)
-        block = math.prod(tile)
-        perm, n_video, n_text = tile_permutation(layout, tile, block)
-        n_blocks = n_video + n_text
-        indices = torch.arange(n_blocks, dtype=torch.int32).expand(1, 1, n_blocks, n_blocks).contiguous()
-        counts = torch.full((1, 1, n_blocks), n_blocks, dtype=torch.int32)
-        text_blocks = torch.zeros(n_blocks, dtype=torch.bool)
-        text_blocks[n_video:] = True
-        return BlockPlan(
-            kv_indices=indices.to(device), kv_counts=counts.to(device), block_m=block, block_n=block,
-            seq_len=layout.seq_len, perm=perm.to(device), kv_valid=(perm >= 0)[None].to(device),
-            padding_fraction=padding_fraction(layout.grid, tile), name=f"sla_t{'x'.join(map(str, tile))}",
-            info={"tile": tile, "text_blocks": text_blocks.to(device)},
-        )
+        return tile_order_plan(layout, tile, device, f"sla_t{'x'.join(map(str, tile))}", {"tile": tile})
 
     def classify(self, static, q_kernel, k_kernel, key_ok, query_ok, scale):
         """``(critical, marginal, order, P_c)`` of one call (module docstring, steps 1 and 2)."""

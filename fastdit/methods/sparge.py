@@ -68,13 +68,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdit.plan import BlockPlan
 
 from .base import GUARD_DEFAULT, check_int, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
+from .selection.tiles import tile_order_plan
 from .selection.mass import representative_rows, row_block_masses, rowwise_block_masses
 from .selection.reuse import ReuseOptions, ReuseSelection
-from .sta import choose_tile, padding_fraction, tile_permutation
+from .sta import choose_tile
 
 VIDEO_TILE = (2, 8, 8)
 #: How block masses are predicted (``SpargeConfig.estimator``).
@@ -236,21 +236,11 @@ class Sparge(ReuseSelection, BlockSparseMethod):
         """The static part: tile-order permutation, padding validity and block roles; the plan's
         own lists are dense (``select`` replaces them every call)."""
         tile = self.tile_for(layout)
-        block = math.prod(tile)
-        perm, n_video, n_text = tile_permutation(layout, tile, block)
-        n_blocks = n_video + n_text
-        indices = torch.arange(n_blocks, dtype=torch.int32).expand(1, 1, n_blocks, n_blocks).contiguous()
-        counts = torch.full((1, 1, n_blocks), n_blocks, dtype=torch.int32)
-        text_blocks = torch.zeros(n_blocks, dtype=torch.bool)
-        text_blocks[n_video:] = True
-        sink = torch.zeros(n_blocks, dtype=torch.bool)
+        plan = tile_order_plan(layout, tile, device, f"sparge_t{'x'.join(map(str, tile))}", {"tile": tile})
+        sink = torch.zeros_like(plan.info["text_blocks"])
         sink[0] = self.config.sink
-        return BlockPlan(
-            kv_indices=indices.to(device), kv_counts=counts.to(device), block_m=block, block_n=block,
-            seq_len=layout.seq_len, perm=perm.to(device), kv_valid=(perm >= 0)[None].to(device),
-            padding_fraction=padding_fraction(layout.grid, tile), name=f"sparge_t{'x'.join(map(str, tile))}",
-            info={"tile": tile, "text_blocks": text_blocks.to(device), "always_keys": (text_blocks | sink).to(device)},
-        )
+        plan.info["always_keys"] = plan.info["text_blocks"] | sink
+        return plan
 
     @property
     def simthresh(self):

@@ -51,12 +51,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdit.plan import BlockPlan
 
 from . import base as _base
 from .base import OptionError, check_number, option, register_method
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
-from .sta import padding_fraction, tile_permutation
+from .selection.tiles import tile_order_plan
 
 GATES = ("learned", "sum")
 DEFAULT_CUBE = (4, 4, 4)
@@ -182,17 +181,7 @@ class VideoSparse(BlockSparseMethod):
     def prepare(self, layout, heads, device):
         """The static part: cube-order permutation and padding validity (``select`` fills the lists)."""
         cube = self.cube_for(layout)
-        block = math.prod(cube)
-        perm, n_video, n_text = tile_permutation(layout, cube, block)
-        n_blocks = n_video + n_text
-        indices = torch.arange(n_blocks, dtype=torch.int32).expand(1, 1, n_blocks, n_blocks).contiguous()
-        counts = torch.full((1, 1, n_blocks), n_blocks, dtype=torch.int32)
-        return BlockPlan(
-            kv_indices=indices.to(device), kv_counts=counts.to(device), block_m=block, block_n=block,
-            seq_len=layout.seq_len, perm=perm.to(device), kv_valid=(perm >= 0)[None].to(device),
-            padding_fraction=padding_fraction(layout.grid, cube), name=f"vsa_c{'x'.join(map(str, cube))}",
-            info={"cube": cube, "n_video": n_video, "n_text": n_text},
-        )
+        return tile_order_plan(layout, cube, device, f"vsa_c{'x'.join(map(str, cube))}", {"cube": cube})
 
     def coarse(self, static, q, k, v, key_mask=None, query_mask=None, scale=None):
         """The coarse stage: ``(oc (B, H, n, D) in q's dtype, A (B, H, n, n) float32/64)``."""
