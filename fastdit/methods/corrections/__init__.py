@@ -101,6 +101,17 @@ def token_blocks(plan, batch, heads, seq, device):
     return (positions // plan.block_m, positions // plan.block_n, ~computed_block_mask(plan), plan.num_kv_blocks)
 
 
+def block_means(x, blocks, weights, n_blocks):
+    """Mean of ``x`` ``(B, H, S, D)`` over each block (``blocks`` ``(B, H, S)``), weighted by
+    ``weights`` ``(B, H, S)`` (1 valid, 0 not); float32 ``(B, H, n_blocks, D)`` and the counts."""
+    batch, heads, _, dim = x.shape
+    counts = torch.zeros(batch, heads, n_blocks, device=x.device).scatter_add_(2, blocks, weights)
+    index = blocks.unsqueeze(-1).expand(-1, -1, -1, dim)
+    sums = torch.zeros(batch, heads, n_blocks, dim, device=x.device)
+    sums.scatter_add_(2, index, x.float() * weights[..., None])
+    return sums / counts.clamp(min=1.0).unsqueeze(-1), counts
+
+
 def pooled_correction(q, k, v, plan, out, lse, key_mask=None, query_mask=None, scale=None):
     """``out`` (model order, the plan's sparse result with its ``lse``) merged with the pooled
     dropped key blocks (see the module doc). Returns the corrected ``(B, H, S, D)`` in out's dtype."""
@@ -110,12 +121,8 @@ def pooled_correction(q, k, v, plan, out, lse, key_mask=None, query_mask=None, s
     query_block, key_block, dropped, n_kb = token_blocks(plan, batch, heads, seq, device)
     valid = torch.ones(batch, seq, device=device) if key_mask is None else key_mask.to(device, torch.float32)
     valid = valid[:, None, :].expand(batch, heads, seq)
-    counts = torch.zeros(batch, heads, n_kb, device=device).scatter_add_(2, key_block, valid)  # valid keys per block
-    index = key_block.unsqueeze(-1).expand(batch, heads, seq, dim)
-    k_mean = torch.zeros(batch, heads, n_kb, dim, device=device).scatter_add_(2, index, k.float() * valid[..., None])
-    v_mean = torch.zeros(batch, heads, n_kb, dim, device=device).scatter_add_(2, index, v.float() * valid[..., None])
-    k_mean /= counts.clamp(min=1.0).unsqueeze(-1)
-    v_mean /= counts.clamp(min=1.0).unsqueeze(-1)
+    k_mean, counts = block_means(k, key_block, valid, n_kb)  # counts: valid keys per block
+    v_mean, _ = block_means(v, key_block, valid, n_kb)
     log_counts = torch.where(counts > 0, counts.log(), torch.full_like(counts, float("-inf"))).unsqueeze(2)
     dropped = dropped.expand(batch, heads, -1, -1)  # (B, H, n_qb, n_kb)
 

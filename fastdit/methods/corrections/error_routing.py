@@ -46,18 +46,7 @@ import copy
 
 import torch
 
-from . import POOLED_CHUNK_ELEMENTS, token_blocks
-
-
-def _block_means(x, blocks, weights, n_blocks):
-    """Mean of ``x`` ``(B, H, S, D)`` over each block (``blocks`` ``(B, H, S)``), weighted by
-    ``weights`` ``(B, H, S)`` (1 valid, 0 not); float32 ``(B, H, n_blocks, D)`` and the counts."""
-    batch, heads, _, dim = x.shape
-    counts = torch.zeros(batch, heads, n_blocks, device=x.device).scatter_add_(2, blocks, weights)
-    index = blocks.unsqueeze(-1).expand(-1, -1, -1, dim)
-    sums = torch.zeros(batch, heads, n_blocks, dim, device=x.device)
-    sums.scatter_add_(2, index, x.float() * weights[..., None])
-    return sums / counts.clamp(min=1.0).unsqueeze(-1), counts
+from . import POOLED_CHUNK_ELEMENTS, block_means, token_blocks
 
 
 def _finite(x):
@@ -103,13 +92,13 @@ def compensation_error(q, k, v, plan, key_mask=None, query_mask=None, scale=None
     key_valid = key_valid[:, None, :].expand(batch, heads, seq)
     query_valid = torch.ones(batch, seq, device=device) if query_mask is None else query_mask.to(device, torch.float32)
     query_valid = query_valid[:, None, :].expand(batch, heads, seq)
-    q_mean, q_counts = _block_means(q, query_block, query_valid, n_qb)
+    q_mean, q_counts = block_means(q, query_block, query_valid, n_qb)
     empty_rows = q_counts == 0  # a query block with no valid query (padding): probe its plain mean
     if empty_rows.any():
-        q_plain, _ = _block_means(q, query_block, torch.ones_like(query_valid), n_qb)
+        q_plain, _ = block_means(q, query_block, torch.ones_like(query_valid), n_qb)
         q_mean = torch.where(empty_rows.unsqueeze(-1), q_plain, q_mean)
-    k_mean, k_counts = _block_means(k, key_block, key_valid, n_kb)
-    v_mean, _ = _block_means(v, key_block, key_valid, n_kb)
+    k_mean, k_counts = block_means(k, key_block, key_valid, n_kb)
+    v_mean, _ = block_means(v, key_block, key_valid, n_kb)
     key_dead = key_valid == 0
     log_counts = torch.where(k_counts > 0, k_counts.log(), torch.full_like(k_counts, float("-inf"))).unsqueeze(2)
     costs = block_costs(plan, key_block, n_kb).expand(batch, heads, n_kb)
