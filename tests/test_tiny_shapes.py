@@ -327,3 +327,20 @@ def test_user_options_a_preset_plan_sets_replace_the_plan(capsys):
     assert chosen["sparge"]["plan"].endswith("sparge.json") and chosen["sparge"]["guard"] is False
     kept = tiny_method_presets("tiny-shapes", ["sta"], {"sta": {"plan": "mine.json"}})
     assert kept["sta"]["plan"] == "mine.json"
+
+
+def test_eval_settings_take_the_shipped_plans():
+    """``fastdit eval --model tiny-shapes`` runs its methods at the calibrated plans beside the
+    weights: a setting that carries ``plan`` is checked as the patch applies it (the plan's options,
+    the user's on top), not refused as an unknown option; an option the plan sets is still refused."""
+    from fastdit.eval.runner.config import EvalConfig
+    from fastdit.eval.runner.settings import EvalError, build_settings, tiny_method_presets
+
+    options = tiny_method_presets("tiny-shapes", ["sta", "sparge"], {"sta": {"guard": 0.1}})
+    settings = build_settings(EvalConfig(out="unused", methods=["sta", "sparge"], options=options))
+    by_name = {s.name: s.options for s in settings}
+    assert by_name["sta"]["plan"].endswith("sta.json") and by_name["sta"]["guard"] == 0.1
+    assert by_name["sparge"]["plan"].endswith("sparge.json")
+    clash = {"sta": {"plan": options["sta"]["plan"], "window": (1, 1, 1)}}
+    with pytest.raises(EvalError, match="window"):
+        build_settings(EvalConfig(out="unused", methods=["sta"], options=clash))

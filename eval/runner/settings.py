@@ -115,6 +115,19 @@ def _unless_plan_options_given(model, method, preset, given):
     return trained_presets(model, plans=False).get(method, {})
 
 
+def _options_with_plan(method, options):
+    """``options`` as ``fastdit.patch(pipe, method, **options)`` will apply them: a ``plan`` (a
+    calibrated plan file, from ``--plan`` or a trained model's presets) replaced by the plan's own
+    options with the others on top (the one rule of ``with_plan``), so a setting is checked before
+    any model loads exactly as the patch will check it."""
+    if options.get("plan") is None:
+        return options
+    from fastdit.calibration.plan_file import plan_options, with_plan
+
+    given = {name: value for name, value in options.items() if name != "plan"}
+    return with_plan(plan_options(options["plan"], method), given, options["plan"])
+
+
 def build_settings(cfg):
     """Settings in run order: dense, then each method (one per grid combination)."""
     import fastdit
@@ -138,8 +151,8 @@ def build_settings(cfg):
             label = method if not names else (
                 method + "[" + ",".join(f"{n}={format_option_value(v)}" for n, v in zip(names, combo)) + "]")
             try:
-                fastdit.methods.get_method(method).make_config(None, **options)
-            except (TypeError, ValueError) as error:
+                fastdit.methods.get_method(method).make_config(None, **_options_with_plan(method, options))
+            except (TypeError, ValueError) as error:  # PlanError is a ValueError
                 raise EvalError(f"setting {label}: {error}") from None
             settings.append(Setting(label, method, options))
             if cfg.cache is not None:  # the same setting under cache-dit, right after it
