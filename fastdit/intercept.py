@@ -320,6 +320,7 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     from fastdit.layout import key_mask_from_attn_mask
     from fastdit.methods.base import Method
     from fastdit.methods.parallel import ring_attend, ring_refusal as refusal, ring_shards
+    from fastdit.methods.parallel.ring_guard import RingCall, ring_guarded_call
 
     _SEEN.set(_SEEN.get() + 1)  # reached fastdit (not through the op: the ring's collectives run here)
     ring, rank, ulysses = cp.ring_degree, cp._ring_local_rank, cp.ulysses_degree
@@ -353,7 +354,7 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
                              query_mask=None, head_offset=head_offset, num_heads=heads, total_heads=heads * ulysses,
                              scale=scale, dense_fn=dense)
     variant = None if method.is_dense_call(ctx) else method.layer_method(ctx.step, ctx.layer)[1]
-    plan = None
+    plan = q_all = None
     if variant is not None and type(variant).select is Method.select:  # a static plan
         plan = variant.select(ctx, q, k)
     elif variant is not None:  # a dynamic selection: from the whole sequence, in model order
@@ -373,9 +374,14 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
             part = slice(s * local, (s + 1) * local)
             return k_all[:, :, part], v_all[:, :, part], None if key_mask is None else key_mask[:, part]
 
-        out, _, steps, skipped, pairs = ring_attend(plan, q, key_shard, shard, position, rank, ring, scale, patch.backend)
+        out, lse, steps, skipped, pairs = ring_attend(plan, q, key_shard, shard, position, rank, ring, scale,
+                                                      patch.backend)
         out = out.to(q.dtype)
         patch.stats.count_ring(steps, skipped, pairs)
+        if variant.guarded(ctx):  # the quality guard, deciding as one process (methods/parallel/ring_guard.py)
+            call = RingCall(group, rank, ring, shard, position, k_all, v_all, key_mask, patch.backend,
+                            patch.stats.count_ring, q_all)
+            out = ring_guarded_call(variant, ctx, q, out, lse, call)
     patch.stats.count_call(ctx.info, batch * heads * local * seq)
     return out
 
