@@ -24,12 +24,17 @@ each call instead. Per (batch, head) it
    (a whole 128-token stretch attended wrongly) is always sampled.
 4. **acts per head**: a head fails when the upper 95% confidence bound of ``err`` (``estimate``)
    exceeds ``guard`` or ``mass < promise - 0.05`` (``promise``:
-   the method's own ``cdf`` / ``top_p``; other methods promise no mass). A failed head is re-run
-   at the method's next wider setting (``Method.guard_widened``: a higher ``cdf`` / ``top_p``, a
-   lower pruning ratio, ...) and checked again on fresh rows; when no wider setting is left or it
-   fails too, the head runs dense for this call (exact: float32-accumulating SDPA over its valid
-   keys).
-5. **remembers**: the level a head reached (0 = the method, 1.. = wider settings, last = dense) is
+   the method's own ``cdf`` / ``top_p``; other methods promise no mass). A failed head of a
+   block-sparse method is first re-run on its own plan **widened by the sampled rows' exact
+   scores** (the key blocks / clusters the plan dropped, added in decreasing order of the mass
+   they carry for the sampled rows of each query block, until that block keeps
+   ``1 - min(1 - promise, guard / 2)``; ``guard_widen.py``); a head that still fails, or of a
+   method without plans (token methods, window, prune), is re-run at the method's next wider
+   setting (``Method.guard_widened``: a higher ``cdf`` / ``top_p``, a lower pruning ratio, ...);
+   each re-run is checked again on fresh rows; when no wider setting is left or it fails too,
+   the head runs dense for this call (exact: float32-accumulating SDPA over its valid keys).
+5. **remembers**: the level a head reached (0 = the method, then the score-widened plan for the
+   block-sparse methods, the wider settings, last = dense) is
    kept per (layer, branch, head) in the call's method state and used from the next call on, so
    a head that failed starts at its wider setting in later steps instead of failing again. The
    levels are forgotten every ``guard_refresh`` steps (a new step bucket) and at every pipeline
@@ -46,6 +51,17 @@ finiteness test, and one host synchronisation per call (all heads' decisions tog
 that is one device-to-host copy of ``3 B H`` floats per attention call). Re-runs add what they
 compute. All of it is counted in the patch's statistics as computed work (``guard_density``).
 
+Context parallelism: every rank takes the decisions one process takes on the same call. Under
+Ulysses a rank holds some heads over the whole sequence (rows and re-checks are keyed to the global
+head index). Under ring attention a rank holds a query shard (``methods/parallel/ring_guard.py``):
+the ranks draw one process's rows over the global sequence, each contributes those in its shard
+(queries, the method's output rows and lse: one all-reduce of ``B H n (D_q + D_v + 1)`` floats),
+attends all ``n`` rows to its own key shard and all-gathers the partial rows (``B H n (D_v + 1)``
+floats per rank) for an exact log-sum-exp merge; every rank then runs the same ``estimate`` on the
+same rows and so re-runs the same heads, through the ring (wider settings: the head's plan over the
+whole sequence, one ring step per key shard; dense: the head's queries against each key shard).
+Each check (one per call, one per re-run head) costs these two collectives.
+
 What a method tells the guard, and how a call runs under it, is ``GuardHooks``, a mixin of
 ``Method``: ``guard_promise`` (the kept mass the method's options promise), ``guard_levels`` /
 ``guard_widen_options`` (its wider settings, tried on a failed head before dense), and
@@ -59,6 +75,7 @@ import time
 
 import torch
 
+from .guard_widen import widen_head, widenable
 #: ``ctx.state`` key of the remembered per-head levels.
 STATE_KEY = "fastdit.guard"
 #: Kept mass may fall this far below the method's promise before the head fails.
@@ -257,7 +274,10 @@ def guarded_call(method, ctx, q, k, v, run):
     bound, fraction, refresh = float(config.guard), float(config.guard_rows), int(config.guard_refresh)
     batch, heads, seq, _ = q.shape
     memory, levels = _levels(ctx, heads, refresh)
-    top = method.guard_levels() + 1  # levels 1..top-1: wider settings; top: dense
+    # level 1: the plan widened by the sampled rows' scores (methods that have it, ``guard_widen.py``);
+    # then the method's wider settings; top: dense
+    scored = 1 if method.guard_scores_widen else 0
+    top = method.guard_levels() + scored + 1
     out = run(ctx, q, k, v)
     if ctx.info.get("dense"):  # the method ran dense (a layout it computes densely, a refresh step)
         return out
@@ -301,25 +321,32 @@ def guarded_call(method, ctx, q, k, v, run):
         for h, level in sorted(todo.items()):
             qh, kh, vh = q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1]
             head_ctx = _head_ctx(ctx, h, lambda qh=qh, kh=kh, vh=vh: _dense_head(qh, kh, vh, ctx)[0])
-            wider = method.guard_widened(level) if level < top else None
-            if wider is None:
-                replaced[h] = _dense_head(qh, kh, vh, head_ctx)
-                errors[h], masses[h], levels[h] = 0.0, 1.0, top
-                actions[h] = "dense"
-                final_density[h] = 1.0
-                extra += 1.0 / heads
-                continue
-            result = wider.attend(head_ctx, qh, kh, vh)
-            run_density = _run_density(head_ctx.info)
+            if scored and level == 1:  # key blocks added by the sampled rows' exact scores
+                widened = widen_head(method, ctx, q, k, v, h, bound) if widenable(method, ctx) else None
+                if widened is None:  # nothing to add, or no plan to add to: the next level
+                    next_todo[h] = level + 1
+                    continue
+                result, head_lse, run_density = widened
+                wider_promise = method.guard_promise()
+            else:
+                wider = method.guard_widened(level - scored) if level < top else None
+                if wider is None:
+                    replaced[h] = _dense_head(qh, kh, vh, head_ctx)
+                    errors[h], masses[h], levels[h] = 0.0, 1.0, top
+                    actions[h] = "dense"
+                    final_density[h] = 1.0
+                    extra += 1.0 / heads
+                    continue
+                result = wider.attend(head_ctx, qh, kh, vh)
+                head_lse, run_density = head_ctx.info.get("lse"), _run_density(head_ctx.info)
+                wider_promise = wider.guard_promise()
             extra += run_density / heads
             check = sample_rows(seq, fraction, key + (round_index, ctx.head_offset + h), q.device)  # global head: Ulysses ranks agree
             ref_o, ref_l = exact_rows(qh, kh, vh, check, ctx.key_mask, ctx.scale)
             extra += check.numel() / seq / heads
-            head_lse = head_ctx.info.get("lse")
             valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, check)
             e, e_upper, m, alive = estimate(result.index_select(2, check), ref_o, ref_l,
                                             None if head_lse is None else head_lse.index_select(2, check), valid)
-            wider_promise = wider.guard_promise()
             bad = (e_upper > bound) | torch.isnan(e_upper)
             if wider_promise is not None:
                 bad = bad | (m < wider_promise - MASS_TOLERANCE)
@@ -327,7 +354,7 @@ def guarded_call(method, ctx, q, k, v, run):
             if bad:
                 next_todo[h] = level + 1
                 continue
-            replaced[h] = (result, head_ctx.info.get("lse"))
+            replaced[h] = (result, head_lse)
             final_density[h] = run_density
             errors[h], masses[h], levels[h] = float(e.amax()), float(m.amin()), level
             actions[h] = "widened" if actions[h] == "pass" else actions[h]
@@ -360,6 +387,10 @@ class GuardHooks:
     def guard_promise(self):
         """The kept attention mass this method's options promise (``cdf``, ``top_p``), or None."""
         return None
+
+    #: Whether a failed head is first widened by the sampled rows' exact scores (``guard_widen.py``):
+    #: methods whose output is their plan's engine call (the block-sparse methods).
+    guard_scores_widen = False
 
     def guard_levels(self):
         """How many wider settings the guard may try on a failed head before dense (0: dense at once)."""

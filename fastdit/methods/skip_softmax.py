@@ -96,6 +96,8 @@ def threshold_for(config, keys):
 class SkipSoftmax(BlockSparseMethod):
     """Full attention plus the engine's skip rule at ModelOpt's (or a fixed) threshold."""
 
+    guard_scores_widen = False  # the output is more than the plan's engine call (see guard_widen.py)
+
     name = "skip_softmax"
     config_cls = SkipSoftmaxConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}
