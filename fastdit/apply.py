@@ -23,8 +23,10 @@ def _targets(target):
         return [("transformer", _unwrap(target))], None
     transformer = getattr(target, "transformer", None)
     if transformer is None:
-        unet = " (it has a UNet: fastdit patches DiT transformers only)" if getattr(target, "unet", None) is not None else ""
-        raise ValueError(f"{type(target).__name__} has no `transformer`{unet}; pass a diffusers DiT pipeline or its transformer")
+        has_unet = getattr(target, "unet", None) is not None
+        unet = " (it has a UNet: fastdit patches DiT transformers only)" if has_unet else ""
+        raise ValueError(f"{type(target).__name__} has no `transformer`{unet}; "
+                         "pass a diffusers DiT pipeline or its transformer")
     found = [("transformer", _unwrap(transformer))]
     second = getattr(target, "transformer_2", None)
     if second is not None:
@@ -92,7 +94,8 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
         existing = getattr(transformer, PATCH_MARK, None)
         if existing is not None:
             raise AlreadyPatchedError(
-                f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); call remove() on that patch first"
+                f"{type(transformer).__name__} is already patched by fastdit ({existing!r}); "
+                "call remove() on that patch first"
             )
     config = method_cls.resolve(config, adapter)
     method_obj = method_cls(config)

@@ -26,8 +26,8 @@ from fastdit.options import format_value, parse_value
 
 from .errors import AppError
 
-__all__ = ["DEFAULT_CHOICE", "KINDS", "WIDGET_KINDS", "OptionSpec", "attribute_docs", "method_choices", "option_specs", "options_text", "parse_option",
-           "parse_options"]
+__all__ = ["DEFAULT_CHOICE", "KINDS", "WIDGET_KINDS", "OptionSpec", "attribute_docs", "method_choices", "option_specs",
+           "options_text", "parse_option", "parse_options"]
 
 KINDS = ("int", "float", "number", "tuple", "bool", "choice", "text")
 #: ``field.metadata["widget"]`` -> kind (None: the kind follows the type; ``slider`` draws a

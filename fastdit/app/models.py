@@ -148,7 +148,8 @@ def plan_call(pipe, model, steps, guidance, frames, height, width, max_tokens=No
     from fastdit.compare import pipeline_device
     from fastdit.pipelines.loading import TRAINED_DEFAULTS, call_parameters, fitted_call, latent_grid, tiny_name
 
-    for name, value, limit in (("height", height, MAX_SIDE), ("width", width, MAX_SIDE), ("frames", frames, MAX_FRAMES)):
+    bounds = (("height", height, MAX_SIDE), ("width", width, MAX_SIDE), ("frames", frames, MAX_FRAMES))
+    for name, value, limit in bounds:
         if value is None:
             continue
         if not math.isfinite(float(value)) or value < 1:

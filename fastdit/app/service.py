@@ -392,6 +392,7 @@ class Runner:
 
         dense, result, stats, notes = run["dense"], run["result"], run["stats"], run["notes"]
         method = run["request"].method
+        plan_path = _plan_path(run["request"].plan)
         dense_path = write_video(os.path.join(run["out_dir"], "dense.mp4"), dense.frames, fps=FPS)
         method_path = write_video(os.path.join(run["out_dir"], f"{method}.mp4"), result.frames, fps=FPS)
         psnr_db, ssim_value = fidelity(result.frames, dense.frames)
@@ -402,9 +403,9 @@ class Runner:
                               os.path.join(run["out_dir"], "contact_sheet.png"))
         guard = stats.get("guard") or {}
         if guard.get("head_calls"):
-            notes.append(f"quality guard: {guard['widened']} of {guard['head_calls']} head-calls widened, {guard['dense']} "
-                         f"run dense ({100 * guard['density']:.1f}% of dense attention's work went to the guard's checks "
-                         f"and re-runs)")
+            notes.append(f"quality guard: {guard['widened']} of {guard['head_calls']} head-calls widened, "
+                         f"{guard['dense']} run dense ({100 * guard['density']:.1f}% of dense attention's work went "
+                         f"to the guard's checks and re-runs)")
         if stats["fallback_calls"]:
             notes.append(f"{stats['fallback_calls']} attention calls ran the model's own attention (fallbacks): "
                          + fallback_text(stats["fallbacks"]))
@@ -414,7 +415,7 @@ class Runner:
                 notes.append(warning)
         metrics = {
             "model": run["request"].model, "method": method, "options": run["config"],
-            "plan": None if _plan_path(run["request"].plan) is None else os.path.basename(_plan_path(run["request"].plan)),
+            "plan": None if plan_path is None else os.path.basename(plan_path),
             "options_text": options_text(run["config"]), "size": run["size"], "steps": run["steps"],
             "tokens": run["tokens"], "seed": run["seed"],
             "dense_latency_s": dense.latency_s, "method_latency_s": result.latency_s,

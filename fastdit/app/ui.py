@@ -258,8 +258,9 @@ def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=N
                     json_safe(out.metrics), out.contact_sheet, past)
 
         P = inspect.Parameter
+        input_names = FIXED_INPUTS + [s.api_name for s, _ in option_widgets]
         run.__signature__ = inspect.Signature(
-            [P(n, P.POSITIONAL_OR_KEYWORD, default=None) for n in FIXED_INPUTS + [s.api_name for s, _ in option_widgets]]
+            [P(n, P.POSITIONAL_OR_KEYWORD, default=None) for n in input_names]
             + [P("request", P.POSITIONAL_OR_KEYWORD, default=None, annotation=gr.Request),
                P("progress", P.POSITIONAL_OR_KEYWORD, default=gr.Progress())])
         run.__annotations__ = {"request": gr.Request}

@@ -36,13 +36,15 @@ def add_calibrate_arguments(parser):
     from fastdit.cli.common import add_generation_arguments, positive_int, seed_int
 
     add_generation_arguments(parser)
-    parser.add_argument("--method", default="sta", help="the method to calibrate (sta: per layer and head; the others per "
-                        "layer; auto: per layer and head, across methods)")
+    parser.add_argument("--method", default="sta",
+                        help="the method to calibrate (sta: per layer and head; the others per layer; auto: per "
+                             "layer and head, across methods)")
     parser.add_argument("--gpu", default=None, help="--method auto: the GPU of the cost model whose predicted time is "
                         "minimised (A100, H100, H200, RTX 4090; default H100)")
     parser.add_argument("--prompts", default=None,
                         help="prompt file (.txt one per line, or .json), or 'coco' / 'vbench' / 'shapes' (the shipped "
-                             "sets); default coco, and for tiny-shapes the training captions shipped beside its weights")
+                             "sets); default coco, and for tiny-shapes the training captions shipped beside its "
+                             "weights")
     parser.add_argument("--max-prompts", type=positive_int, default=4, help="use the first N prompts (default 4)")
     parser.add_argument("--budget", type=_budget, required=True,
                         help="largest relative L2 error against dense attention per head, e.g. 0.05")
@@ -74,7 +76,8 @@ def parse_candidates(text, method):
         try:
             candidates = [tuple(int(x) for x in part.split(",")) for part in text.split(";") if part.strip()]
         except ValueError:
-            raise CLIError(f"argument --candidates: expects windows like '1,3,3;3,3,3' or OPTION=V1,V2, got {text!r}") from None
+            raise CLIError("argument --candidates: expects windows like '1,3,3;3,3,3' or OPTION=V1,V2, "
+                           f"got {text!r}") from None
         if method != "sta":
             raise CLIError(f"argument --candidates: window triples apply to sta; for {method} give OPTION=V1,V2")
     if not candidates:
@@ -197,8 +200,9 @@ def cmd_calibrate(args):
 
 def add_calibrate_parser(subparsers):
     """Add the ``calibrate`` subcommand to ``fastdit``'s subparsers."""
-    parser = subparsers.add_parser("calibrate", help="search per-layer (sta: per-head) settings of a method against an error "
-                                                     "budget; writes a plan file (resumable)")
+    parser = subparsers.add_parser("calibrate",
+                                   help="search per-layer (sta: per-head) settings of a method against an error "
+                                        "budget; writes a plan file (resumable)")
     add_calibrate_arguments(parser)
     parser.set_defaults(func=cmd_calibrate)
     return parser

@@ -1,5 +1,6 @@
 """The ``fastdit`` command: its parser (every subcommand registers itself: ``compare``, ``eval``,
-``app``, ``calibrate``, ``profile``) and ``main``; the two listings ``fastdit methods`` and ``fastdit support`` live here.
+``app``, ``calibrate``, ``profile``) and ``main``; the two listings ``fastdit methods`` and
+``fastdit support`` live here.
 """
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ def build_parser():
 
     add_eval_parser(sub)
     add_app_parser(sub)
-    from fastdit.cli.calibrate import add_calibrate_parser; add_calibrate_parser(sub)  # noqa: E702 - one registration line
-    from fastdit.cli.profile import add_profile_parser; add_profile_parser(sub)  # noqa: E702 - one registration line
+    from fastdit.cli.calibrate import add_calibrate_parser
+    from fastdit.cli.profile import add_profile_parser
+
+    add_calibrate_parser(sub)
+    add_profile_parser(sub)
     return parser
 
 

@@ -9,7 +9,8 @@ import os
 import sys
 
 from fastdit.compare import COMPARE_TINY_SIZE
-from fastdit.options import ArgumentParser, parse_value, port_int, positive_int, seed_int  # noqa: F401 (the CLI's names)
+from fastdit.options import (  # noqa: F401 (the CLI's names)
+    ArgumentParser, parse_value, port_int, positive_int, seed_int)
 
 #: Latent video tokens (frames x height x width in tokens) a run may have: about 9x HunyuanVideo's
 #: 720p x 129 frames (33 x 45 x 80 = 118,800 tokens); ``FASTDIT_MAX_TOKENS`` raises it.
@@ -168,10 +169,11 @@ def check_shapes_prompts(model, prompts, flag="--prompts"):
 
 def add_generation_arguments(parser, steps_default=None, model_default="tiny-wan"):
     parser.add_argument("--model", default=model_default,
-                        help=f"tiny-shapes (trained here), tiny-wan, tiny-wan-i2v, tiny-hunyuan-video (random weights), "
-                             f"a hub id or a local folder (default {model_default})")
+                        help="tiny-shapes (trained here), tiny-wan, tiny-wan-i2v, tiny-hunyuan-video (random "
+                             f"weights), a hub id or a local folder (default {model_default})")
     parser.add_argument("--steps", type=positive_int, default=steps_default, help="denoising steps")
-    parser.add_argument("--frames", type=positive_int, default=None, help="video frames (rounded to what the model takes)")
+    parser.add_argument("--frames", type=positive_int, default=None,
+                        help="video frames (rounded to what the model takes)")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--guidance", type=float, default=None, help="guidance scale")

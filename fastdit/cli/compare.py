@@ -127,7 +127,8 @@ def cmd_compare(args):
     print(format_table(report["runs"]))
     for row in report["runs"]:
         if row.get("plans"):
-            print(f"{row['method']}: plans {', '.join(row.get('plans', []))}; padding {100 * row['padding_fraction']:.1f}% of tokens")
+            plans = ", ".join(row.get("plans", []))
+            print(f"{row['method']}: plans {plans}; padding {100 * row['padding_fraction']:.1f}% of tokens")
         for reason, count in (row.get("fallbacks") or {}).items():
             print(f"{row['method']}: {count} fallback call(s) ran the model's own attention: {reason}")
     print("density: computed / total attention blocks over all calls of the patched layers (dense steps, dense "
@@ -165,7 +166,8 @@ def check_quant_options(options, pipe):
 
 
 def add_compare_parser(sub):
-    compare = sub.add_parser("compare", help="run dense and each method with the same seed; latency, speedup, PSNR, SSIM")
+    compare = sub.add_parser("compare",
+                             help="run dense and each method with the same seed; latency, speedup, PSNR, SSIM")
     add_generation_arguments(compare, model_default=DEFAULT_MODEL)
     compare.add_argument("--methods", default=None,
                          help=f"comma-separated methods (dense always runs first; default "
@@ -180,7 +182,8 @@ def add_compare_parser(sub):
     compare.add_argument("--fps", type=positive_int, default=16)
     compare.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
     compare.add_argument("--plan", default=None, metavar="FILE",
-                         help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be in --methods")
+                         help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be "
+                              "in --methods")
     compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
                          help="Ulysses context parallelism over N processes of a launcher "
                               "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")

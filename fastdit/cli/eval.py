@@ -37,13 +37,15 @@ def add_eval_arguments(parser):
     parser.add_argument("--metrics", default=DEFAULT_METRICS,
                         help="comma-separated, from psnr, ssim, lpips, fid, clip, vbench (default %(default)s)")
     parser.add_argument("--negative-prompt", default=None)
-    parser.add_argument("--out", default="fastdit_eval", help="output folder (samples/, results.json, results.md, plots/)")
+    parser.add_argument("--out", default="fastdit_eval",
+                        help="output folder (samples/, results.json, results.md, plots/)")
     parser.add_argument("--fps", type=positive_int, default=16)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--plan", default=None, metavar="FILE",
-                        help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be in --methods")
+                        help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be "
+                             "in --methods")
     parser.add_argument("--cp", type=positive_int, default=None, metavar="N",
                         help="split each sample over N processes (Ulysses context parallelism); the launcher's "
                              "processes form groups of N that share the samples")
@@ -61,13 +63,14 @@ def add_eval_arguments(parser):
     parser.add_argument("--fid-weights", default=None,
                         help="pt_inception-2015-12-05-6726825d.pth or its folder (default $FASTDIT_FID_WEIGHTS or "
                              "~/.cache/fastdit/fid)")
-    parser.add_argument("--fid-frames", type=positive_int, default=16, help="evenly spaced frames per video that enter FID")
+    parser.add_argument("--fid-frames", type=positive_int, default=16,
+                        help="evenly spaced frames per video that enter FID")
     parser.add_argument("--clip-model", default=None,
                         help="local HF-format CLIP folder or a cached hub id (default $FASTDIT_CLIP_MODEL or "
                              "openai/clip-vit-large-patch14 from the HF cache)")
     parser.add_argument("--vbench-python", default=None,
-                        help="python of VBench's own environment (default $FASTDIT_VBENCH_PYTHON); without it the vbench "
-                             "metric gives the native temporal flickering only")
+                        help="python of VBench's own environment (default $FASTDIT_VBENCH_PYTHON); without it the "
+                             "vbench metric gives the native temporal flickering only")
     parser.add_argument("--vbench-dimensions", default=None,
                         help="comma-separated VBench dimensions (default: the prompt file's dimension tags, else the "
                              "dimensions that work on custom prompts)")
@@ -178,6 +181,9 @@ def config_from_args(args):
                   f"moving <direction>', e.g. --prompts shapes); {unscored} of the {len(prompts)} prompts are not, "
                   f"and their adherence is None")
     cache, cache_options = cache_arguments(args, args.cp is not None or args.cp_ring is not None)
+    vbench_dimensions = None
+    if args.vbench_dimensions:
+        vbench_dimensions = [d.strip() for d in args.vbench_dimensions.split(",") if d.strip()]
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
     return EvalConfig(
@@ -191,7 +197,7 @@ def config_from_args(args):
         lpips_net=args.lpips_net, lpips_weights=args.lpips_weights, fid_weights=args.fid_weights,
         fid_frames=args.fid_frames, clip_model=args.clip_model,
         vbench_python=args.vbench_python or os.environ.get("FASTDIT_VBENCH_PYTHON") or None,
-        vbench_dimensions=[d.strip() for d in args.vbench_dimensions.split(",") if d.strip()] if args.vbench_dimensions else None,
+        vbench_dimensions=vbench_dimensions,
         plots=not args.no_plots, cp=args.cp, cp_ring=args.cp_ring, cache=cache, cache_options=cache_options,
     )
 
@@ -227,8 +233,9 @@ def cmd_eval(args):
 
 def add_eval_parser(subparsers):
     """Add the ``eval`` subcommand to ``fastdit``'s subparsers."""
-    parser = subparsers.add_parser("eval", help="dense and methods over prompts x seeds: latency, speedup, quality "
-                                                "metrics; results.json, results.md, plots (resumable, accelerate-shardable)")
+    parser = subparsers.add_parser("eval",
+                                   help="dense and methods over prompts x seeds: latency, speedup, quality metrics; "
+                                        "results.json, results.md, plots (resumable, accelerate-shardable)")
     add_eval_arguments(parser)
     parser.set_defaults(func=cmd_eval)
     return parser

@@ -30,7 +30,8 @@ def add_profile_parser(sub):
     export.add_argument("--out", required=True, help="the component folder or its config.json (merged when present)")
     export.add_argument("--keys", type=positive_int, default=None,
                         help="key count a fixed skip_threshold was meant for (default: the plan's grid)")
-    export.add_argument("--steps", type=positive_int, default=None, help="the run's steps, for a fractional dense_steps")
+    export.add_argument("--steps", type=positive_int, default=None,
+                        help="the run's steps, for a fractional dense_steps")
     export.set_defaults(func=cmd_profile)
     return parser
 
