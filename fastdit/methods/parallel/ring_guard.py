@@ -27,7 +27,12 @@ runs there with the decisions of one process on the same full-sequence call:
    per key shard (``ring_attend``), then checked again the same way on the round's fresh rows
    (keyed to the global head index); when no wider setting is left, or it fails, the head runs dense
    through the ring (its local queries against each key shard, exact, merged through the lse).
-   Levels are remembered per (layer, branch, global head) as in one process.
+   Levels are remembered per (layer, branch, global head) as in one process. Where the guard first
+   widens a block-sparse head by the sampled rows' exact scores (``widen_head``, a method's
+   ``guard_scores_widen``), the ring runs that level as one process does, on the call's queries,
+   keys and values gathered in model order (the same on every rank), and keeps its own rows: the
+   widened head is computed whole on every rank (``R`` times its work; a widened plan handed back
+   apart from its run would let the ring cut it per shard).
 
 ``ctx.info["guard"]`` has the keys and values of one process (``rows``: the global ``n``;
 ``extra_density``: the same share of the call's dense work, which the rank's statistics count
@@ -35,8 +40,8 @@ against its own share of the call).
 
 Cost beyond one process's check: per check (one per call, and one per re-run head) an all-reduce of
 ``B x H x n x (D_q + D_v + 1)`` floats (float32; float64 inputs: float64) and an all-gather of
-``B x H x n x (D_v + 1)`` floats from each rank; the exact rows cost each rank ``n / R`` of its
-share of dense work (every row against one key shard of ``S / R`` keys).
+``B x H x n x (D_v + 1)`` floats from each rank. The exact rows cost each rank ``n / S`` of its share
+of dense work, as in one process (all ``n`` rows, against one key shard of ``S / R`` keys).
 """
 from __future__ import annotations
 
@@ -242,14 +247,14 @@ def _scores_widening(method):
     return guard
 
 
-def ring_scores_widened(widening, method, ctx, call, q, rows, h, bound):
-    """Head ``h`` on its plan widened by the sampled ``rows``' exact scores (``widening.widen_head``)
-    as one process computes it: on the call's queries, keys and values in model order (every rank
-    the same), then this rank's rows. ``(out, lse, density)`` or None (nothing to add)."""
+def ring_scores_widened(widening, method, ctx, call, q, h, bound):
+    """Head ``h`` on its plan widened by its rows' exact scores (``widening.widen_head``) as one
+    process computes it: on the call's queries, keys and values in model order (every rank the
+    same), then this rank's rows. ``(out, lse, density)`` or None (nothing to add)."""
     if not widening.widenable(method, ctx):
         return None
     k_model, v_model = call.model_kv()
-    widened = widening.widen_head(method, ctx, call.gathered_q(q), k_model, v_model, rows, h, bound)
+    widened = widening.widen_head(method, ctx, call.gathered_q(q), k_model, v_model, h, bound)
     if widened is None:
         return None
     out, head_lse, density = widened
@@ -297,7 +302,7 @@ def ring_guarded_call(method, ctx, q, out, lse, call):
         next_todo = {}
         for h, level in sorted(todo.items()):
             if scored and level == 1:  # key blocks added by the sampled rows' exact scores
-                widened = ring_scores_widened(widening, method, ctx, call, q, rows, h, limit)
+                widened = ring_scores_widened(widening, method, ctx, call, q, h, limit)
                 if widened is None:  # nothing to add, or no plan to add to: the next level
                     next_todo[h] = level + 1
                     continue
