@@ -14,8 +14,8 @@ from .calibration.search import calibrate
 from .train.noise import optimize_noise
 from .functional import attention
 from .layout import TokenLayout
-from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, OptiPruneConfig, PruneConfig, RadialConfig, SLAConfig,
-                      SpargeConfig,
+from .methods import (BlockSparseConfig, DenseConfig, Method, MethodConfig, OptiPruneConfig, PruneConfig, RadialConfig,
+                      SLAConfig, SpargeConfig,
                       STAConfig, SVG2Config, SVGConfig, ToDoConfig, ToMeConfig, VSAConfig, WindowConfig, method_names)
 from .apply import patch
 from .patching import AlreadyPatchedError, Patch
@@ -25,6 +25,7 @@ from .plan import BlockPlan, run_plan
 __version__ = "0.1.0"
 
 __all__ = ["AlreadyPatchedError", "AttentionContext", "BlockPlan", "BlockSparseConfig", "DenseConfig", "Method",
-           "MethodConfig", "OptiPruneConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "SLAConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
-           "ToDoConfig", "ToMeConfig", "TokenLayout", "VSAConfig", "WindowConfig", "attention", "calibrate", "method_names", "methods", "optimize_noise", "patch",
+           "MethodConfig", "OptiPruneConfig", "Patch", "PatchStats", "PruneConfig", "RadialConfig", "SLAConfig",
+           "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig", "ToDoConfig", "ToMeConfig", "TokenLayout",
+           "VSAConfig", "WindowConfig", "attention", "calibrate", "method_names", "methods", "optimize_noise", "patch",
            "run_plan"]

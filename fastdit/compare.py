@@ -210,7 +210,8 @@ def quality_warning(row, reference_row):
     if row.get("adherence") is not None and reference_row.get("adherence") is not None:
         drop = reference_row["adherence"] - row["adherence"]
         if drop > WARN_ADHERENCE_DROP:
-            reasons.append(f"adherence {row['adherence']:.3f} is {drop:.3f} below dense's {reference_row['adherence']:.3f}")
+            reasons.append(f"adherence {row['adherence']:.3f} is {drop:.3f} below dense's "
+                           f"{reference_row['adherence']:.3f}")
     if not reasons:
         return None
     return (f"warning: {row['method']}: {'; '.join(reasons)}: this video may not be usable (try a higher threshold, "

@@ -5,8 +5,9 @@ in ``contextvars``, so two threads (each with its own context) or two pipelines 
 other's steps, grids or method state, and a deep-copied scheduler drives only itself.
 
 * ``CallState`` - one pipeline call (started by ``scheduler.set_timesteps``; for a bare transformer,
-  by the timestep going up again, or repeating past the calls one step can make): the denoising step, the number of steps this call actually runs,
-  and a store of method state per (layer, branch), fresh for every pipeline call.
+  by the timestep going up again, or repeating past the calls one step can make): the denoising step,
+  the number of steps this call actually runs, and a store of method state per (layer, branch), fresh
+  for every pipeline call.
 * ``TransformerCall`` - one forward of a patched transformer: its latent grid, the CFG branch (the
   index of this transformer call within the step) and the ``CallState`` it belongs to.
 * ``AttentionContext`` - what a method sees of one intercepted attention call.

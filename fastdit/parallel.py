@@ -169,8 +169,8 @@ def reduce(value, op="max", parallel=None):
     group = None if parallel is None else parallel.config._flattened_mesh.get_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM,
-                                 group=group)
+    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+    torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
     if op == "mean":
         tensor /= torch.distributed.get_world_size(group)
     return float(tensor.item())

@@ -106,7 +106,8 @@ class BlockPlan:
         """Raise ValueError when the plan breaks the engine's contract (indices, counts, sizes)."""
         from fastdit.kernels import validate_plan
 
-        problems = validate_plan(self.kv_indices, self.kv_counts, self.num_kv_blocks, -(-self.kernel_len // self.block_m))
+        query_blocks = -(-self.kernel_len // self.block_m)
+        problems = validate_plan(self.kv_indices, self.kv_counts, self.num_kv_blocks, query_blocks)
         if problems:
             raise ValueError(f"invalid block plan {self.name!r}: " + "; ".join(problems))
         return self
@@ -117,9 +118,11 @@ class BlockPlan:
         if self.kv_indices.shape[1] == 1:
             return self
         if offset + count > self.kv_indices.shape[1]:
-            raise ValueError(f"heads {offset}..{offset + count - 1} are outside the plan's {self.kv_indices.shape[1]} heads")
+            raise ValueError(f"heads {offset}..{offset + count - 1} are outside the plan's "
+                             f"{self.kv_indices.shape[1]} heads")
         return dataclasses.replace(
-            self, kv_indices=self.kv_indices[:, offset:offset + count], kv_counts=self.kv_counts[:, offset:offset + count],
+            self, kv_indices=self.kv_indices[:, offset:offset + count],
+            kv_counts=self.kv_counts[:, offset:offset + count],
             name=f"{self.name}_h{offset}-{offset + count - 1}",
         )
 

@@ -4,8 +4,8 @@
 every attention call of the patched layers, each call weighted by its size
 (``batch * heads * query tokens * key tokens``), dense steps, dense layers and fallback calls
 counted as 1.0. The quality guard's work (sampled exact rows, re-runs of failed heads) is counted as computed work
-too (``guard_density`` says how much of it there was). ``sparse_density`` is the same over the calls that ran sparse only (the figure
-reports used to quote, which made a half-dense run look sparse). Fallback calls (calls the patch
+too (``guard_density`` says how much of it there was). ``sparse_density`` is the same over the calls that ran
+sparse only (the figure reports used to quote, which made a half-dense run look sparse). Fallback calls (calls the patch
 did not understand and ran with the model's own attention) are listed with their reasons.
 
 Dynamic methods report densities as device tensors; they are summed on the device and read once,

@@ -51,7 +51,8 @@ def track_scheduler(scheduler):
     count = scheduler.__dict__.get(_COUNT, 0)
     if count == 0:
         for name in _TRACKED:
-            setattr(scheduler, name, _TrackedMethod(scheduler, name, getattr(scheduler, name), name in scheduler.__dict__))
+            own = name in scheduler.__dict__
+            setattr(scheduler, name, _TrackedMethod(scheduler, name, getattr(scheduler, name), own))
     scheduler.__dict__[_COUNT] = count + 1
 
     def untrack():

@@ -68,7 +68,8 @@ def _grid(plan):
     out = {}
     for key, index in plan["choices"].items():
         step, layer, head = map(int, key.split("_"))
-        out.setdefault(step, [["dense"] * heads for _ in range(layers)])[layer][head] = method_of(plan["candidates"], index)
+        step_table = out.setdefault(step, [["dense"] * heads for _ in range(layers)])
+        step_table[layer][head] = method_of(plan["candidates"], index)
     return out
 
 
@@ -122,8 +123,9 @@ def heatmap(plan, path):
     fig.legend(handles=handles, loc="center right", fontsize=7)
     measured = plan["measured"]
     speed = measured.get("predicted_speedup")
-    fig.suptitle(f"auto at budget {plan['budget']}: " + (f"predicted {speed:.2f}x on {plan.get('gpu')}\n" if speed else "")
-                 + f"worst error {measured['error']:.3f}", fontsize=8, x=0.02, ha="left")
+    predicted = f"predicted {speed:.2f}x on {plan.get('gpu')}\n" if speed else ""
+    fig.suptitle(f"auto at budget {plan['budget']}: " + predicted + f"worst error {measured['error']:.3f}",
+                 fontsize=8, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 0.75, 0.88))
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -114,7 +114,8 @@ def check_plan(plan, source=""):
     if not isinstance(options, dict):
         raise PlanError(f"{where}: entry 'options' must be an object of method options")
     buckets = plan.get("step_buckets")
-    if not isinstance(buckets, list) or not buckets or not all(_int(b) for b in buckets) or buckets != sorted(set(buckets)):
+    well_formed = isinstance(buckets, list) and bool(buckets) and all(_int(b) for b in buckets)
+    if not well_formed or buckets != sorted(set(buckets)):
         raise PlanError(f"{where}: entry 'step_buckets' must be a non-empty increasing list of step indices, "
                         f"got {buckets!r}")
     if method_cls.name == "auto":

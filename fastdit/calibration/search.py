@@ -144,7 +144,10 @@ class _Recorder:
         if key not in self._densities:
             method = SlidingTile(**{**self.base_options, "tile": self.tile, "fit_tile": False, "window": (1, 1, 1)})
             plan = method.windows_plan(layout, [tuple(window)], "cpu")
-            self._densities[key] = 1.0 if plan is None else float(plan.pair_counts().double().mean()) / layout.seq_len ** 2
+            if plan is None:
+                self._densities[key] = 1.0
+            else:
+                self._densities[key] = float(plan.pair_counts().double().mean()) / layout.seq_len ** 2
         return self._densities[key]
 
     def _sta(self, ctx, q, k, v, rows):
@@ -153,7 +156,8 @@ class _Recorder:
         n_tiles = [-(-g // t) for g, t in zip(layout.grid, tile)]
         t_, h_, w_ = layout.grid
         index = torch.arange(layout.video_len, device=q.device)
-        coords = torch.stack([index // (h_ * w_), index // w_ % h_, index % w_], 1) // torch.tensor(tile, device=q.device)
+        coords = (torch.stack([index // (h_ * w_), index // w_ % h_, index % w_], 1)
+                  // torch.tensor(tile, device=q.device))
         row_coords = coords[rows - layout.video_start]
         batch, heads, seq, dim = q.shape
         key_valid = torch.ones(batch, seq, dtype=torch.bool, device=q.device) if ctx.key_mask is None else ctx.key_mask
@@ -222,7 +226,8 @@ class _Recorder:
         """JSON-ready sums of this prompt: ``"bucket_layer" -> {err2, ref2, density, calls}``."""
         return {f"{b}_{layer}": {"err2": e["err2"].tolist(), "ref2": e["ref2"].tolist(),
                                  "density": (e["density"] / e["calls"]).tolist(), "calls": e["calls"],
-                                 **{name: (e[name] / e["calls"]).tolist() for name in ("time", "dense_time") if name in e}}
+                                 **{name: (e[name] / e["calls"]).tolist()
+                                    for name in ("time", "dense_time") if name in e}}
                 for (b, layer), e in sorted(self.sums.items())}
 
 
@@ -242,7 +247,8 @@ def _check_arguments(method, prompts, budget, steps, candidates, rows):
     if steps is None:
         steps = 1
     if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 1 or isinstance(steps, (list, tuple))):
-        raise ValueError(f"steps must be a number of step buckets (int >= 1) or a list of bucket start steps, got {steps!r}")
+        raise ValueError("steps must be a number of step buckets (int >= 1) or a list of bucket start steps, "
+                         f"got {steps!r}")
     if isinstance(steps, (list, tuple)):
         if not steps or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
             raise ValueError(f"steps as a list gives the first step of each bucket (ints >= 0), got {steps!r}")
@@ -255,8 +261,14 @@ def _check_arguments(method, prompts, budget, steps, candidates, rows):
         if not candidates:
             raise ValueError("candidates is empty; give None for the method's defaults")
     elif method_cls.name not in ("sta", "auto") and not has_candidates(method_cls.name):
-        raise ValueError(f"method {method_cls.name!r} has no default candidates; pass candidates=[{{option: value}}, ...]")
+        raise ValueError(f"method {method_cls.name!r} has no default candidates; "
+                         "pass candidates=[{option: value}, ...]")
     return method_cls, prompts, steps, candidates
+
+
+def _sta_window_entry(w):
+    """An sta candidate window entry: an odd positive int, or 0 for the whole axis."""
+    return isinstance(w, int) and not isinstance(w, bool) and (w == 0 or (w > 0 and w % 2))
 
 
 def _as_candidate(method, candidate):
@@ -272,8 +284,7 @@ def _as_candidate(method, candidate):
         return {**candidate, **{k: tuple(v) for k, v in options.items() if isinstance(v, list)}}
     if "window" in candidate and method == "sta":
         window = candidate["window"]
-        if (not isinstance(window, (list, tuple)) or len(window) != 3
-                or not all(isinstance(w, int) and not isinstance(w, bool) and (w == 0 or (w > 0 and w % 2)) for w in window)):
+        if not isinstance(window, (list, tuple)) or len(window) != 3 or not all(_sta_window_entry(w) for w in window):
             raise ValueError(f"sta candidate window must be three odd ints or 0 (the whole axis), got {window!r}")
         candidate = {**candidate, "window": tuple(window)}
     else:

@@ -156,7 +156,8 @@ class SparseAttentionPlugin:
         for name, (allowed, why) in REFUSED.items():
             if name in given and not allowed(given[name]):
                 raise ValueError(f"{prefix}: option {name}={given[name]!r} {why}, and vllm-omni's plugin contract "
-                                 f"passes no layer identity (one callable serves every layer); it is not supported here")
+                                 "passes no layer identity (one callable serves every layer); "
+                                 "it is not supported here")
         resolved = cls.resolve(options=given, where="engine")
         with self._lock:
             self._options[key] = resolved

@@ -41,7 +41,8 @@ def _scaled(frame, pixels):
 
 
 def contact_sheet(videos, labels, path, pixels=FRAME_PIXELS):
-    """Write a PNG: one row per ``videos[i]`` (``[F, H, W, 3]`` uint8, or float in [0, 1]) with ``labels[i]`` on its left.
+    """Write a PNG: one row per ``videos[i]`` (``[F, H, W, 3]`` uint8, or float in [0, 1]) with
+    ``labels[i]`` on its left.
 
     Returns ``path``. Raises ``ValueError`` when there are no videos or the counts differ."""
     from PIL import Image, ImageDraw

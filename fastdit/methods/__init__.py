@@ -28,6 +28,6 @@ for _module in pkgutil.iter_modules(__path__):
 del _module
 
 __all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
-           "OptiPruneConfig", "PruneConfig", "RadialConfig", "SLAConfig", "STAConfig", "SVG2Config", "SVGConfig", "SpargeConfig",
-           "ToDoConfig", "ToMeConfig", "VSAConfig", "WindowConfig", "get_method", "method_names", "methods_taking",
-           "methods_with", "option", "register_method", "tiny_presets", "unregister_method"]
+           "OptiPruneConfig", "PruneConfig", "RadialConfig", "SLAConfig", "STAConfig", "SVG2Config", "SVGConfig",
+           "SpargeConfig", "ToDoConfig", "ToMeConfig", "VSAConfig", "WindowConfig", "get_method", "method_names",
+           "methods_taking", "methods_with", "option", "register_method", "tiny_presets", "unregister_method"]

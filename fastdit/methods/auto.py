@@ -141,14 +141,14 @@ class Auto(Method):
     def check_heads(self, num_heads):
         for (step, layer), heads in sorted(self.table.items()):
             if sorted(heads) != list(range(num_heads)):
-                raise ValueError(f"auto: the plan gives heads {sorted(heads)} of step bucket {step}, layer {layer}, but "
-                                 f"the model's layers have {num_heads} heads: the plan is for another model")
+                raise ValueError(f"auto: the plan gives heads {sorted(heads)} of step bucket {step}, layer {layer}, "
+                                 f"but the model's layers have {num_heads} heads: the plan is for another model")
 
     def check_layers(self, num_layers):
         outside = sorted({layer for _, layer in self.table if layer >= num_layers})
         if outside:
-            raise ValueError(f"auto: the plan names layer {outside[0]} but the model has {num_layers} patched attention "
-                             f"layers: the plan is for another model")
+            raise ValueError(f"auto: the plan names layer {outside[0]} but the model has {num_layers} patched "
+                             "attention layers: the plan is for another model")
 
     def choices_of(self, step, layer):
         """``{global head: candidate index or None}`` of ``layer`` at ``step`` (None: the plan names

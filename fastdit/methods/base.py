@@ -261,10 +261,11 @@ class Method(GuardHooks):
     def check_layers(self, num_layers):
         """Raise ValueError when an option names a layer the model does not have (called at patch
         time with the number of patched attention layers, over all patched transformers)."""
-        outside = [key for key in getattr(self.config, "layer_settings", None) or {} if int(key.split("_")[1]) >= num_layers]
+        settings = getattr(self.config, "layer_settings", None) or {}
+        outside = [key for key in settings if int(key.split("_")[1]) >= num_layers]
         if outside:
-            raise ValueError(f"layer_settings entry {outside[0]!r} names layer {outside[0].split('_')[1]} but the model "
-                             f"has {num_layers} patched attention layers (0 to {num_layers - 1})")
+            raise ValueError(f"layer_settings entry {outside[0]!r} names layer {outside[0].split('_')[1]} but the "
+                             f"model has {num_layers} patched attention layers (0 to {num_layers - 1})")
 
     # -- the protocol --------------------------------------------------------------------------
     def prepare(self, layout, heads, device):

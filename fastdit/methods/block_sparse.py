@@ -21,8 +21,8 @@ plan each accepts
   following steps are corrected towards).
 
 The formulas of the corrections are in ``corrections/__init__.py`` and ``corrections/error_routing.py``; the skip
-rule's exact statement is in ``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64 sub-tiles, cut by
-the plan blocks; the kernel then uses exactly those tiles instead of autotuned ones). A call with
+rule's exact statement is in ``fastdit.kernels.block_sparse`` (methods run it on the engine's default 64 x 64
+sub-tiles, cut by the plan blocks; the kernel then uses exactly those tiles instead of autotuned ones). A call with
 the rule on records ``ctx.info["skipped_subtiles"]`` and ``["walked_subtiles"]`` (device tensors
 per (batch, head)).
 

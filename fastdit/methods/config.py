@@ -110,7 +110,8 @@ class MethodConfig:
             if isinstance(steps, bool) or not isinstance(steps, (int, float)):
                 raise ValueError(f"dense_steps must be an int (count) or a float in [0, 1) (fraction), got {steps!r}")
             if isinstance(steps, float) and not 0.0 <= steps < 1.0:
-                raise ValueError(f"dense_steps as a fraction must be in [0, 1), got {steps!r}; pass an int to count steps")
+                raise ValueError(f"dense_steps as a fraction must be in [0, 1), got {steps!r}; "
+                                 "pass an int to count steps")
             if isinstance(steps, int) and steps < 0:
                 raise ValueError(f"dense_steps must be >= 0, got {steps!r}")
         if self.dense_layers is not None and (

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from fastdit.kernels import block_sparse_attention
-from fastdit.plan import ENGINE_BLOCK, BlockPlan, _dense_plan, dense_plan  # noqa: F401 (ENGINE_BLOCK, _dense_plan: re-exported)
+from fastdit.plan import (  # noqa: F401 (ENGINE_BLOCK, _dense_plan: re-exported)
+    ENGINE_BLOCK, BlockPlan, _dense_plan, dense_plan)
 
 from . import base
 from .base import Method, MethodConfig, check_int, check_number, option, register_method

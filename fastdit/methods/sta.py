@@ -83,9 +83,11 @@ class TileWindowOptions:
             self.tile = tuple(self.tile)
         for window in _windows(self.window):
             if len(window) != 3 or not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
-                raise ValueError(f"window must be three odd positive ints (wt, wh, ww) or a list of them, got {self.window!r}")
+                raise ValueError("window must be three odd positive ints (wt, wh, ww) or a list of them, "
+                                 f"got {self.window!r}")
             if any(w <= 0 or w % 2 == 0 for w in window):
-                raise ValueError(f"window entries must be odd and positive (a window is centred on its tile), got {window}")
+                raise ValueError("window entries must be odd and positive (a window is centred on its tile), "
+                                 f"got {window}")
         windows = _windows(self.window)
         # one window as a tuple (any sequence of three ints is accepted), per-head windows as a list
         self.window = windows if _is_per_head(self.window) else windows[0]
@@ -313,8 +315,8 @@ class SlidingTile(BlockSparseMethod):
         if outside:
             layer, step = outside[0]
             head = min(self._strategy.table[step, layer])
-            raise ValueError(f"strategy entry '{step}_{layer}_{head}' names layer {layer} but the model has {num_layers} "
-                             f"patched attention layers (0 to {num_layers - 1})")
+            raise ValueError(f"strategy entry '{step}_{layer}_{head}' names layer {layer} but the model has "
+                             f"{num_layers} patched attention layers (0 to {num_layers - 1})")
 
     def window_list(self, step, layer, heads):
         """The per-head windows (one triple per global head) of a call at ``step`` in ``layer``."""

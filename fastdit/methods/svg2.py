@@ -118,8 +118,8 @@ class SVG2Config(ReuseOptions, BlockSparseConfig):
                              widget="number")
     k_clusters: int = option(500, "key clusters per head (k-means), clamped to the video tokens", range=(1, None),
                              widget="number")
-    top_p: float = option(0.9, "per query cluster, keep key clusters (see rank) until their predicted mass reaches this",
-                          range=(0.0, 1.0), widget="slider")
+    top_p: float = option(0.9, "per query cluster, keep key clusters (see rank) until their predicted mass "
+                          "reaches this", range=(0.0, 1.0), widget="slider")
     kmeans_iters: int = option(2, "k-means iterations of a warm-started call", range=(1, None), widget="number")
     init_iters: int = option(20, "k-means iterations of a cold start (first call, or a changed layout)",
                              range=(1, None), widget="number")
@@ -365,9 +365,11 @@ class SparseVideoGen2(ReuseSelection, BlockSparseMethod):
                                                    ck + 1, scale, ctx.query_mask, row_max=True,
                                                    refine=self.config.refine_clusters,
                                                    refine_keys=self.config.refine_keys)
-                probs, text_mass = probs.view(-1, cq + 1, ck + 1)[:, :cq, :ck], probs.view(-1, cq + 1, ck + 1)[:, :cq, ck]
+                probs = probs.view(-1, cq + 1, ck + 1)
+                probs, text_mass = probs[:, :cq, :ck], probs[:, :cq, ck]
                 if self.config.row_guard and self.config.top_p < 1.0:
-                    forced = most.view(-1, cq + 1, ck + 1)[:, :cq, :ck] > self.config.guard_margin * (1 - self.config.top_p)
+                    margin = self.config.guard_margin * (1 - self.config.top_p)
+                    forced = most.view(-1, cq + 1, ck + 1)[:, :cq, :ck] > margin
         else:
             probs = cluster_scores(clusters.q_centroids, clusters.k_centroids, clusters.k_sizes, scale)
         sizes = clusters.k_sizes if self.config.rank == "per_token" else None

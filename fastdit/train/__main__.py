@@ -53,7 +53,8 @@ def _json_arg(parser, flag, text, kind):
     if kind == "object" and not isinstance(value, dict):
         parser.error(f"{flag} must be a JSON object ({{\"name\": value, ...}}), got {type(value).__name__}: {text!r}")
     if kind == "strings" and not (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
-        parser.error(f"{flag} must be a JSON list of non-empty strings (e.g. '[\"a red fox\", \"waves\"]'), got {text!r}")
+        parser.error(f"{flag} must be a JSON list of non-empty strings (e.g. '[\"a red fox\", \"waves\"]'), "
+                     f"got {text!r}")
     if kind == "pairs" and not (isinstance(value, list) and all(
             isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v) for v in value)):
         parser.error(f"{flag} must be a JSON list of [caption, video file] pairs, got {text!r}")

@@ -309,7 +309,8 @@ def optimize_noise(pipe, prompt, *, latents=None, steps=5, lr=0.05, subjects=Non
     for step in bar:
         loss, parts = noise_loss(pipe, prompt, z.to(dtype), _tokens=tokens)
         history.append({"step": step, "loss": float(loss.detach()), **parts})
-        bar.set_postfix(loss=f"{float(loss.detach()):.4f}", peak=f"{parts['peak']:.3f}", overlap=f"{parts['overlap']:.3f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.4f}", peak=f"{parts['peak']:.3f}",
+                        overlap=f"{parts['overlap']:.3f}")
         if step == steps:
             break
         (grad,) = torch.autograd.grad(loss, z)  # gradients of z only, never into the model's weights

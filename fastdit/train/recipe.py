@@ -16,7 +16,8 @@ Output directory: ``pytorch_lora_weights.safetensors`` (diffusers' LoRA format:
 ``pipe.load_lora_weights(out)``), ``checkpoints/step-N.pt`` (adapter, optimizer, step, losses:
 ``resume=True`` continues from the latest), ``losses.json`` and ``loss.png``; for a method with
 trainable parameters of its own (``Method.layer_module``: VSA's gates), ``fastdit_method_params.safetensors``
-(``fastdit/calibration/method_params.py``; load with ``fastdit.patch(..., method_params=out)``), trained beside the adapter.
+(``fastdit/calibration/method_params.py``; load with ``fastdit.patch(..., method_params=out)``), trained beside
+the adapter.
 """
 from __future__ import annotations
 
@@ -259,8 +260,8 @@ def check_resume(state, config, checkpoint):
     if differ:
         detail = "; ".join(f"{name}: checkpoint {saved.get(name)!r}, this run {current[name]!r}" for name in differ)
         raise ValueError(f"--resume / resume=True: {checkpoint} was written by a run with other settings ({detail}); "
-                         "resume with the same settings (only steps, checkpoint_every and backend may change) or use another "
-                         "output folder")
+                         "resume with the same settings (only steps, checkpoint_every and backend may change) or use "
+                         "another output folder")
 
 
 def _config_record(config):
@@ -306,7 +307,8 @@ def load_latest_checkpoint(out):
             if not isinstance(state, dict) or not {"lora", "optimizer", "step", "losses"} <= set(state):
                 raise ValueError("not a fastdit.train checkpoint")
         except Exception as error:  # noqa: BLE001 - a damaged file: the next older one is tried
-            broken.append(f"{path.name} ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''})")
+            first_line = str(error).splitlines()[0][:120] if str(error) else ""
+            broken.append(f"{path.name} ({type(error).__name__}: {first_line})")
             continue
         if broken:
             warnings.warn(f"fastdit.train: resume: skipped unreadable checkpoint(s) {', '.join(broken)}; resuming from "

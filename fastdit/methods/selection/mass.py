@@ -244,8 +244,8 @@ def rowwise_block_masses(q, k, key_valid, q_blocks, n_q, k_blocks, n_k, scale, q
     for h0 in range(0, heads, chunk):
         h1 = min(heads, h0 + chunk)
         qh = q[:, h0:h1].float()
-        logits = (qh @ mean[:, h0:h1].transpose(-1, -2)).mul_(scale) + log_count[:, h0:h1, None, :] \
-            if log_count.shape[1] > 1 else (qh @ mean[:, h0:h1].transpose(-1, -2)).mul_(scale) + log_count[:, :, None, :]
+        counts = log_count[:, h0:h1] if log_count.shape[1] > 1 else log_count  # one count row shared by the heads
+        logits = (qh @ mean[:, h0:h1].transpose(-1, -2)).mul_(scale) + counts[:, :, None, :]
         if spread:
             logits += (qh.square() @ var[:, h0:h1].transpose(-1, -2)).mul_(0.5 * scale * scale)
         if sample is not None:

@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from ..base import GUARD_DEFAULT, Method, MethodConfig, check_int, check_number, option, register_method
-from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias, record_token_call)
+from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias,
+                              record_token_call)
 
 
 @dataclass

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from ..base import GUARD_DEFAULT, Method, MethodConfig, check_int, check_number, option, register_method
-from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias, nearest_destination, record_token_call)
+from .token_attention import (TokenSplit, accumulation_dtype, biased_attention, grid_groups, log_size_bias,
+                              nearest_destination, record_token_call)
 
 
 @dataclass
