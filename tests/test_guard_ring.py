@@ -5,8 +5,9 @@ mask), each guarded layer call reports, on every rank, the actions and levels of
 run of the same model, its estimates (error, bound, kept mass) within float tolerance, and the
 output equals the one-process output; heads forced to fail (a threshold far below what sliding
 tile can reach) are caught and the output equals dense attention's; ``guard=False`` under ring
-changes nothing. Without processes: the exact log-sum-exp merge of per-shard partial rows equals
-the rows attended over every key.
+changes nothing. With 4 processes (Ulysses 2 x ring 2): each ring group decides for its heads as
+one process. Without processes: the exact log-sum-exp merge of per-shard partial rows equals the
+rows attended over every key.
 """
 import os
 
@@ -64,8 +65,9 @@ def run_guarded(family, method, options, scores_widen=True, parallel=None):
                 cls.guard_scores_widen = own
 
 
-def worker(rank, world, port, jobs, results):
-    """Every rank runs ``jobs`` under ring ``world`` and puts ``(rank, {name: result or error})``."""
+def worker(rank, world, port, jobs, results, ring=None):
+    """Every rank runs ``jobs`` under ring ``ring`` (default ``world``; Ulysses the rest) and puts
+    ``(rank, {name: result or error})``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.accelerator.device_count = lambda: 1
@@ -75,7 +77,8 @@ def worker(rank, world, port, jobs, results):
     try:
         for name, (family, method, options, scores_widen) in jobs.items():
             try:
-                parallel = ContextParallelConfig(ring_degree=world)
+                ring = ring or world
+                parallel = ContextParallelConfig(ring_degree=ring, ulysses_degree=world // ring)
                 outputs[name] = run_guarded(family, method, options, scores_widen, parallel)
             except Exception as error:  # noqa: BLE001 - the test reads the message
                 outputs[name] = f"{type(error).__name__}: {error}"
@@ -84,14 +87,14 @@ def worker(rank, world, port, jobs, results):
         dist.destroy_process_group()
 
 
-def run_ring(jobs, world=2, timeout=600):
-    """``{rank: outputs}`` of ``jobs`` in ``world`` spawned gloo processes."""
+def run_ring(jobs, world=2, ring=None, timeout=600):
+    """``{rank: outputs}`` of ``jobs`` in ``world`` spawned gloo processes (ring ``ring``, default ``world``)."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=worker, args=(rank, world, port, jobs, results)) for rank in range(world)]
+    procs = [context.Process(target=worker, args=(rank, world, port, jobs, results, ring)) for rank in range(world)]
     for proc in procs:
         proc.start()
     try:
@@ -108,7 +111,7 @@ def ring_results():
     return run_ring(JOBS)
 
 
-def _same_decisions(ring_reports, reports, name):
+def _same_decisions(ring_reports, reports, name, shares=True):
     assert len(ring_reports) == len(reports) > 0, (name, len(ring_reports), len(reports))
     for ring_report, report in zip(ring_reports, reports):
         for field in ("action", "levels", "rows", "nonfinite", "bound", "promise"):
@@ -116,7 +119,8 @@ def _same_decisions(ring_reports, reports, name):
         for field in ("error", "kept_mass", "first_error", "first_error_bound", "first_kept_mass"):
             assert np.allclose(ring_report[field], report[field], rtol=1e-4, atol=1e-5), (name, field, ring_report,
                                                                                           report)
-        assert ring_report["extra_density"] == pytest.approx(report["extra_density"], rel=1e-6)
+        if shares:  # the guard's work over the call's (under Ulysses: over the rank's heads)
+            assert ring_report["extra_density"] == pytest.approx(report["extra_density"], rel=1e-6)
         densities = [(a is None, b is None) for a, b in zip(ring_report["head_density"], report["head_density"])]
         assert all(a == b for a, b in densities), (name, ring_report["head_density"], report["head_density"])
 
@@ -179,3 +183,32 @@ def test_partial_rows_merge_to_the_rows_over_every_key():
     none = torch.full((1, 2), float("-inf"))
     empty_out, empty_lse = merge_partials(torch.zeros(2, 1, 2, 3), torch.stack([none, none]))
     assert torch.equal(empty_out, torch.zeros(1, 2, 3)) and torch.isinf(empty_lse).all()
+
+
+def _heads(report, start, count):
+    """The part of a one-process report about heads ``start .. start + count``."""
+    per_head = ("error", "kept_mass", "first_error", "first_error_bound", "first_kept_mass", "action", "levels",
+                "head_density")
+    return {k: (v[start:start + count] if k in per_head else v) for k, v in report.items()}
+
+
+@pytest.mark.slow
+def test_ulysses_by_ring_decides_as_one_process():
+    """Ulysses 2 x ring 2 (4 processes): each ring group holds 2 of the 4 heads; both ranks of a group
+    report one process's decisions for those heads, and the output is one process's."""
+    name = "settings"
+    family, method, options, scores_widen = JOBS[name]
+    reference, reports, _ = run_guarded(family, method, options, scores_widen)
+    results = run_ring({name: JOBS[name]}, world=4, ring=2)
+    offsets = []
+    for rank in range(4):
+        output = results[rank][name]
+        assert not isinstance(output, str), output
+        out, ring_reports, _ = output
+        assert np.abs(out - reference).max() <= 1e-5
+        first_half = [report["action"][:2] for report in reports]  # the calls differ between the halves
+        start = 0 if [report["action"] for report in ring_reports] == first_half else 2
+        _same_decisions(ring_reports, [_heads(report, start, 2) for report in reports], (name, rank), shares=False)
+        offsets.append(start)
+    assert sorted(offsets) == [0, 0, 2, 2], offsets
+    assert {a for report in reports for a in report["action"]} == {"widened", "dense"}

@@ -236,15 +236,17 @@ def ring_widened(wider, head_ctx, call, q, h, scale=None):
 
 
 def _scores_widening(method):
-    """The guard's widening by the sampled rows' scores (``widen_head`` / ``widenable`` as ``guard.py``
-    imports them) when ``method`` has it and the guard does, else None."""
+    """The guard's widening by its rows' scores (``widen_head`` / ``widenable``: as ``guard.py`` holds
+    them, else ``guard_widen.py``'s) when ``method`` has it, else None."""
     if not getattr(method, "guard_scores_widen", False):
         return None
     from .. import guard
 
-    if not (hasattr(guard, "widen_head") and hasattr(guard, "widenable")):
-        return None
-    return guard
+    if hasattr(guard, "widen_head") and hasattr(guard, "widenable"):
+        return guard
+    from .. import guard_widen
+
+    return guard_widen
 
 
 def ring_scores_widened(widening, method, ctx, call, q, h, bound):
