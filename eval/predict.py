@@ -15,12 +15,13 @@ Plans: static methods (``sta``, ``radial``) are the plans the methods build (``p
 model's token layout, with the family's defaults, on the CPU). Dynamic methods (``sparge``,
 ``svg``) choose blocks from q and k, so their density is an input: by default sta's plan density
 on the same model (as the ``@sta`` companions of ``fastdit.eval.bench.methods``),
-``--dynamic-density`` to set it; they add the selection cost (see ``fastdit.costmodel``). Token methods (``tome``, ``todo``,
-``prune``) are not modelled.
+``--dynamic-density`` to set it; they add the selection cost (see ``fastdit.costmodel``). Token methods
+(``tome``, ``todo``, ``prune``) are not modelled.
 
 ``--compare FILE`` reads benchmark JSON written by ``scripts/gpu_check.sh``
 (``fastdit.eval.bench.attention --path kernel`` and ``fastdit.eval.bench.transformer`` rows) and
-prints each measured time beside the model's prediction for this machine's GPU (``--gpu`` to name one), so the first GPU run checks the model.
+prints each measured time beside the model's prediction for this machine's GPU (``--gpu`` to name one), so
+the first GPU run checks the model.
 """
 from __future__ import annotations
 

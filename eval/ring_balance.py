@@ -58,8 +58,9 @@ def format_table(rows):
              + " | block pairs per rank, contiguous |", "|---|---|---|" + "---|" * len(ORDERS) + "---|"]
     for row in rows:
         ratios = " | ".join(str(row[f"max_mean_{o}"]) for o in ORDERS)
-        lines.append(f"| {row['grid']} ({row['tokens']} tokens) | {row['method']} ({row['plan']}, {row['density']:.3f}) "
-                     f"| {row['ranks']} | {ratios} | {', '.join(map(str, row['pairs_contiguous'] or []))} |")
+        pairs = ", ".join(map(str, row["pairs_contiguous"] or []))
+        lines.append(f"| {row['grid']} ({row['tokens']} tokens) | {row['method']} ({row['plan']}, "
+                     f"{row['density']:.3f}) | {row['ranks']} | {ratios} | {pairs} |")
     return "\n".join(lines)
 
 

@@ -216,7 +216,8 @@ register_adapter(Adapter(
     round_up=False,
     pipelines=("AllegroPipeline",),
     notes="Self-attention `transformer_blocks.N.attn1` (its optional video-padding mask is a key mask and is "
-          "honoured); `attn2` is cross-attention. Grid: latents (B, C, F, H, W) / (patch_size_t, patch_size, patch_size).",
+          "honoured); `attn2` is cross-attention. Grid: latents (B, C, F, H, W) / "
+          "(patch_size_t, patch_size, patch_size).",
 ))
 
 register_adapter(Adapter(

@@ -92,7 +92,8 @@ def trained_presets(name, folder=None, grid=None, plans=True):
         with open(path) as f:
             data = json.load(f)
     except ValueError as error:
-        raise PlanError(f"preset file {path} is not valid JSON ({error}); restore it with git checkout -- {path}") from None
+        raise PlanError(f"preset file {path} is not valid JSON ({error}); "
+                        f"restore it with git checkout -- {path}") from None
     if data.get("model") != name:
         raise PlanError(f"preset file {path} was made for model {data.get('model')!r}, not {name!r}")
     native = trained_grid(name) if name in TRAINED_DEFAULTS else None
@@ -194,7 +195,8 @@ def load_pipeline(model="tiny-wan", device=None, dtype=None):
 
     Args:
         model: ``"tiny-wan"``, ``"tiny-wan-i2v"``, ``"tiny-hunyuan-video"`` (random weights, no
-            downloads), ``"tiny-shapes"`` (trained here, shipped with the package), a hub id such as ``"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"``, or a local folder.
+            downloads), ``"tiny-shapes"`` (trained here, shipped with the package), a hub id such as
+            ``"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"``, or a local folder.
         device: default CUDA when available, else CPU. dtype: default bf16 on CUDA, fp32 on CPU.
     """
     device = device or default_device()
@@ -212,7 +214,8 @@ def load_pipeline(model="tiny-wan", device=None, dtype=None):
 
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "model_index.json")):
-            raise ModelNotFoundError(f"{model} is a folder but holds no model_index.json: not a diffusers pipeline folder")
+            raise ModelNotFoundError(f"{model} is a folder but holds no model_index.json: "
+                                     "not a diffusers pipeline folder")
         try:
             pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, local_files_only=True)
         except (OSError, ValueError) as error:
@@ -268,7 +271,8 @@ def fit_size(pipe, height=None, width=None, frames=None):
             return None
         fitted = max(multiple, round((value - offset) / multiple) * multiple) + offset
         if fitted != value:
-            notes.append(f"{name} {value} -> {fitted} (the model takes multiples of {multiple}{' plus 1' if offset else ''})")
+            plus = " plus 1" if offset else ""
+            notes.append(f"{name} {value} -> {fitted} (the model takes multiples of {multiple}{plus})")
         return fitted
 
     height = nearest(height, spatial, name="height")
@@ -296,4 +300,5 @@ def latent_grid(pipe, call):
     """The latent token grid ``(T, H, W)`` of a call's ``num_frames`` / ``height`` / ``width``."""
     spatial, temporal = size_granularity(pipe)
     frames = call.get("num_frames", 1)
-    return ((frames - 1) // temporal + 1, max(call.get("height", 0) // spatial, 1), max(call.get("width", 0) // spatial, 1))
+    return ((frames - 1) // temporal + 1, max(call.get("height", 0) // spatial, 1),
+            max(call.get("width", 0) // spatial, 1))

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "ShapeSpec", "VideoSpec", "sample_spec", "render", "caption",
-           "parse_caption", "sample_video", "random_caption", "distinct_captions"]
+__all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "ShapeSpec", "VideoSpec", "sample_spec", "render",
+           "caption", "parse_caption", "sample_video", "random_caption", "distinct_captions"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -80,7 +80,8 @@ def parse_caption(text: str) -> list[tuple[str, str, str]]:
         if not match:
             raise ValueError(f"caption part {part!r} does not follow 'a <colour> <shape> moving <direction>'")
         color, shape, direction = match.groups()
-        for word, known, kind in ((color, COLORS, "colour"), (shape, SHAPES, "shape"), (direction, DIRECTIONS, "direction")):
+        words = ((color, COLORS, "colour"), (shape, SHAPES, "shape"), (direction, DIRECTIONS, "direction"))
+        for word, known, kind in words:
             if word not in known:
                 raise ValueError(f"unknown {kind} {word!r} in caption part {part!r}; known: {', '.join(known)}")
         objects.append((color, shape, direction))
@@ -139,7 +140,8 @@ def _background(spec: VideoSpec) -> np.ndarray:
     elif spec.texture == "stripes":
         angle = rng.uniform(0, np.pi)
         yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-        base += (10.0 * np.sign(np.sin((xx * np.cos(angle) + yy * np.sin(angle)) * 2 * np.pi / rng.uniform(8, 16))))[..., None]
+        phase = (xx * np.cos(angle) + yy * np.sin(angle)) * 2 * np.pi / rng.uniform(8, 16)
+        base += (10.0 * np.sign(np.sin(phase)))[..., None]
     elif spec.texture == "gradient":
         yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
         angle = rng.uniform(0, 2 * np.pi)

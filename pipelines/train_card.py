@@ -45,9 +45,9 @@ def card_text(cfg, preset, vae_losses, vae_seconds, latent_seconds, state, param
     dit = state["losses"]
     warm = ""
     if getattr(cfg, "init_from", ""):
+        kept = "; its VAE kept as it was (no VAE steps)" if not vae_losses else ""
         warm = (f"- Warm start: the VAE, text encoder and transformer weights of `{cfg.init_from}` (a pipeline saved "
-                f"by this script at another frame size){'; its VAE kept as it was (no VAE steps)' if not vae_losses else ''}; "
-                f"the loss curve below starts there.\n")
+                f"by this script at another frame size){kept}; the loss curve below starts there.\n")
     tokens = cfg.latent_frames * (cfg.height // 4) * (cfg.width // 4)  # VAE factor 4, patch 1
     return f"""# tiny-shapes
 
@@ -61,19 +61,23 @@ Load it offline: `fastdit.pipelines.loading.load_pipeline("tiny-shapes")` (or `-
 
 ## Sizes
 - Native call: {cfg.frames} frames of {cfg.height} x {cfg.width}; VAE factors 4 (space: 2x2 patchify, one 2x stage)
-  x 2 (time) -> latent {cfg.latent_frames} x {cfg.height // 4} x {cfg.width // 4} x {cfg.vae_z_dim} channels; patch (1, 1, 1) ->
+  x 2 (time) -> latent {cfg.latent_frames} x {cfg.height // 4} x {cfg.width // 4} x {cfg.vae_z_dim} channels; \
+patch (1, 1, 1) ->
   **{tokens} video tokens** per transformer call.
 - Transformer (`WanTransformer3DModel`): {cfg.layers} layers, {cfg.heads} heads x {cfg.head_dim}, FFN {cfg.ffn_dim};
   {param_counts['transformer'] / 1e6:.2f} M parameters.
-- VAE (`AutoencoderKLWan`, Wan 2.2 style: patch 2, residual shortcuts): base dim {cfg.vae_base_dim}, z {cfg.vae_z_dim}; {param_counts['vae'] / 1e6:.2f} M parameters.
+- VAE (`AutoencoderKLWan`, Wan 2.2 style: patch 2, residual shortcuts): base dim {cfg.vae_base_dim}, \
+z {cfg.vae_z_dim}; {param_counts['vae'] / 1e6:.2f} M parameters.
 - Text encoder: the tiny 2-layer UMT5 (d=32) of `fastdit.pipelines.tiny` with its WordPiece tokenizer,
   trained jointly with the transformer; {param_counts['text_encoder'] / 1e6:.2f} M parameters;
   `max_sequence_length={cfg.max_sequence_length}`.
 - Scheduler: `UniPCMultistepScheduler`, flow prediction, flow shift {cfg.flow_shift}.
 
 ## Training (preset `{preset}`, seed {cfg.seed}, {cfg.threads} torch thread(s))
-{warm}- VAE: {len(vae_losses)} steps x batch {cfg.vae_batch} of {cfg.vae_clip_frames}-frame {cfg.vae_crop} x {cfg.vae_crop} crops, AdamW lr {cfg.vae_lr};
-  {vae_seconds / 60:.1f} min; reconstruction loss (saturation-weighted L1 + MSE on [-1, 1] pixels) first {vae_losses[0] if vae_losses else float('nan'):.4f},
+{warm}- VAE: {len(vae_losses)} steps x batch {cfg.vae_batch} of {cfg.vae_clip_frames}-frame \
+{cfg.vae_crop} x {cfg.vae_crop} crops, AdamW lr {cfg.vae_lr};
+  {vae_seconds / 60:.1f} min; reconstruction loss (saturation-weighted L1 + MSE on [-1, 1] pixels) \
+first {vae_losses[0] if vae_losses else float('nan'):.4f},
   last-100 mean {tail(vae_losses)}.
 - Latents: {cfg.num_videos} videos encoded (posterior mean) in {latent_seconds / 60:.1f} min, normalised per channel.
 - Transformer + text encoder: {state['step']} of {cfg.steps} planned steps x batch {cfg.batch}, AdamW lr {cfg.lr}

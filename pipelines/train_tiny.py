@@ -107,11 +107,11 @@ PRESETS: dict[str, dict] = {
     # issue 40: 17 frames of 128 x 128 (9216 video tokens), warm-started from the 64 x 64 model of
     # ``--preset short --out runs/tiny-shapes-64`` (the VAE and text encoder are kept; RoPE and the
     # convolutional VAE carry over to the larger frame)
-    "large": dict(height=128, width=128, init_from="runs/tiny-shapes-64", vae_steps=0, num_videos=400, steps=700, batch=2,
-                  lr=3e-4, warmup=50, ema_decay=0.995, full_clip_prob=0.3, prefix_max=5, checkpoint_every=25,
+    "large": dict(height=128, width=128, init_from="runs/tiny-shapes-64", vae_steps=0, num_videos=400, steps=700,
+                  batch=2, lr=3e-4, warmup=50, ema_decay=0.995, full_clip_prob=0.3, prefix_max=5, checkpoint_every=25,
                   export_every=100),
-    "test": dict(frames=5, height=32, width=32, vae_base_dim=4, vae_z_dim=4, vae_steps=2, vae_clip_frames=5, vae_crop=16,
-                 num_videos=3, heads=1, head_dim=16, layers=1, ffn_dim=32, max_sequence_length=40, steps=3,
+    "test": dict(frames=5, height=32, width=32, vae_base_dim=4, vae_z_dim=4, vae_steps=2, vae_clip_frames=5,
+                 vae_crop=16, num_videos=3, heads=1, head_dim=16, layers=1, ffn_dim=32, max_sequence_length=40, steps=3,
                  batch=1, warmup=1, checkpoint_every=2, export_every=2),
 }
 
@@ -166,14 +166,16 @@ def load_weights(pipe, folder: str) -> None:
     for name, rel in files.items():
         path = os.path.join(folder, rel)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"init_from={folder!r}: {path} is missing (a pipeline saved by train_tiny holds it)")
+            raise FileNotFoundError(f"init_from={folder!r}: {path} is missing "
+                                    "(a pipeline saved by train_tiny holds it)")
         state = load_file(path)
         module = getattr(pipe, name)
         own = module.state_dict()
         wrong = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
         if wrong:
             raise ValueError(f"init_from={folder!r}: {name} has other shapes ({wrong[0]}: "
-                             f"{tuple(state[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}); same model sizes needed")
+                             f"{tuple(state[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}); "
+                             "same model sizes needed")
         # tied / shared weights may be stored once: non-strict, then check nothing of ours is left out
         missing, _ = module.load_state_dict(state, strict=False)
         missing = [k for k in missing if k not in ("shared.weight",) and not k.endswith("embed_tokens.weight")]
@@ -433,7 +435,8 @@ def train(cfg: TrainConfig, work: str, out: str = DEFAULT_OUT, preset: str = "cu
     save_meta()
     t0 = time.time()
     latents, captions, mean, std = encode_latents(cfg, pipe, work, progress)
-    times["latents"] = times.get("latents", 0.0) + (time.time() - t0) if "latents_done" not in times else times["latents"]
+    times["latents"] = (times.get("latents", 0.0) + (time.time() - t0) if "latents_done" not in times
+                        else times["latents"])
     times["latents_done"] = True
     save_meta()
     pipe.vae.register_to_config(latents_mean=list(mean), latents_std=list(std))
@@ -449,7 +452,8 @@ def train(cfg: TrainConfig, work: str, out: str = DEFAULT_OUT, preset: str = "cu
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m fastdit.pipelines.train_tiny", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastdit.pipelines.train_tiny",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--work", default="runs/train_tiny", help="checkpoints, logs, latents, loss curve (resumes)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="where the pipeline is written (save_pretrained)")

@@ -52,7 +52,8 @@ def summarise(records):
         scores = np.array([d["score"] for d in done])
         neglect = np.array([d["neglect"] for d in done], float)
         se = scores.std(ddof=1) / math.sqrt(len(scores)) if len(scores) > 1 else float("nan")
-        rows.append({"config": config, "videos": len(done), "adherence": float(scores.mean()), "adherence_se": float(se),
+        rows.append({"config": config, "videos": len(done), "adherence": float(scores.mean()),
+                     "adherence_se": float(se),
                      "neglect_rate": float(neglect.mean()), "colour": float(np.mean([d["colour"] for d in done])),
                      "shape": float(np.mean([d["shape"] for d in done])),
                      "motion": float(np.mean([d["motion"] for d in done])),
@@ -177,8 +178,8 @@ def main(argv=None):
                 os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
                 with open(args.json, "w") as handle:
                     json.dump(result, handle, indent=1)
-            print(f"seed {seed} {caption!r}: " + ", ".join(f"{c} {record[c]['score']:.3f}{' N' if record[c]['neglect'] else ''}"
-                                                          for c in CONFIGS) + f" ({per_pair:.0f} s)", flush=True)
+            listing = ", ".join(f"{c} {record[c]['score']:.3f}{' N' if record[c]['neglect'] else ''}" for c in CONFIGS)
+            print(f"seed {seed} {caption!r}: {listing} ({per_pair:.0f} s)", flush=True)
         if result["stopped"]:
             break
     print(table(summarise(result["records"])))

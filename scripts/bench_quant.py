@@ -102,7 +102,8 @@ def run(args):
 
 
 def table(rows):
-    lines = ["| kind | method | quant | density | rel. L2 sparsity | rel. L2 quant | rel. L2 total | cos sim | rel. L1 |",
+    lines = ["| kind | method | quant | density | rel. L2 sparsity | rel. L2 quant | rel. L2 total | cos sim "
+             "| rel. L1 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['method']} | {r['mode']} | {r['density']:.3f} | {r['sparsity']:.4f} | "
@@ -161,7 +162,8 @@ def speed(args):
         ours = block_sparse_attention(q, k, v, full, full_cnt, block, block, quant="int8", return_lse=False)
         theirs = sageattn(q, k, v, tensor_layout="HND")
         print(f"dense int8 against float64 (head 0, rows 0-2047): fastdit rel. L2 "
-              f"{rel_l2(ours[:, :1, rows_ref], ref, ref):.4f}, sageattn {rel_l2(theirs[:, :1, rows_ref], ref, ref):.4f}")
+              f"{rel_l2(ours[:, :1, rows_ref], ref, ref):.4f}, "
+              f"sageattn {rel_l2(theirs[:, :1, rows_ref], ref, ref):.4f}")
     layout = fastdit.TokenLayout(grid=(21, 30, 52))
     q, k, v = (torch.randn(1, 12, layout.seq_len, dim, generator=gen).to(dev, torch.bfloat16) for _ in range(3))
     ms, gib = _timed(lambda: F.scaled_dot_product_attention(q, k, v), args.runs)

@@ -118,9 +118,11 @@ def main(argv=None):
         timing = ""
         if args.time:
             timing = (f"  unpatched {row['unpatched_ms']:.1f} ms, dense patch {row['patched_dense_ms']:.1f} ms, "
-                      f"sta {row['patched_sta_ms']:.1f} ms, overhead {row['dense_patch_overhead_ms_per_layer']:.2f} ms/layer")
+                      f"sta {row['patched_sta_ms']:.1f} ms, "
+                      f"overhead {row['dense_patch_overhead_ms_per_layer']:.2f} ms/layer")
         print(f"{family:16s} route {row['route']:8s} layers {row['layers']}  breaks {row['graph_breaks']:3d} "
-              f"(unpatched {row['unpatched_graph_breaks']}; added {row['breaks_per_layer']:.1f}/layer)  fullgraph {row['fullgraph'][:40]}{timing}", flush=True)
+              f"(unpatched {row['unpatched_graph_breaks']}; added {row['breaks_per_layer']:.1f}/layer)  "
+              f"fullgraph {row['fullgraph'][:40]}{timing}", flush=True)
     meta = {"torch": torch.__version__, "device": str(device), "machine": platform.processor() or platform.machine(),
             "timed_backend": args.backend if args.time else None, "warmup": args.warmup, "runs": args.runs,
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -156,7 +156,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Run COMMAND and report its peak resident memory.",
         usage="%(prog)s [--limit-gb GB] [--json PATH] [--interval S] [--kill-over-limit] -- COMMAND [ARG ...]")
-    parser.add_argument("--limit-gb", type=float, default=None, help="fail (exit 3) when the peak exceeds this (10^9 bytes)")
+    parser.add_argument("--limit-gb", type=float, default=None,
+                        help="fail (exit 3) when the peak exceeds this (10^9 bytes)")
     parser.add_argument("--json", default=None, help="also write the measurement to this JSON file")
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between /proc samples (default 0.05)")
     parser.add_argument("--kill-over-limit", action="store_true",

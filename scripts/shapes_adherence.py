@@ -73,7 +73,10 @@ def merge(args):
     for key in ("score", "colour", "shape", "motion"):
         per_caption = np.array([np.mean([r[key] for r in rs]) for rs in by_prompt.values()])
         summary[key] = float(per_caption.mean())
-        summary[key + "_se"] = float(per_caption.std(ddof=1) / np.sqrt(len(per_caption))) if len(per_caption) > 1 else None
+        if len(per_caption) > 1:
+            summary[key + "_se"] = float(per_caption.std(ddof=1) / np.sqrt(len(per_caption)))
+        else:
+            summary[key + "_se"] = None
     summary["seconds_per_sample"] = float(np.median([r["seconds"] for r in records]))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

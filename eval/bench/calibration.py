@@ -244,8 +244,8 @@ def structured_evidence(name, setup, budget, args):
     calibration = _structured_table(name, setup, candidates, grid, args.seed, args.backend)
     choice, _ = select_plan([calibration], candidates, budget, per_head=(name == "sta"))
     summary = {}
-    for group, table in (("calibration", calibration),
-                         ("held-out", _structured_table(name, setup, candidates, grid, args.seed + 1000, args.backend))):
+    held_out = _structured_table(name, setup, candidates, grid, args.seed + 1000, args.backend)
+    for group, table in (("calibration", calibration), ("held-out", held_out)):
         plan = {"err2": 0.0, "ref2": 0.0, "density": [], "worst": 0.0}
         curve = [{"err2": 0.0, "ref2": 0.0, "density": []} for _ in candidates]
         for key, entry in table.items():
@@ -316,7 +316,8 @@ def _budgets(text):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.calibration", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastdit.eval.bench.calibration",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-wan", choices=("tiny-wan", "tiny-shapes"),
                         help="tiny-wan (random weights) or tiny-shapes (trained; its native call, shapes captions)")
     parser.add_argument("--methods", default="sta,sparge", help=f"comma-separated, from {sorted(SETUPS)}")

@@ -147,8 +147,8 @@ def print_table(results, file=None):
     print(f"structured inputs {meta['grid']} + {meta['text']} text = {meta['tokens']} tokens, {meta['heads']} heads, "
           f"D={meta['head_dim']}, {meta['dtype']}, {meta['device']}; median of {meta['runs']} runs", file=file)
     width = max([34] + [len(row["method"]) for row in results["rows"]])
-    header = (f"{'method':{width}} {'kind':8} {'density':>7} {'kept':>6} {'rel_l2':>8} {'select':>8} {'attn':>8} {'total':>8} "
-              f"{'outside':>8} {'saved':>8} {'sel/dns':>7} {'peakMB':>7}")
+    header = (f"{'method':{width}} {'kind':8} {'density':>7} {'kept':>6} {'rel_l2':>8} {'select':>8} {'attn':>8} "
+              f"{'total':>8} {'outside':>8} {'saved':>8} {'sel/dns':>7} {'peakMB':>7}")
     print(header, file=file)
     print("-" * len(header), file=file)
     f = common.fmt
@@ -156,10 +156,10 @@ def print_table(results, file=None):
         if "error" in row:
             print(f"{row['method']:{width}} {row['kind']:8} ERROR {row['error']}", file=file)
             continue
-        print(f"{row['method']:{width}} {row['kind']:8} {f(row.get('density'), '7.3f')} {f(row.get('kept_mass'), '6.3f')} "
-              f"{f(row.get('rel_l2'), '8.4f')} "
-              f"{f(row.get('select_ms'), '8.2f')} {f(row.get('attention_ms'), '8.2f')} {f(row.get('total_ms'), '8.2f')} "
-              f"{f(row.get('outside_ms'), '8.2f')} {f(row.get('saved_ms'), '8.2f')} "
+        print(f"{row['method']:{width}} {row['kind']:8} {f(row.get('density'), '7.3f')} "
+              f"{f(row.get('kept_mass'), '6.3f')} {f(row.get('rel_l2'), '8.4f')} "
+              f"{f(row.get('select_ms'), '8.2f')} {f(row.get('attention_ms'), '8.2f')} "
+              f"{f(row.get('total_ms'), '8.2f')} {f(row.get('outside_ms'), '8.2f')} {f(row.get('saved_ms'), '8.2f')} "
               f"{f(row.get('select_over_dense'), '7.3f')} {f(row.get('peak_mb'), '7.1f')}", file=file)
     split = [row for row in results["rows"] if "cluster_ms" in row]
     if split:

@@ -67,7 +67,8 @@ def density_table(grid_hw=(30, 52), frames=(21, 41, 81, 161), family="wan", num_
 def format_table(rows, config, grid_hw, num_layers=40, num_steps=50):
     lines = [
         f"Radial attention at {grid_hw[0]}x{grid_hw[1]} latent tokens per frame: decay {config.decay:g}, "
-        f"block {config.block_size}, adjacent={config.adjacent}, sink={config.sink}, block_fill={config.block_fill:.3g}; "
+        f"block {config.block_size}, adjacent={config.adjacent}, sink={config.sink}, "
+        f"block_fill={config.block_fill:.3g}; "
         f"whole run = {_dense_step_count(config, num_steps):g} of {num_steps} steps and {config.dense_layers} of "
         f"{num_layers} layers dense",
         "",
@@ -77,7 +78,8 @@ def format_table(rows, config, grid_hw, num_layers=40, num_steps=50):
     ]
     for r in rows:
         lines.append(f"| {r['frames']} | {r['tokens']} | {100 * r['density']:.1f}% | {r['pairs']:.3g} | "
-                     f"{r['keys_per_query']:.0f} | {r['pairs_per_nlogn']:.0f} | {r['speedup']:.2f}x | {r['run_speedup']:.2f}x |")
+                     f"{r['keys_per_query']:.0f} | {r['pairs_per_nlogn']:.0f} | {r['speedup']:.2f}x | "
+                     f"{r['run_speedup']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -92,7 +94,8 @@ def reference_densities():
     for name, layout, config, target in (("wan2.1-14b 69x768x1280", wan_layout, wan, 0.2871),
                                          ("hunyuan_video 117x768x1280", hy_layout, hy, 0.2746)):
         mask, _, n_video = block_mask(layout, config)
-        out[name] = {"density": float(mask.double().mean()), "video_density": float(mask[:n_video, :n_video].double().mean()),
+        out[name] = {"density": float(mask.double().mean()),
+                     "video_density": float(mask[:n_video, :n_video].double().mean()),
                      "target": target, "layout": layout.describe()}
     return out
 

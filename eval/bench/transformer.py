@@ -125,7 +125,8 @@ def parser():
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="JSON path (default bench_results/transformer_<device>_<timestamp>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench_results/transformer_<device>_<timestamp>.json)")
     p.add_argument("--table", default=None, help="also write the printed table to this path")
     return p
 

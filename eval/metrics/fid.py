@@ -323,7 +323,10 @@ def inception_features(images, weights: Optional[PathLike] = None, resize: str =
     feats = []
     for i in range(0, len(images), batch_size):
         chunk = images[i:i + batch_size]
-        x = preprocess(chunk, resize) if isinstance(chunk, np.ndarray) else torch.cat([preprocess(im, resize) for im in chunk])
+        if isinstance(chunk, np.ndarray):
+            x = preprocess(chunk, resize)
+        else:
+            x = torch.cat([preprocess(im, resize) for im in chunk])
         feats.append(model(x.to(device)).double().cpu().numpy())
     return np.concatenate(feats)
 

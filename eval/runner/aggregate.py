@@ -137,7 +137,8 @@ def aggregate(cfg, settings, samples, log=None, num_processes=1):
                  "effective_options": record.get("effective_options") or {}, "samples": len(mine),
                  "latency_s": mean_latency, "latency_std_s": std([r["latency_s"] for r in mine]),
                  "speedup": mean([r["speedup"] for r in mine]),
-                 "speedup_of_means": mean([r["latency_s"] for r in dense_rows]) / mean_latency if mean_latency else None,
+                 "speedup_of_means": (mean([r["latency_s"] for r in dense_rows]) / mean_latency
+                                      if mean_latency else None),
                  "peak_memory_mb": max((r["peak_memory_mb"] for r in mine if r["peak_memory_mb"] is not None),
                                        default=None),
                  **attention_work(mine)}

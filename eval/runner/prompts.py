@@ -42,7 +42,8 @@ def load_prompts(path):
     if path.endswith(".json"):
         prompts = _json_prompts(path, text)
     else:
-        prompts = [Prompt(line.strip()) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        prompts = [Prompt(line.strip()) for line in text.splitlines()
+                   if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
         raise EvalError(f"prompt file {path} holds no prompts")
     return prompts

@@ -58,7 +58,8 @@ def markdown_table(results):
     out = [f"# fastdit eval: {results['model']}", "", *lines, "",
            f"- device: {results['device']} ({results['num_processes']} process(es)), backend {results['backend']}",
            f"- call: {call}",
-           f"- prompts: {len(results['prompts'])} from {results['prompts_file']}; seeds: {', '.join(map(str, results['seeds']))}",
+           f"- prompts: {len(results['prompts'])} from {results['prompts_file']}; "
+           f"seeds: {', '.join(map(str, results['seeds']))}",
            f"- speedup: {results['speedup_definition']}",
            f"- {results['density_definition']}",
            "- psnr/ssim/lpips: against the dense sample of the same prompt and seed; means over samples "

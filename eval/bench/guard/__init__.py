@@ -108,7 +108,8 @@ def evaluate(inputs, reference, dense_lse, entry, bound):
     heads = q.shape[1]
     missed = []
     for h in range(heads):
-        violates = true0[h] > bound or (promise is not None and kept0 is not None and kept0[h] < promise - MASS_TOLERANCE)
+        short_of_promise = promise is not None and kept0 is not None and kept0[h] < promise - MASS_TOLERANCE
+        violates = true0[h] > bound or short_of_promise
         missed.append(bool(report["action"][h] == "pass" and violates))
     row = {"method": entry, "heads": heads, "est": report["first_error"], "true": true0, "err": true1,
            "kept_before": kept0, "kept": kept, "promise": promise, "action": report["action"], "missed": missed,
@@ -178,7 +179,7 @@ def cost(args):
         rows = guard_module.sample_rows(seq, 0.005, (0, 0, 0, 0), "cpu")
         ref_out, ref_lse = guard_module.exact_rows(q, k, v, rows)
         guard_module.estimate(out.index_select(2, rows), ref_out, ref_lse)  # noqa: the timed work
-        return guard_module._finite(q, k, v)
+        return guard_module.all_finite(q, k, v)
 
     dense = common.time_fn(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.runs, 1, False)
     checked = common.time_fn(check, args.runs, 1, False)
@@ -235,9 +236,10 @@ def run(args):
           f"error within 2x the block oracle (or +0.01): {s['oracle_ok']} of {s['oracle_rows']} rows")
     if "cost" in result:
         c = result["cost"]
-        print(f"cost at {c['tokens']} tokens (CPU, {c['rows']} rows per head): check {c['check_ms']:.1f} ms, dense SDPA "
-              f"{c['dense_ms']:.1f} ms: {100 * c['share']:.2f}% (load {c['load']:.1f}); predicted GPU share (24 heads "
-              f"x 128): " + ", ".join(f"{n} {100 * v:.1f}%" for n, v in c["gpu_predicted_share"].items()))
+        print(f"cost at {c['tokens']} tokens (CPU, {c['rows']} rows per head): check {c['check_ms']:.1f} ms, "
+              f"dense SDPA {c['dense_ms']:.1f} ms: {100 * c['share']:.2f}% (load {c['load']:.1f}); "
+              "predicted GPU share (24 heads x 128): "
+              + ", ".join(f"{n} {100 * v:.1f}%" for n, v in c["gpu_predicted_share"].items()))
     if args.json:
         dump_json(args.json, result)
         print(f"wrote {args.json}")
