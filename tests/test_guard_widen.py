@@ -1,4 +1,4 @@
-"""The guard's score widening (``fastdit/methods/guard_widen.py``): a failed block-sparse head gets
+"""The guard's score widening (``fastdit/methods/guard/widen.py``): a failed block-sparse head gets
 the key blocks its sampled rows' exact scores say it dropped, in its own plan's blocks."""
 import math
 
@@ -8,7 +8,7 @@ import torch
 import fastdit
 from fastdit.layout import TokenLayout
 from fastdit.methods import base
-from fastdit.methods.guard_widen import block_rows, grown_lists, row_block_sums, token_blocks, widenable
+from fastdit.methods.guard.widen import block_rows, grown_lists, row_block_sums, token_blocks, widenable
 from fastdit.plan import BlockPlan
 
 pytestmark = pytest.mark.guard_defaults
@@ -107,22 +107,22 @@ def test_row_block_sums_equal_a_float64_loop_on_a_permuted_plan():
 
 def capture_widened(monkeypatch):
     """Record ``{head: plan}`` of the plans the guard's score widening runs (wrapping
-    ``guard.widen_head`` for the head and ``base.run_plan`` for the plan it runs)."""
+    ``guard.widen_head`` for the head and the engine call it makes for the plan)."""
     from fastdit.methods import guard
+    from fastdit.methods.guard import widen
 
     seen, current = {}, []
-    run_plan, widen_head = base.run_plan, guard.widen_head
+    run_plan, widen_head = widen.run_plan, guard.widen_head
 
     def recording_run(q, k, v, plan, *args, **kwargs):
-        if plan.name.endswith("_guard_widened"):
-            seen[current[-1]] = plan
+        seen[current[-1]] = plan
         return run_plan(q, k, v, plan, *args, **kwargs)
 
     def recording_widen(method, ctx, q, k, v, head, bound):
         current.append(head)
         return widen_head(method, ctx, q, k, v, head, bound)
 
-    monkeypatch.setattr(base, "run_plan", recording_run)
+    monkeypatch.setattr(widen, "run_plan", recording_run)
     monkeypatch.setattr(guard, "widen_head", recording_widen)
     return seen
 

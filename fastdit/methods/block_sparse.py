@@ -101,7 +101,7 @@ class BlockSparseMethod(Method):
     reports_lse = True
     block_sparse = True
     ring = True  # methods/parallel/ring.py cuts any BlockPlan (one or per-head orders, cluster blocks)
-    guard_scores_widen = True  # the output is the plan's engine call (+ correction): guard_widen.py grows the plan
+    guard_scores_widen = True  # the output is the plan's engine call (+ correction): guard/widen.py grows the plan
 
     def is_refresh_step(self, ctx):
         """Whether this call of a ``correction="cached"`` method refreshes (see the module doc)."""

@@ -96,7 +96,7 @@ def threshold_for(config, keys):
 class SkipSoftmax(BlockSparseMethod):
     """Full attention plus the engine's skip rule at ModelOpt's (or a fixed) threshold."""
 
-    guard_scores_widen = False  # the output is more than the plan's engine call (see guard_widen.py)
+    guard_scores_widen = False  # the output is more than the plan's engine call (see guard/widen.py)
 
     name = "skip_softmax"
     config_cls = SkipSoftmaxConfig

@@ -192,7 +192,7 @@ def linear_branch(q, k, v, key_ok, marginal, block, feature_map):
 
 @register_method
 class SLA(BlockSparseMethod):
-    guard_scores_widen = False  # the output is more than the plan's engine call (see guard_widen.py)
+    guard_scores_widen = False  # the output is more than the plan's engine call (see guard/widen.py)
     name = "sla"
     config_cls = SLAConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}

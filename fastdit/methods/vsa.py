@@ -137,7 +137,7 @@ def cube_means(x, valid, block):
 
 @register_method
 class VideoSparse(BlockSparseMethod):
-    guard_scores_widen = False  # the output is more than the plan's engine call (see guard_widen.py)
+    guard_scores_widen = False  # the output is more than the plan's engine call (see guard/widen.py)
     name = "vsa"
     config_cls = VSAConfig
     default_options = {"dense_steps": 0, "dense_layers": 0}

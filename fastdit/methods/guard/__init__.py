@@ -28,7 +28,7 @@ each call instead. Per (batch, head) it
    block-sparse method is first re-run on its own plan **widened by the sampled rows' exact
    scores** (the key blocks / clusters the plan dropped, added in decreasing order of the mass
    they carry for the sampled rows of each query block, until that block keeps
-   ``1 - min(1 - promise, guard / 2)``; ``guard_widen.py``); a head that still fails, or of a
+   ``1 - min(1 - promise, guard / 2)``; ``guard/widen.py``); a head that still fails, or of a
    method without plans (token methods, window, prune), is re-run at the method's next wider
    setting (``Method.guard_widened``: a higher ``cdf`` / ``top_p``, a lower pruning ratio, ...);
    each re-run is checked again on fresh rows; when no wider setting is left or it fails too,
@@ -75,7 +75,7 @@ import time
 
 import torch
 
-from .guard_widen import widen_head, widenable
+from .widen import widen_head, widenable
 #: ``ctx.state`` key of the remembered per-head levels.
 STATE_KEY = "fastdit.guard"
 #: Kept mass may fall this far below the method's promise before the head fails.
@@ -220,7 +220,7 @@ def estimate(out_rows, ref_out, ref_lse, lse_rows=None, query_valid=None):
     return error, bound, mass, (rows > 0).to(error.dtype)
 
 
-def _finite(*tensors):
+def all_finite(*tensors):
     """A device bool: every element of every tensor is finite. One float32-accumulated sum per tensor
     (a NaN or inf anywhere makes it non-finite; one read, no boolean copy of the tensor); a sum that
     overflows float32 (|values| near 1e38) would report non-finite input too."""
@@ -231,7 +231,7 @@ def _finite(*tensors):
     return flag
 
 
-def _head_ctx(ctx, head, dense_fn):
+def head_context(ctx, head, dense_fn):
     """The context of one head of the call (fresh state: a re-run never touches the layer's)."""
     total = ctx.total_heads or ctx.num_heads
     return dataclasses.replace(ctx, head_offset=ctx.head_offset + head, num_heads=1, total_heads=total, state={},
@@ -248,7 +248,7 @@ def _dense_head(q, k, v, ctx):
     return out.to(q.dtype), lse.float()
 
 
-def _run_density(info):
+def head_run_density(info):
     """Share of one head's dense work a re-run computed (1 for dense), from its ``ctx.info``."""
     if info.get("dense"):
         return 1.0
@@ -258,7 +258,7 @@ def _run_density(info):
     return float(plan.block_density_tensor().double().mean()) if plan is not None else 1.0
 
 
-def _levels(ctx, heads, refresh):
+def remembered_levels(ctx, heads, refresh):
     """The remembered level of each head of this call (refreshed every ``refresh`` steps)."""
     memory = ctx.state.get(STATE_KEY)
     if memory is None or ctx.step - memory["since"] >= refresh or ctx.step < memory["since"]:
@@ -273,8 +273,8 @@ def guarded_call(method, ctx, q, k, v, run):
     config = method.config
     bound, fraction, refresh = float(config.guard), float(config.guard_rows), int(config.guard_refresh)
     batch, heads, seq, _ = q.shape
-    memory, levels = _levels(ctx, heads, refresh)
-    # level 1: the plan widened by the sampled rows' scores (methods that have it, ``guard_widen.py``);
+    memory, levels = remembered_levels(ctx, heads, refresh)
+    # level 1: the plan widened by the sampled rows' scores (methods that have it, ``guard/widen.py``);
     # then the method's wider settings; top: dense
     scored = 1 if method.guard_scores_widen else 0
     top = method.guard_levels() + scored + 1
@@ -290,7 +290,7 @@ def guarded_call(method, ctx, q, k, v, run):
     query_valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, rows)
     error, upper, mass, live = estimate(out.index_select(2, rows), ref_out, ref_lse,
                                         None if lse is None else lse.index_select(2, rows), query_valid)
-    finite = _finite(q, k, v)
+    finite = all_finite(q, k, v)
     failed = (upper > bound) | torch.isnan(upper)
     if promise is not None:
         failed = failed | (mass < promise - MASS_TOLERANCE)
@@ -320,7 +320,7 @@ def guarded_call(method, ctx, q, k, v, run):
         next_todo = {}
         for h, level in sorted(todo.items()):
             qh, kh, vh = q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1]
-            head_ctx = _head_ctx(ctx, h, lambda qh=qh, kh=kh, vh=vh: _dense_head(qh, kh, vh, ctx)[0])
+            head_ctx = head_context(ctx, h, lambda qh=qh, kh=kh, vh=vh: _dense_head(qh, kh, vh, ctx)[0])
             if scored and level == 1:  # key blocks added by the sampled rows' exact scores
                 widened = widen_head(method, ctx, q, k, v, h, bound) if widenable(method, ctx) else None
                 if widened is None:  # nothing to add, or no plan to add to: the next level
@@ -338,10 +338,11 @@ def guarded_call(method, ctx, q, k, v, run):
                     extra += 1.0 / heads
                     continue
                 result = wider.attend(head_ctx, qh, kh, vh)
-                head_lse, run_density = head_ctx.info.get("lse"), _run_density(head_ctx.info)
+                head_lse, run_density = head_ctx.info.get("lse"), head_run_density(head_ctx.info)
                 wider_promise = wider.guard_promise()
             extra += run_density / heads
-            check = sample_rows(seq, fraction, key + (round_index, ctx.head_offset + h), q.device)  # global head: Ulysses ranks agree
+            # keyed to the global head: Ulysses ranks agree
+            check = sample_rows(seq, fraction, key + (round_index, ctx.head_offset + h), q.device)
             ref_o, ref_l = exact_rows(qh, kh, vh, check, ctx.key_mask, ctx.scale)
             extra += check.numel() / seq / heads
             valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, check)
@@ -374,7 +375,8 @@ def guarded_call(method, ctx, q, k, v, run):
             memory["levels"][ctx.head_offset + h] = levels[h]
         if actions[h] == "remembered":
             actions[h] = "dense" if levels[h] >= top else "widened"
-    ctx.info["guard"] = dict(error=errors, kept_mass=masses, **first, rows=n, action=actions, nonfinite=False, levels=levels,
+    ctx.info["guard"] = dict(error=errors, kept_mass=masses, **first, rows=n, action=actions, nonfinite=False,
+                             levels=levels,
                              head_density=final_density,
                              bound=bound, promise=promise, extra_density=extra,
                              seconds=time.perf_counter() - started)
@@ -388,7 +390,7 @@ class GuardHooks:
         """The kept attention mass this method's options promise (``cdf``, ``top_p``), or None."""
         return None
 
-    #: Whether a failed head is first widened by the sampled rows' exact scores (``guard_widen.py``):
+    #: Whether a failed head is first widened by the sampled rows' exact scores (``guard/widen.py``):
     #: methods whose output is their plan's engine call (the block-sparse methods).
     guard_scores_widen = False
 

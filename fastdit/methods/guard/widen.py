@@ -1,6 +1,6 @@
 """The guard's first widening of a failed block-sparse head: key blocks added by exact scores of its rows.
 
-When the quality guard (``guard.py``) finds a head of a block-sparse call over its bound, exact
+When the quality guard (``methods/guard``) finds a head of a block-sparse call over its bound, exact
 attention of a few query rows per query block says which key blocks the plan dropped and how much
 of the attention mass and output each carried; the head is widened with those blocks instead of
 re-selecting at a looser threshold (issue 39: "key blocks or clusters added in order of the
@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from . import base as _base  # run_plan is looked up on the base module (tests wrap it there)
+from fastdit.plan import run_plan
 
 #: Per-head tensors of the block plans (``BlockPlan``, svg's ``HeadOrderPlan``, svg2's ``ClusterPlan``).
 HEAD_FIELDS = ("kv_indices", "kv_counts", "head_orders", "head_inverses", "choice", "q_order", "q_inverse",
@@ -169,7 +169,8 @@ def grown_lists(kv_indices, kv_counts, mass, weighted, row_block, target_mass, t
     n_kept = kept.sum(1)
     useful = n_kept + ((mean_mass > 0) & ~kept).sum(1)  # blocks of any mass: never more
     position = torch.arange(n_blocks, device=device)[None, :]
-    good = (error <= target_error ** 2 * norm[:, None]) & (block_mass >= target_mass) & (position + 1 >= n_kept[:, None])
+    within = (error <= target_error ** 2 * norm[:, None]) & (block_mass >= target_mass)
+    good = within & (position + 1 >= n_kept[:, None])  # a prefix holds at least the kept blocks
     first_good = torch.where(good.any(1), good.int().argmax(1) + 1, useful)
     count = torch.minimum(torch.maximum(first_good, n_kept), torch.maximum(useful, n_kept))
     count = torch.where(rows_in > 0, count, n_kept)
@@ -190,7 +191,7 @@ def widen_head(method, ctx, q, k, v, head, bound):
     ``q, k, v``: the call's ``(B, H, S, D)``; returns ``(out (B, 1, S, D), lse (B, 1, S), density)``
     (``density``: the widened plan's share of the head's block pairs) or None when nothing can be
     added (every row already at its target: widening would change nothing)."""
-    from .corrections import pooled_correction
+    from ..corrections import pooled_correction
 
     plan = head_plan(ctx.info["plan"], head)
     batch = q.shape[0]
@@ -227,7 +228,7 @@ def widen_head(method, ctx, q, k, v, head, bound):
                                   name=f"{plan.name}_guard_widened")
     qh, kh, vh = q[:, head:head + 1], k[:, head:head + 1], v[:, head:head + 1]
     config = method.config
-    out, lse = _base.run_plan(qh, kh, vh, widened, key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale,
+    out, lse = run_plan(qh, kh, vh, widened, key_mask=ctx.key_mask, query_mask=ctx.query_mask, scale=ctx.scale,
                               backend=ctx.backend, return_lse=True, quant=getattr(config, "quant", None))
     if getattr(config, "correction", "none") in ("pooled", "ear"):
         out = pooled_correction(qh, kh, vh, widened, out, lse, ctx.key_mask, ctx.query_mask, ctx.scale)

@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 from ..base import Method
-from ..guard import MASS_TOLERANCE, _finite, _head_ctx, _levels, _run_density, estimate, exact_rows, sample_rows
+from ..guard import (MASS_TOLERANCE, all_finite, estimate, exact_rows, head_context, head_run_density, remembered_levels,
+                     sample_rows)
 from .ring import ring_attend
 
 __all__ = ["RingCall", "merge_partials", "ring_exact_rows", "ring_check", "ring_guarded_call"]
@@ -176,7 +177,7 @@ def ring_check(call, q, out, lse, key, fraction, scale=None, heads=slice(None), 
     flag = None
     if finite:
         k, v, _ = call.key_shard(call.rank, heads)
-        flag = (~_finite(q, k, v)).to(dtype).reshape(1)
+        flag = (~all_finite(q, k, v)).to(dtype).reshape(1)
     gathered, bad = spread(call, torch.cat(pieces, -1), mine, n, flag)
     dim_q, dim_v = q.shape[-1], out.shape[-1]
     rows_q = gathered[..., :dim_q].to(q.dtype)  # exact: the values came from q
@@ -236,17 +237,13 @@ def ring_widened(wider, head_ctx, call, q, h, scale=None):
 
 
 def _scores_widening(method):
-    """The guard's widening by its rows' scores (``widen_head`` / ``widenable``: as ``guard.py`` holds
-    them, else ``guard_widen.py``'s) when ``method`` has it, else None."""
+    """The guard's widening by its rows' scores (``methods/guard/widen.py``) when ``method`` has it,
+    else None."""
     if not getattr(method, "guard_scores_widen", False):
         return None
-    from .. import guard
+    from ..guard import widen
 
-    if hasattr(guard, "widen_head") and hasattr(guard, "widenable"):
-        return guard
-    from .. import guard_widen
-
-    return guard_widen
+    return widen
 
 
 def ring_scores_widened(widening, method, ctx, call, q, h, bound):
@@ -271,7 +268,7 @@ def ring_guarded_call(method, ctx, q, out, lse, call):
     config = method.config
     limit, fraction, refresh = float(config.guard), float(config.guard_rows), int(config.guard_refresh)
     heads, seq = q.shape[1], call.seq
-    memory, levels = _levels(ctx, heads, refresh)
+    memory, levels = remembered_levels(ctx, heads, refresh)
     widening = _scores_widening(method)
     scored = 1 if widening is not None else 0
     top = method.guard_levels() + scored + 1  # 1: scores-widened plan (if any), then wider settings; top: dense
@@ -317,10 +314,10 @@ def ring_guarded_call(method, ctx, q, out, lse, call):
                     errors[h], masses[h], levels[h], actions[h], final_density[h] = 0.0, 1.0, top, "dense", 1.0
                     extra += 1.0 / heads
                     continue
-                head_ctx = _head_ctx(ctx, h, lambda h=h: ring_dense_head(call, q, h, ctx.scale)[0])
+                head_ctx = head_context(ctx, h, lambda h=h: ring_dense_head(call, q, h, ctx.scale)[0])
                 result, head_lse = ring_widened(wider, head_ctx, call, q, h, ctx.scale)
                 head_lse = head_lse if getattr(wider, "reports_lse", False) else None
-                run_density, wider_promise = _run_density(head_ctx.info), wider.guard_promise()
+                run_density, wider_promise = head_run_density(head_ctx.info), wider.guard_promise()
             extra += run_density / heads
             check_key = key + (round_index, ctx.head_offset + h)  # the global head: Ulysses x ring ranks agree
             e, e_upper, m, alive, checked, _ = ring_check(call, q[:, h:h + 1], result, head_lse, check_key, fraction,
