@@ -101,7 +101,9 @@ def shard_order(layout, shards):
     text_index = torch.arange(text)
     prefix = layout.text_position == "prefix"
     video_pos = (video_index // v_chunk) * local + (t_chunk if prefix else 0) + video_index % v_chunk
-    text_pos = (text_index // t_chunk) * local + (0 if prefix else v_chunk) + text_index % t_chunk if text else text_index
+    text_pos = text_index  # without text: the empty index (and t_chunk is 0)
+    if text:
+        text_pos = (text_index // t_chunk) * local + (0 if prefix else v_chunk) + text_index % t_chunk
     order = torch.empty(layout.seq_len, dtype=torch.long)
     order[layout.video_positions()] = video_pos
     order[layout.text_positions()] = text_pos
