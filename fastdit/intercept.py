@@ -262,7 +262,8 @@ def _ulysses_attention(patch_id, layer, query, key, value, attn_mask, dropout_p,
 
     cp = parallel_config.context_parallel_config
     if cp.ring_degree > 1:
-        return _ring_attention(patch_id, layer, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cp)
+        return _ring_attention(patch_id, layer, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                               cp)
     if getattr(cp, "ulysses_anything", False):
         raise ValueError("fastdit runs under Ulysses context parallelism with heads that divide evenly "
                          "(ulysses_anything=False); ulysses_anything=True is not supported")
@@ -336,9 +337,9 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     layout = patch.call_layout(layer, info, seq)
     shards = ring_shards(layout, ring, ulysses)
     if shards is None:
-        raise ValueError(f"{where}: diffusers cuts each stream into ring_degree x ulysses_degree = {ring * ulysses} equal "
-                         f"chunks, which {layout.describe()} does not allow (each stream's length must divide by "
-                         f"{ring * ulysses})")
+        raise ValueError(f"{where}: diffusers cuts each stream into ring_degree x ulysses_degree = {ring * ulysses} "
+                         f"equal chunks, which {layout.describe()} does not allow (each stream's length must divide "
+                         f"by {ring * ulysses})")
     key_mask, query_mask, ok = key_mask_from_attn_mask(attn_mask, batch, seq, seq)
     if not ok or query_mask is not None:
         raise ValueError(f"fastdit under ring attention ({where}) takes a key mask (B, 1, 1, S) only")
@@ -350,9 +351,9 @@ def _ring_call(patch, layer, q, k, v, attn_mask, scale, head_offset, cp):
     def dense():
         return plain_sdpa(q, k_all, v_all, None if key_mask is None else key_mask[:, None, None, :], scale=scale)
 
-    ctx = patch.call_context(layer, info, layout, key_mask=None if key_mask is None else key_mask.index_select(1, order),
-                             query_mask=None, head_offset=head_offset, num_heads=heads, total_heads=heads * ulysses,
-                             scale=scale, dense_fn=dense)
+    ctx = patch.call_context(layer, info, layout, query_mask=None, scale=scale, dense_fn=dense,
+                             key_mask=None if key_mask is None else key_mask.index_select(1, order),
+                             head_offset=head_offset, num_heads=heads, total_heads=heads * ulysses)
     variant = None if method.is_dense_call(ctx) else method.layer_method(ctx.step, ctx.layer)[1]
     plan = q_all = None
     if variant is not None and type(variant).select is Method.select:  # a static plan
@@ -467,7 +468,8 @@ def check_ring_split(transformer, grid, kwargs):
     if cp is None or getattr(cp, "ring_degree", 1) <= 1:
         return
     degree = cp.ring_degree * cp.ulysses_degree
-    split = {name for entry in getattr(transformer, "_cp_plan", {}).values() if isinstance(entry, dict) for name in entry}
+    split = {name for entry in getattr(transformer, "_cp_plan", {}).values() if isinstance(entry, dict)
+             for name in entry}
     text = kwargs.get("encoder_hidden_states") if "encoder_hidden_states" in split else None
     streams = [("video", math.prod(grid))] + ([("text", text.shape[1])] if isinstance(text, torch.Tensor) else [])
     for name, length in streams:
@@ -491,5 +493,6 @@ def check_backend(backend, transformers):
     for _, transformer in transformers:
         param = next(transformer.parameters(), None)
         if param is not None and "triton" not in available_backends(param.device):
-            raise ValueError(f"backend='triton' but the model is on {param.device.type}: Triton runs on CUDA GPUs (or on "
-                             "the CPU with TRITON_INTERPRET=1 set before fastdit is imported); use backend='auto' or 'torch'")
+            raise ValueError(f"backend='triton' but the model is on {param.device.type}: Triton runs on CUDA GPUs "
+                             "(or on the CPU with TRITON_INTERPRET=1 set before fastdit is imported); use "
+                             "backend='auto' or 'torch'")

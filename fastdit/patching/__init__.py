@@ -39,8 +39,8 @@ from fastdit.context import (
     set_transformer_call,
     transformer_call,
 )
-from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_ring_split, register_patch,
-                               unregister_patch)
+from fastdit.intercept import (AttentionForward, BackendRoute, backend_route_available, check_ring_split,
+                               register_patch, unregister_patch)
 from fastdit.layout import TokenLayout, key_mask_from_attn_mask, shard_order
 from fastdit.methods.base import OptionError
 from fastdit.stats import PatchStats
@@ -290,13 +290,15 @@ class Patch:
         plan, source = self._plan
         reason = grid_reason(plan, [grid])
         if reason is not None:
-            raise PlanError(f"plan{' ' + os.fspath(source) if source else ''} cannot be applied to grid {grid}: {reason}")
+            where = f"plan {os.fspath(source)}" if source else "plan"
+            raise PlanError(f"{where} cannot be applied to grid {grid}: {reason}")
         self._plan_grids.add(grid)
 
     # -- per attention call (inside the custom op) ------------------------------------------
     def _fallback(self, layer, reason, size, original):
         self.stats.count_fallback(reason, size)
-        self._warn_once(("fallback", reason), f"layer {self.layers[layer]}: {reason}; running the model's own attention")
+        message = f"layer {self.layers[layer]}: {reason}; running the model's own attention"
+        self._warn_once(("fallback", reason), message)
         return original()
 
     def _warn_once(self, key, message):

@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from ..base import Method
-from ..guard import (MASS_TOLERANCE, all_finite, estimate, exact_rows, head_context, head_run_density, remembered_levels,
-                     sample_rows)
+from ..guard import (MASS_TOLERANCE, all_finite, estimate, exact_rows, head_context, head_run_density,
+                     remembered_levels, sample_rows)
 from .ring import ring_attend
 
 __all__ = ["RingCall", "merge_partials", "ring_exact_rows", "ring_check", "ring_guarded_call"]
