@@ -1,7 +1,8 @@
 """Hopper / Blackwell variant of the fixed-size block-sparse forward: K / V tiles through the tensor
 memory accelerator (TMA), warp-specialised where the installed Triton supports it.
 
-The math is the one of ``block_sparse_triton.py`` (FlashAttention-2 online softmax, Dao 2023,
+The math is the one of ``block_sparse_triton.py``, from the same shared helpers
+(``triton_attention_inner.py``: FlashAttention-2 online softmax, Dao 2023,
 arXiv:2307.08691): for a query row tile and the kept key sub-tiles ``t`` of its plan row,
 ``s_t = (q k_t^T) * scale * log2(e)``, ``m <- max(m, rowmax s_t)``, ``l <- l * 2^(m_old - m) +
 rowsum 2^(s_t - m)``, ``acc <- acc * 2^(m_old - m) + 2^(s_t - m) v_t``; at the end ``out = acc / l``
@@ -50,7 +51,8 @@ import triton.language as tl
 
 from . import triton_tuning as tuning
 from . import block_sparse_triton as bst
-from .block_sparse_triton import _HEURISTICS, _online_update
+from .block_sparse_triton import _HEURISTICS
+from .triton_attention_inner import attention_epilogue, online_softmax_step, softmax_state, store_lse, store_out
 
 VARIANTS = ("auto", "tma", "cp_async")
 VARIANT_ENV = "FASTDIT_TRITON_VARIANT"
@@ -116,9 +118,7 @@ def _tma_fwd_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     n_skipped = count * 0
     if SKIP:
         n_live = tl.max(row_ok.to(tl.int32), 0)
@@ -161,31 +161,17 @@ def _tma_fwd_kernel(
             keep = (tl.min(below, 0) == 0) | (n_live == 0)
             n_skipped += 1 - keep.to(tl.int32)
             if keep:
-                acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST)
+                acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST, False, False)
         else:
-            acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST)
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST, False, False)
     if SKIP:
         tl.atomic_add(Skipped + pid_bh, n_skipped)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-
+    out, lse = attention_epilogue(acc, l_i, m_i)
     o_ptrs = Out + b64 * stride_ob + h64 * stride_oh + rows_off[:, None] * stride_on + offs_d[None, :] * stride_od
     l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows_off * stride_ln
-    out = out.to(Out.dtype.element_ty)
-    if EVEN_M:
-        if EVEN_D:
-            tl.store(o_ptrs, out)
-        else:
-            tl.store(o_ptrs, out, mask=d_ok[None, :])
-        tl.store(l_ptrs, lse)
-    else:
-        if EVEN_D:
-            tl.store(o_ptrs, out, mask=row_ok[:, None])
-        else:
-            tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(l_ptrs, lse, mask=row_ok)
+    store_out(o_ptrs, out, row_ok, d_ok, EVEN_M, EVEN_D)
+    store_lse(l_ptrs, lse, row_ok, EVEN_M)
 
 
 _tma_fixed = triton.heuristics(_HEURISTICS)(_tma_fwd_kernel)

@@ -2,7 +2,10 @@
 
 Reading order: compile-time flags (autotune configs and their pruning filter: ``triton_tuning.py``), the inner loop, the
 kernel, the launcher ``block_sparse_attention_triton`` (called by ``block_sparse.py`` with
-validated inputs).
+validated inputs). The online-softmax update of a key tile, the Q load, the running state and the
+epilogue (normalise, log-sum-exp, stores) are the shared helpers of ``triton_attention_inner.py``,
+which every forward kernel calls; this file keeps the key walk (K / V loads, scores) and the skip
+rule.
 
 Work split: one program per (query sub-tile, batch*head). A plan query block of ``block_m`` rows
 is cut into ``ceil(block_m / BLOCK_M)`` power-of-two sub-tiles (rows outside the plan block or
@@ -67,6 +70,14 @@ from .triton_tuning import (  # noqa: F401  (re-exported: tests and benchmarks r
     prune_for_target,
     table_verdict,
 )
+from .triton_attention_inner import (
+    attention_epilogue,
+    load_rows,
+    online_softmax_step,
+    softmax_state,
+    store_lse,
+    store_out,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Compile-time flags derived from the call and the chosen tile sizes
@@ -97,26 +108,6 @@ _HEURISTICS = {"SUB_N": _sub_n, "EVEN_N": _even_n, "EVEN_M": _even_m, "MASKED": 
 # --------------------------------------------------------------------------------------------------
 # The inner loop
 # --------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _online_update(acc, l_i, m_i, s, v, MASKED: tl.constexpr, IS_FP32: tl.constexpr, UPCAST: tl.constexpr):
-    """Fold one tile of log2-domain scores ``s`` and values ``v`` into the running (acc, l, m)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
-        # all keys so far masked: subtract 0, not -inf (exp2(-inf - -inf) would be NaN)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_sub = m_new
-    p = tl.math.exp2(s - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IS_FP32 or UPCAST:
-        acc += tl.dot(p, v, input_precision="ieee")
-    else:
-        acc += tl.dot(p.to(v.dtype), v)
-    return acc, l_i, m_new
-
 
 @triton.jit
 def _attn_inner(
@@ -189,9 +180,9 @@ def _attn_inner(
             keep = (tl.min(below, 0) == 0) | (n_live == 0)
             n_skipped += 1 - keep.to(tl.int32)
             if keep:
-                acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST)
+                acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST, False, False)
         else:
-            acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST)
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MASKED, IS_FP32, UPCAST, False, False)
     return acc, l_i, m_i, n_skipped
 
 
@@ -246,22 +237,11 @@ def _block_sparse_fwd_kernel(
     count = tl.load(KVCnt + b64 * stride_cb + h64 * stride_ch + m.to(tl.int64) * stride_cm).to(tl.int32)
 
     q_ptrs = q_base + rows_off[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    if EVEN_M:
-        if EVEN_D:
-            q = tl.load(q_ptrs)
-        else:
-            q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
-    else:
-        if EVEN_D:
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = load_rows(q_ptrs, row_ok, d_ok, EVEN_M, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     acc, l_i, m_i, n_skipped = _attn_inner(
         acc, l_i, m_i, q,
         k_base, v_base, vv_base, idx_base, count,
@@ -273,25 +253,11 @@ def _block_sparse_fwd_kernel(
     if SKIP:
         tl.atomic_add(Skipped + pid_bh, n_skipped)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-
+    out, lse = attention_epilogue(acc, l_i, m_i)
     o_ptrs = Out + b64 * stride_ob + h64 * stride_oh + rows_off[:, None] * stride_on + offs_d[None, :] * stride_od
     l_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + rows_off * stride_ln
-    out = out.to(Out.dtype.element_ty)
-    if EVEN_M:
-        if EVEN_D:
-            tl.store(o_ptrs, out)
-        else:
-            tl.store(o_ptrs, out, mask=d_ok[None, :])
-        tl.store(l_ptrs, lse)
-    else:
-        if EVEN_D:
-            tl.store(o_ptrs, out, mask=row_ok[:, None])
-        else:
-            tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(l_ptrs, lse, mask=row_ok)
+    store_out(o_ptrs, out, row_ok, d_ok, EVEN_M, EVEN_D)
+    store_lse(l_ptrs, lse, row_ok, EVEN_M)
 
 
 # Both launch paths share the raw jitted kernel above:

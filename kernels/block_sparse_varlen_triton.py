@@ -15,9 +15,10 @@ and its program does nothing (no row, no key block). Empty blocks get no tile.
 Inside a program: the row tile's rows are masked at the block end; the key blocks
 ``kv_indices[b, h, m, :kv_counts[b, h, m]]`` are walked in plan order, each block's keys
 ``[k_offsets[j], k_offsets[j + 1])`` in chunks of ``BLOCK_N`` masked at the block end (and by
-``kv_valid``). Online softmax (``_online_update`` of the fixed kernel: float32 scores, running
-max and sum, ``exp2`` with ``log2(e)`` folded into the scale, a fully masked chunk subtracts 0 so
-no NaN appears); a row with no valid key ends with output 0 and ``lse = -inf``. Head dims that are
+``kv_valid``). Online softmax and epilogue: the shared helpers of ``triton_attention_inner.py``
+(float32 scores, running max and sum, ``exp2`` with ``log2(e)`` folded into the scale, a fully
+masked chunk subtracts 0 so no NaN appears); a row with no valid key ends with output 0 and
+``lse = -inf``. Head dims that are
 not powers of two are padded to ``BLOCK_D`` and masked (``EVEN_D``). ``UPCAST`` (interpreter
 only) computes bfloat16 dots in float32, as in the fixed kernel.
 
@@ -32,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_triton import LOG2E, _forced_config, _interpreter_enabled, _online_update
+from .block_sparse_triton import LOG2E, _forced_config, _interpreter_enabled
+from .triton_attention_inner import (
+    attention_epilogue,
+    load_rows,
+    online_softmax_step,
+    softmax_state,
+    store_lse,
+    store_out,
+)
 from .triton_tuning import next_pow2, dtype_name, table_verdict
 
 
@@ -83,10 +92,7 @@ def _varlen_fwd_kernel(
         rows_off = rows
 
     q_ptrs = Q + b64 * stride_qb + h64 * stride_qh + rows_off[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    if EVEN_D:
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = load_rows(q_ptrs, row_ok, d_ok, False, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -96,9 +102,7 @@ def _varlen_fwd_kernel(
     ko_base = KOff + b64 * stride_kob + h64 * stride_koh
     idx_base = KVIdx + b64 * stride_ib + h64 * stride_ih + m_c * stride_im
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     for slot in range(0, count):
         j = tl.load(idx_base + slot * stride_is).to(tl.int64)
         k_start = tl.load(ko_base + j)
@@ -128,18 +132,12 @@ def _varlen_fwd_kernel(
             else:
                 s = tl.dot(q, k)
             s = tl.where(col_ok[None, :], s * qk_scale, float("-inf"))  # log2 domain
-            acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, True, IS_FP32, UPCAST)
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, True, IS_FP32, UPCAST, False, False)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    out, lse = attention_epilogue(acc, l_i, m_i)
     o_ptrs = Out + b64 * stride_ob + h64 * stride_oh + rows_off[:, None] * stride_on + offs_d[None, :] * stride_od
-    out = out.to(Out.dtype.element_ty)
-    if EVEN_D:
-        tl.store(o_ptrs, out, mask=row_ok[:, None])
-    else:
-        tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + b64 * stride_lb + h64 * stride_lh + rows_off * stride_ln, lse, mask=row_ok)
+    store_out(o_ptrs, out, row_ok, d_ok, False, EVEN_D)
+    store_lse(Lse + b64 * stride_lb + h64 * stride_lh + rows_off * stride_ln, lse, row_ok, False)
 
 
 def _leading_strides(t, batch, heads):

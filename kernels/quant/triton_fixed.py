@@ -9,7 +9,8 @@ bit for bit. The key mean itself is one torch reduction on the device (no host s
 
 ``_quant_attn_kernel`` (one program per (query sub-tile, batch*head), the work split of
 ``block_sparse_triton.py``): ``tl.dot`` of INT8 tiles with INT32 accumulation, scores
-``dot * (sq * sk) * scale`` in the log2 domain, FlashAttention-2 online softmax in float32, and
+``dot * (sq * sk) * scale`` in the log2 domain, FlashAttention-2 online softmax in float32 (the
+shared helpers of ``triton_attention_inner.py``: the online-softmax update, epilogue and stores), and
 P.V in the input's half type (``"int8"``) or in float8 e4m3 with P scaled by 448 and V pre-scaled
 per channel (``"int8-fp8"``), float32 accumulation. Formulas: ``emulation.py``.
 
@@ -26,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_attention_inner import normalise_rows, online_softmax_step, row_lse, softmax_state, store_lse, \
+    store_out
 from ..triton_tuning import next_pow2
 from .emulation import fixed_blocks, fp8_value_scale, key_mean, nonfinite_keys, poison_scales, varlen_blocks
 
@@ -130,24 +133,14 @@ def quantize_kernel_args(x, mean, x8, scales, shift, off_args, blocks, n_blocks,
 @triton.jit
 def _quant_tile(acc, l_i, m_i, q8, q_scale, k_ptrs, v_ptrs, col_ok, d_ok, k_scale, qk_scale,
                 FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile: INT8 scores, online softmax update, P.V (see the module docstring)."""
+    """One key tile: INT8 scores dequantised with the blocks' scales, then the shared online-softmax
+    update with P.V in the half type or FP8 (see the module docstring)."""
     k8 = tl.load(k_ptrs, mask=col_ok[None, :] & d_ok[:, None], other=0)
     v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q8, k8).to(tl.float32) * (q_scale * k_scale) * qk_scale
     s = tl.where(col_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if FP8:
-        acc += tl.dot((p * 448.0).to(tl.float8e4nv), v)
-    elif UPCAST:
-        acc += tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-    else:
-        acc += tl.dot(p.to(v.dtype), v)
-    return acc, l_i, m_new
+    # ROUND_P: under the interpreter P is rounded to V's half type before the float32 dot, as on a GPU
+    return online_softmax_step(acc, l_i, m_i, s, v, True, False, UPCAST, FP8, True)
 
 
 @triton.jit
@@ -183,9 +176,7 @@ def _quant_attn_kernel(
     v_base = V + b * stride_vb + h * stride_vh
     idx_base = KVIdx + b * stride_ib + h * stride_ih + m * stride_im
     count = tl.load(KVCnt + b * stride_cb + h * stride_ch + m * stride_cm).to(tl.int32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     sub_n = tl.cdiv(block_n, BLOCK_N)
     for it in range(0, count * sub_n):
         j = tl.load(idx_base + (it // sub_n) * stride_is).to(tl.int32)
@@ -200,14 +191,13 @@ def _quant_attn_kernel(
         k_scale = tl.load(KS + bh64 * n_kblocks + j)
         acc, l_i, m_i = _quant_tile(acc, l_i, m_i, q8, q_scale, k_ptrs, v_ptrs, col_ok, d_ok, k_scale, qk_scale,
                                     FP8, UPCAST)
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if FP8:
+    out = normalise_rows(acc, l_i)
+    if FP8:  # undo V's per-channel FP8 scale and P's 448
         out = out * (tl.load(VS + bh64 * head_dim + offs_d, mask=d_ok, other=1.0) / 448.0)[None, :]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = row_lse(m_i, l_i)
     o_ptrs = Out + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_on + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + bh64 * N + rows, lse, mask=row_ok)
+    store_out(o_ptrs, out, row_ok, d_ok, False, False)
+    store_lse(Lse + bh64 * N + rows, lse, row_ok, False)
 
 
 def _interpreted(device):

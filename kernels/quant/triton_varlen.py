@@ -3,8 +3,9 @@
 The work split, row-tile schedule and key walk of ``block_sparse_varlen_triton.py`` (one program
 per (row tile slot, batch*head); key blocks from ``k_offsets`` in chunks of ``BLOCK_N``), with the
 quantised tile update of ``triton_fixed.py`` (INT8 Q.K^T with INT32 accumulation, P.V in the half
-type or FP8). Q and K are quantised by the shared ``_quantize_kernel`` with one scale per
-variable-size block (``VARLEN``: block bounds read from the offsets). Formulas: ``emulation.py``.
+type or FP8) and the shared epilogue of ``triton_attention_inner.py``. Q and K are quantised by the
+shared ``_quantize_kernel`` with one scale per variable-size block (``VARLEN``: block bounds read
+from the offsets). Formulas: ``emulation.py``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..block_sparse_varlen_triton import row_tile_schedule
+from ..triton_attention_inner import normalise_rows, row_lse, softmax_state, store_lse, store_out
 from ..triton_tuning import next_pow2
 from .triton_fixed import LOG2E, _interpreted, _quant_tile, kv_valid_args, plan_strides, prepare_quant
 
@@ -61,9 +63,7 @@ def _quant_varlen_kernel(
     ko_base = KOff + b * stride_kob + h * stride_koh
     idx_base = KVIdx + b * stride_ib + h * stride_ih + m_c * stride_im
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = softmax_state(BLOCK_M, BLOCK_D)
     for slot in range(0, count):
         j = tl.load(idx_base + slot * stride_is).to(tl.int64)
         k_start = tl.load(ko_base + j * stride_kom).to(tl.int32)
@@ -79,14 +79,13 @@ def _quant_varlen_kernel(
             v_ptrs = v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd
             acc, l_i, m_i = _quant_tile(acc, l_i, m_i, q8, q_scale, k_ptrs, v_ptrs, col_ok, d_ok, k_scale, qk_scale,
                                         FP8, UPCAST)
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if FP8:
+    out = normalise_rows(acc, l_i)
+    if FP8:  # undo V's per-channel FP8 scale and P's 448
         out = out * (tl.load(VS + bh64 * head_dim + offs_d, mask=d_ok, other=1.0) / 448.0)[None, :]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = row_lse(m_i, l_i)
     o_ptrs = Out + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_on + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + bh64 * N + rows, lse, mask=row_ok)
+    store_out(o_ptrs, out, row_ok, d_ok, False, False)
+    store_lse(Lse + bh64 * N + rows, lse, row_ok, False)
 
 
 def quant_attention_varlen_triton(q, k, v, q_offsets, k_offsets, kv_indices, kv_counts, scale, kv_valid, quant):
