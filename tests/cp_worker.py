@@ -1,4 +1,4 @@
-"""Two-process context-parallel runs on the CPU (gloo) for tests/test_context_parallel.py.
+"""Two-process context-parallel runs on the CPU (gloo) for tests/parallel/test_context_parallel.py.
 
 Diffusers 0.42 asks for an accelerator count before it builds its device mesh; on a CPU machine
 the workers report one (``torch.accelerator.device_count``), which is all gloo needs.

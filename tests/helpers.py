@@ -1,4 +1,5 @@
-"""Test helpers that several test files share (independent references and seeded inputs)."""
+"""Test helpers that several test files share (independent references, seeded inputs, the CLI tests' error
+check, the check that a removed patch left nothing behind)."""
 import math
 
 import torch
@@ -27,3 +28,24 @@ def sta_mask(grid, tile, window):
         start = (tiles[:, axis] - w // 2).clamp(0, n_tiles[axis] - w)
         ok &= (tiles[None, :, axis] >= start[:, None]) & (tiles[None, :, axis] < start[:, None] + w)
     return ok
+
+
+def one_line_error(capsys, info, code=2):
+    """The single stderr line of a CLI error that exited with ``code`` (and printed no traceback)."""
+    assert info.value.code == code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return lines[0]
+
+
+def nothing_installed(model):
+    """Nothing of a patch is left on ``model``: no instance forward, hook, patch record or attention backend."""
+    for name, module in model.named_modules():
+        assert "forward" not in module.__dict__, f"instance forward left on {name}"
+        assert not module._forward_pre_hooks and not module._forward_hooks, f"hook left on {name}"
+        assert "_fastdit_patch" not in module.__dict__
+        processor = getattr(module, "processor", None)
+        if processor is not None:
+            assert "_attention_backend" not in processor.__dict__, f"backend left on {name}"

@@ -93,7 +93,7 @@ position in other frames (a temporal head spreads its mass over the T frames ali
 query's own frame holds ``1 / T`` of it); global heads have normalised entropy at least 0.85;
 semantic heads put at least 0.8 of their mass on their own object (``same_object``: reported
 when ``attention_masses`` gets ``objects``, the per-video-token labels of ``semantic_objects``).
-``tests/test_structured.py`` runs it.
+``tests/eval/test_structured.py`` runs it.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 without cache-dit's DBCache (``cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(...))``):
 cache-dit skips whole transformer blocks on steps whose first blocks' residual changed little,
 fastdit makes the attention of the blocks that do run sparse; the two compose (tested in
-``tests/test_cache_dit.py``: fastdit counts only the attention calls that really ran, and removing
+``tests/integrations/test_cache_dit.py``: fastdit counts only the attention calls that really ran, and removing
 both restores the pipeline bit for bit).
 
 DBCache settings fitted to the model (cache-dit's defaults compute 8 front blocks and warm up for

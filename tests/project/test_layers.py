@@ -89,7 +89,7 @@ GRAPH = {name: imports_of(name, path, MODULES) for name, path in MODULES.items()
 
 def test_every_module_has_a_layer():
     missing = [name for name in MODULES if name != "fastdit" and layer_of(name) is None]
-    assert not missing, f"add these modules to a layer in tests/test_layers.py and docs/architecture.md: {missing}"
+    assert not missing, f"add these modules to a layer in tests/project/test_layers.py and docs/architecture.md: {missing}"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n != "fastdit"))
@@ -140,7 +140,7 @@ def test_repository_folders_do_not_load_twice_under_top_level_names():
             "import kernels; assert kernels.__all__ == []\n"
             "q = torch.randn(1, 1, 8, 4); i = torch.zeros(1, 1, 1, 1, dtype=torch.int32)\n"
             "print(block_sparse_attention(q, q, q, i, torch.ones(1, 1, 1, dtype=torch.int32), 8, 8)[0].shape)\n")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "torch.Size([1, 1, 8, 4])" in result.stdout
@@ -155,7 +155,7 @@ def test_no_python_file_over_500_lines():
     import shutil
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if shutil.which("git") is None or not (root / ".git").exists():
         pytest.skip("needs the git checkout (git ls-files)")
     listed = subprocess.run(["git", "ls-files", "-z", "--", "*.py"], cwd=root, capture_output=True, check=True)
@@ -179,7 +179,7 @@ def test_no_folder_holds_too_many_modules():
     """Every package folder (``fastdit/``, ``kernels/``, ``pipelines/``, ``eval/`` and their sub-folders)
     holds at most ``MAX_MODULES`` modules besides ``__init__`` and ``__main__``: a person who adds a
     metric, a benchmark or a subcommand should see where it goes from the folder names."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     counts = {}
     for top in ("fastdit", "kernels", "pipelines", "eval"):
         for init in (root / top).rglob("__init__.py"):
@@ -197,7 +197,7 @@ def test_every_package_folder_is_installed():
     import subprocess
     import tomllib
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {name: Path(folder) for name, folder in config["package-dir"].items()}
 

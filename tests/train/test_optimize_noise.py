@@ -112,7 +112,7 @@ def test_adherence_bench_code_path_on_the_trained_model(tmp_path):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_optiprune.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_optiprune.py"
     spec = importlib.util.spec_from_file_location("bench_optiprune", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

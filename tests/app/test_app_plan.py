@@ -1,6 +1,6 @@
 """The app with a plan file (``fastdit calibrate``): the plan input and ``--plan PATH`` apply it
 through ``fastdit.patch(..., plan=...)``; a plan that does not fit shows the PlanError message and
-leaves the model unpatched. Same harness as ``tests/test_app.py`` (service layer and gradio_client)."""
+leaves the model unpatched. Same harness as ``tests/app/test_app.py`` (service layer and gradio_client)."""
 import json
 
 import pytest

@@ -128,7 +128,7 @@ def test_toy_method_under_torch_compile(toy):
 
 def test_toy_method_runs_under_ring_attention(toy):
     """``ring`` comes with ``BlockSparseMethod``: its plans are cut into ring steps that merge to the
-    whole plan (the two-process run itself is tests/test_ring.py's, over the built-in methods)."""
+    whole plan (the two-process run itself is tests/parallel/test_ring.py's, over the built-in methods)."""
     from fastdit.methods.parallel import ring_attend, ring_methods, ring_refusal, ring_shards
     from fastdit.plan import run_plan
 

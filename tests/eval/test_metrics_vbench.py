@@ -12,7 +12,7 @@ import pytest
 
 from fastdit.eval.metrics import vbench as vb
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"  # tests/fixtures
 
 
 def _rng(seed=0):

@@ -304,7 +304,7 @@ def test_recipe_trains_the_gates_beside_the_lora_and_resumes_them(tmp_path):
 
 
 def test_generic_checks_exact_remove_stats_compile_guard():
-    """The registry's generic checks (tests/test_new_method.py) on vsa, and the quality guard on it."""
+    """The registry's generic checks (tests/methods/test_new_method.py) on vsa, and the quality guard on it."""
     from test_new_method import check_compile, check_exact_at_full_density, check_patch_remove_and_stats
 
     sparse = {"block_size_3d": (1, 2, 2), "top_k_ratio": 0.3}

@@ -4,7 +4,7 @@ Ulysses: every method gives the single-process output (max abs diff <= 1e-5 in f
 per-head settings (which index the layer's global heads), patched before or after
 ``enable_parallelism``, for a video-only model (Wan) and joint attention with a text prefix
 (Flux), and with a padding key mask (Qwen-Image, whose last text shard is all padding). Ring
-attention and Ulysses x ring: tests/test_ring.py. HunyuanVideo (text suffix) has no
+attention and Ulysses x ring: tests/parallel/test_ring.py. HunyuanVideo (text suffix) has no
 context-parallel plan in diffusers 0.42 (``enable_parallelism`` refuses it); the suffix order is
 checked by ``test_shard_order_matches_the_chunked_sequences``.
 """
@@ -31,7 +31,7 @@ def method_options(method, family):
     cls = get_method(method)
     fields = cls.config_cls.__dataclass_fields__
     # guard off on both sides: the worker processes do not see tests/conftest.py's default (the
-    # guard's own Ulysses equivalence is tests/test_guard.py's)
+    # guard's own Ulysses equivalence is tests/methods/test_guard.py's)
     options = {**cls.tiny_options, "dense_steps": 0, "dense_layers": 0, "guard": False}
     if method == "radial":
         options["block_size"] = 64
@@ -131,7 +131,7 @@ def test_cp_without_a_launcher_is_a_clear_error(command, monkeypatch, capsys, tm
 def test_compare_under_torchrun_writes_one_report(tmp_path, flag):
     """``torchrun --nproc_per_node 2 -m fastdit.cli compare --cp 2`` (Ulysses) or ``--cp-ring 2`` (ring)
     on the tiny model: one report by rank 0 with the mesh, latency of the slowest rank, the method ran
-    on both ranks without fallbacks (under ring: skipping no step it needs, see tests/test_ring.py)."""
+    on both ranks without fallbacks (under ring: skipping no step it needs, see tests/parallel/test_ring.py)."""
     import json
     import os
     import signal

@@ -1,6 +1,6 @@
 """The Gradio app: driven like a user would (launched in-process on a free localhost port, called
 with ``gradio_client``) and its service layer called directly (the page in a browser:
-``tests/test_app_browser.py``).
+``tests/app/test_app_browser.py``).
 
 Runs at the tiny test size (9 frames at 80x112, 2 steps: a 3 x 5 x 7 latent grid). The sparse
 sliding-tile setting is one frame per tile (1x5x7 tokens), ``window=1,1,1`` and no dense steps: each

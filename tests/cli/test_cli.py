@@ -10,6 +10,8 @@ import torch
 from fastdit.cli import main
 from fastdit.cli.common import parse_options, parse_value
 
+from helpers import one_line_error  # the fixture no_model (fails the test if a model loads): conftest.py
+
 
 def test_compare_writes_report_and_playable_videos(tmp_path, capsys):
     out = tmp_path / "cmp"
@@ -47,31 +49,6 @@ def test_missing_model_is_a_message_not_a_traceback(tmp_path):
                              "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "no such folder" in result.stderr and "Traceback" not in result.stderr
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail the test if a pipeline is loaded or built."""
-    import fastdit.pipelines.loading as loading
-    import fastdit.pipelines.tiny as tiny
-    from fastdit.eval.runner import generation
-
-    def fail(*args, **kwargs):
-        pytest.fail("a model was loaded despite the bad arguments")
-
-    monkeypatch.setattr(loading, "load_pipeline", fail)
-    monkeypatch.setattr(tiny, "tiny", fail)
-    monkeypatch.setattr(generation, "load_pipe", fail)
-
-
-def one_line_error(capsys, info, code=2):
-    """The single stderr line of a CLI error that exited with ``code`` (and printed no traceback)."""
-    assert info.value.code == code
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    assert "Traceback" not in captured.err + captured.out
-    return lines[0]
 
 
 BAD_SHARED = [  # (arguments, option named, words of the message): compare and eval both

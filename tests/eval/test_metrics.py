@@ -146,7 +146,7 @@ def test_ssim_psnr_large_video_bounded_memory(tmp_path):
     torch and numpy baseline (about 0.3-0.5 GB) and both float32 inputs (0.27 GB). The values are
     checked against skimage and numpy on the same video, regenerated here from the seed.
     """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     values, report = tmp_path / "values.json", tmp_path / "peak.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(

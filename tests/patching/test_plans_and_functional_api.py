@@ -11,8 +11,7 @@ import fastdit
 import fastdit.calibration.plan_file
 from fastdit.methods.base import OptionError
 
-from test_cli import no_model, one_line_error  # noqa: F401 - no_model: the fixture that fails if a model loads
-from test_robustness import _nothing_installed
+from helpers import nothing_installed, one_line_error  # the fixture no_model: conftest.py
 
 SPARSE_METHODS = [m for m in fastdit.method_names() if m != "dense"]
 
@@ -162,7 +161,7 @@ def test_plan_on_another_grid_is_refused_at_the_first_call(method, options):
             assert str(grid) in str(error.value) and str(other_grid) in str(error.value)
         model(**planned)  # and the patch still works on its own grid
         p.remove()
-        _nothing_installed(model)
+        nothing_installed(model)
         assert torch.equal(model(**other).sample, reference)
 
 

@@ -16,7 +16,7 @@ import pytest
 import fastdit
 from fastdit.methods.base import _REGISTRY, WHERE_DEFAULTS, get_method, methods_with
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Module-level collections of method names that are no capability list, with the reason.
 ALLOWED = {

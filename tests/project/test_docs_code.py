@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*no-test:(.*?)-->\s*$")

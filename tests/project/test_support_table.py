@@ -6,7 +6,7 @@ from pathlib import Path
 from fastdit.support import (OPTIONS_END, OPTIONS_START, marked_section, options_markdown, readme_table,
                              support_matrix, support_table_markdown)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIX = "regenerate it with `python -m fastdit.support` and paste it between the markers"
 
 

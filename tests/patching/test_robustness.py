@@ -13,6 +13,7 @@ import torch
 import fastdit
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
 
+from helpers import nothing_installed
 from tiny_transformers import tiny_wan, wan_inputs
 
 STA = dict(tile=(1, 2, 2), window=(1, 3, 3))
@@ -23,16 +24,6 @@ def _generate(pipe, name="wan", **overrides):
     with torch.no_grad():
         out = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="np", **kwargs)
     return np.asarray(out.frames)
-
-
-def _nothing_installed(model):
-    for name, module in model.named_modules():
-        assert "forward" not in module.__dict__, f"instance forward left on {name}"
-        assert not module._forward_pre_hooks and not module._forward_hooks, f"hook left on {name}"
-        assert "_fastdit_patch" not in module.__dict__
-        processor = getattr(module, "processor", None)
-        if processor is not None:
-            assert "_attention_backend" not in processor.__dict__, f"backend left on {name}"
 
 
 _CHILD = textwrap.dedent("""
@@ -114,7 +105,7 @@ def test_keyboard_interrupt_in_a_hook_leaves_nothing_behind():
     q = torch.randn(1, 2, 8, 4)
     torch.nn.functional.scaled_dot_product_attention(q, q, q)  # plain SDPA is not intercepted
     p.remove()
-    _nothing_installed(model)
+    nothing_installed(model)
     with torch.no_grad():
         assert torch.equal(model(**inputs).sample, reference)
 
@@ -171,7 +162,7 @@ def test_patch_time_errors_are_clear():
         fastdit.patch(model, "sta", backend="cuda")
     with pytest.raises(ValueError, match="window must be"):
         fastdit.patch(model, "sta", window=3)
-    _nothing_installed(model)
+    nothing_installed(model)
     with fastdit.patch(model, "sta", window=[3, 3, 3]) as p:  # any sequence of three ints
         assert p.config.window == (3, 3, 3)
 
@@ -181,7 +172,7 @@ def test_triton_backend_without_a_gpu_is_refused_at_patch_time(monkeypatch):
     model = tiny_wan()
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         fastdit.patch(model, "sta", backend="triton")
-    _nothing_installed(model)
+    nothing_installed(model)
 
 
 def test_mask_and_plan_errors_name_the_problem():

@@ -4,7 +4,7 @@
 7. values checked before the work (cache-dit settings, the cost-model predictor, the app);
 8. quiet wrong turns (tiny-shapes' prompts, ``optimize_noise``'s inputs, the tiny pipelines' native
    call); 9. engines and several GPUs (the vllm-omni plugin's head-dim message, Ulysses' heads).
-Items 1 to 5 and the first parts of 6 to 9: tests/test_training_copies_and_int8.py.
+Items 1 to 5 and the first parts of 6 to 9: tests/train/test_training_copies_and_int8.py.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from fastdit.eval.bench import attention as bench_attention
 from fastdit.eval.bench import transformer as bench_transformer
 from fastdit.eval.bench import transformer_models as bench_transformer_models
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPARSE = ("sta", "radial")
 
 

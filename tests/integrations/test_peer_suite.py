@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny_transformers import tiny_wan, wan_inputs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PEER = ROOT / "tests" / "peer"
 TARBALL_NAME = "diffusers-tests-58eb52c.tar.gz"
 
