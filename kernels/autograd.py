@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .block_sparse_bwd_torch import (block_sparse_attention_backward_torch, block_sparse_attention_varlen_backward_torch,
-                                     transpose_plan)
+from .block_sparse_bwd_torch import (block_sparse_attention_backward_torch,
+                                     block_sparse_attention_varlen_backward_torch, transpose_plan)
 from .op import _BACKENDS, _triton_available, block_sparse_attention_op, block_sparse_attention_varlen_op
 
 
@@ -38,7 +38,8 @@ def _resolve(backend, device):
     "fastdit::block_sparse_attention_backward",
     mutates_args=(),
     schema="(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor kv_indices, "
-    "Tensor kv_counts, int block_m, int block_n, float scale, Tensor? kv_valid, str backend) -> (Tensor, Tensor, Tensor)",
+    "Tensor kv_counts, int block_m, int block_n, float scale, Tensor? kv_valid, str backend) "
+    "-> (Tensor, Tensor, Tensor)",
 )
 def block_sparse_attention_backward_op(dout, dlse, q, k, v, out, lse, kv_indices, kv_counts, block_m, block_n, scale,
                                        kv_valid, backend):

@@ -124,7 +124,8 @@ def _check_inputs(q, k, v, kv_indices, kv_counts, block_m, block_n, kv_valid):
     if kv_counts.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kv_counts must be int32, got {kv_counts.dtype}")
     if kv_indices.dim() != 4:
-        raise ValueError(f"kv_indices must have rank 4 (B|1, H|1, ceil(N/block_m), max_blocks), got {tuple(kv_indices.shape)}")
+        raise ValueError(f"kv_indices must have rank 4 (B|1, H|1, ceil(N/block_m), max_blocks), "
+                         f"got {tuple(kv_indices.shape)}")
     if kv_counts.dim() != 3:
         raise ValueError(f"kv_counts must have rank 3 (B|1, H|1, ceil(N/block_m)), got {tuple(kv_counts.shape)}")
     pb, ph, pm, _ = kv_indices.shape

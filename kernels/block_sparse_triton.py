@@ -32,8 +32,9 @@ Flags that are compile-time constants (``EVEN_N``, ``EVEN_M``, ``EVEN_D``, ``HAS
 the masks that a plan does not need, so a power-of-two plan over a whole number of blocks runs the
 unmasked fast path. ``UPCAST`` (interpreter only) computes bfloat16 dots in float32: the
 interpreter of Triton 3.x multiplies the raw uint16 storage of bfloat16 operands in ``tl.dot``
-(garbage results), while bf16 loads, stores and casts are right. Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU) the kernel runs
-with one small fixed configuration instead of autotuning (the autotuner times configs on a GPU).
+(garbage results), while bf16 loads, stores and casts are right. Under the Triton interpreter
+(``TRITON_INTERPRET=1``, CPU) the kernel runs with one small fixed configuration instead of
+autotuning (the autotuner times configs on a GPU).
 
 Only Triton features present from 3.0 on are used (``tl.dot(input_precision=...)``, autotune,
 heuristics); no TMA descriptors, no warp specialisation: those are in the Hopper / Blackwell variant

@@ -90,10 +90,12 @@ def validate_plan(kv_indices, kv_counts, n_kv_blocks, n_q_blocks=None, *, n_k=No
         problems.append(f"kv_indices/kv_counts must be integer tensors, got {kv_indices.dtype}/{kv_counts.dtype}")
         return problems
     if kv_indices.dim() != 4 or kv_counts.dim() != 3:
-        problems.append(f"kv_indices must be 4-D and kv_counts 3-D, got {tuple(kv_indices.shape)} and {tuple(kv_counts.shape)}")
+        problems.append(f"kv_indices must be 4-D and kv_counts 3-D, got {tuple(kv_indices.shape)} and "
+                        f"{tuple(kv_counts.shape)}")
         return problems
     if tuple(kv_counts.shape) != tuple(kv_indices.shape[:3]):
-        problems.append(f"kv_counts shape {tuple(kv_counts.shape)} != kv_indices.shape[:3] {tuple(kv_indices.shape[:3])}")
+        problems.append(f"kv_counts shape {tuple(kv_counts.shape)} != kv_indices.shape[:3] "
+                        f"{tuple(kv_indices.shape[:3])}")
         return problems
     if kv_indices.device != kv_counts.device:
         problems.append(f"kv_indices is on {kv_indices.device} but kv_counts on {kv_counts.device}")

@@ -4,7 +4,7 @@ Split out of ``block_sparse_triton.py`` (which re-exports every name here); impo
 for ``triton.Config``.
 
 Per-architecture limits come from the offline compile table ``offline_table.json`` (written by
-``python -m fastdit.kernels.offline --update``, checked by ``tests/test_offline_compile.py``): a
+``python -m fastdit.kernels.offline --update``, checked by ``tests/kernels/test_offline_compile.py``): a
 config whose machine code spills registers or exceeds the shared memory of a target is pruned on
 that target, and the config used without autotuning (``default_config``) is the first of
 ``DEFAULT_PREFERENCE`` that compiled clean there.
@@ -184,7 +184,8 @@ def _prune_configs(configs, nargs, **kwargs):
     return prune_for_target(configs, int(nargs["block_m"]), int(nargs["block_n"]), int(nargs["BLOCK_D"]),
                             q.element_size(), _shared_mem_bytes(index),
                             capability=_device_capability(index) if on_cuda else None,
-                            dtype=dtype_name(q.dtype) if q.dtype in (torch.bfloat16, torch.float16, torch.float32) else None)
+                            dtype=dtype_name(q.dtype) if q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                            else None)
 
 
 def prune_for_target(configs, block_m, block_n, block_d, elt, smem, capability=None, dtype=None):

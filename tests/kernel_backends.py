@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TRITON_OK = HAS_TRITON and (ON_GPU or fk.triton_interpreter_enabled())
 TRITON_SKIP_REASON = (
     "Triton backend needs a CUDA GPU or the Triton CPU interpreter: run with TRITON_INTERPRET=1 set "
-    "before pytest starts (e.g. `TRITON_INTERPRET=1 python -m pytest tests/test_kernel.py`)"
+    "before pytest starts (e.g. `TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kernel.py`)"
 )
 
 BACKENDS = [

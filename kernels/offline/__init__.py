@@ -7,7 +7,7 @@ target, without a GPU, with its registers, spills, stack and shared memory.
     python -m fastdit.kernels.offline --markdown            # the table for BENCHMARKS.md
 
 What is compiled. Kernels (every ``@triton.jit`` kernel of ``kernels/``; ``KERNELS`` lists them and
-``tests/test_offline_compile.py`` fails when a new one is not listed):
+``tests/kernels/test_offline_compile.py`` fails when a new one is not listed):
 
 * ``fixed``: ``_block_sparse_fwd_kernel`` (fixed-size blocks), every config the pruner
   (``triton_tuning.prune_for_target``) can select on the target for 128 x 128 plan blocks (the

@@ -19,7 +19,7 @@ with a ``tl.dot`` keeps tensor-core instructions on every target, the fixed-size
 target generation's own MMA (wgmma on sm_90, tcgen05 on sm_100), and its TMA variant
 (``fixed_tma``) also loads through the TMA unit (and, where ptxas reports no spill, touches no local
 memory; a config that spills is not clean, which the budgets judge). The CI test
-(``tests/test_offline_compile.py``) fails on any of these.
+(``tests/kernels/test_offline_compile.py``) fails on any of these.
 """
 from __future__ import annotations
 

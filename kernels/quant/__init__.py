@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .emulation import allowed_blocks, fixed_blocks, quant_attention_emulated, quantize_blocks, smooth_keys, varlen_blocks
+from .emulation import (allowed_blocks, fixed_blocks, quant_attention_emulated, quantize_blocks, smooth_keys,
+                        varlen_blocks)
 
 QUANT_MODES = (None, "int8", "int8-fp8")
 HALF_DTYPES = (torch.float16, torch.bfloat16)

@@ -33,7 +33,8 @@ from ..triton_tuning import next_pow2
 from .emulation import fixed_blocks, fp8_value_scale, key_mean, nonfinite_keys, poison_scales, varlen_blocks
 
 LOG2E = 1.4426950408889634
-RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + RNE) - RNE rounds a float32 |y| < 2**22 to the nearest integer, ties to even
+# 1.5 * 2**23: (y + RNE) - RNE rounds a float32 |y| < 2**22 to the nearest integer, ties to even
+RNE = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -199,7 +199,7 @@ def test_bench_script_checks_and_times_both_variants(tmp_path):
     both variants passes and every row is timed."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_tma.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_tma.py"
     spec = importlib.util.spec_from_file_location("bench_tma", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -20,7 +20,7 @@ from fastdit.kernels import triton_attention_inner as inner
 
 from kernel_backends import DEVICE, TRITON_OK, TRITON_SKIP_REASON, seeded
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 #: the forward kernels of the offline table and the modules that define them
 FORWARD = ("fixed", "skip", "fixed_tma", "varlen", "quant", "quant_fp8", "quant_varlen")
 FORWARD_MODULES = ("block_sparse_triton.py", "block_sparse_tma.py", "block_sparse_varlen_triton.py",

@@ -21,7 +21,7 @@ from fastdit.kernels import block_sparse_varlen_triton as bsv
 from fastdit.kernels import offline
 from fastdit.kernels import triton_tuning as tuning
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
