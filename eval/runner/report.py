@@ -8,7 +8,7 @@ import numpy as np
 from fastdit.eval.metrics.registry import PER_SAMPLE_COLUMNS
 from fastdit.eval.runner.storage import write_json
 
-__all__ = ["format_cell", "markdown_table", "pareto_front", "write_plots", "write_reports"]
+__all__ = ["format_cell", "markdown_table", "pareto_front", "write_contact_sheets", "write_plots", "write_reports"]
 
 
 def _guard_cell(guard):
@@ -161,3 +161,40 @@ def write_reports(cfg, results, log=print):
         log("note: matplotlib is not installed, so no plots were drawn (pip install 'fastdit[eval]')")
         return []
     return write_plots(results, os.path.join(cfg.out, "plots"))
+
+
+#: Contact sheets are drawn for at most this many prompts (the first ones), first seed only.
+MAX_SHEETS = 16
+
+
+def write_contact_sheets(cfg, samples, results, log=print):
+    """``contact_sheets/p<prompt>_s<seed>.png``: for each of the first ``MAX_SHEETS`` prompts (first
+    seed), the first / middle / last frame of dense and of every setting, one row each, labelled
+    with the sample's speedup and PSNR against dense (``fastdit.media.contact_sheet``): where people
+    would rather look than read. Returns the paths; none when ``cfg.plots`` is off."""
+    from fastdit.media.contact_sheet import contact_sheet, row_label
+
+    from .storage import load_frames
+
+    if not cfg.plots or not samples:
+        return []
+    by_key = {(row["setting"], row["prompt_index"], row["seed"]): row for row in results.get("samples", [])}
+    seed = samples[0].seed
+    prompts = sorted({s.prompt_index for s in samples})[:MAX_SHEETS]
+    folder = os.path.join(cfg.out, "contact_sheets")
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for index in prompts:
+        chosen = [s for s in samples if s.prompt_index == index and s.seed == seed]
+        videos, labels = [], []
+        for sample in chosen:
+            row = by_key.get(sample.key, {})
+            label = {"method": sample.setting.name, "speedup": row.get("speedup") or 1.0, "psnr_db": row.get("psnr")}
+            if sample.setting.method == "dense":
+                label = {"method": "dense"}
+            videos.append(load_frames(cfg, sample))
+            labels.append(row_label(label))
+        paths.append(contact_sheet(videos, labels, os.path.join(folder, f"p{index}_s{seed}.png")))
+    if len({s.prompt_index for s in samples}) > MAX_SHEETS:
+        log(f"contact sheets for the first {MAX_SHEETS} prompts only")
+    return paths

@@ -26,7 +26,7 @@ from fastdit.eval.runner.config import EvalError
 from fastdit.eval.runner.generation import generate_samples
 from fastdit.eval.metrics.registry import check_metrics, run_checks
 from fastdit.eval.runner.processes import Log
-from fastdit.eval.runner.report import markdown_table, write_reports
+from fastdit.eval.runner.report import markdown_table, write_contact_sheets, write_reports
 from fastdit.eval.runner.scoring import compute_sample_metrics
 from fastdit.eval.runner.settings import build_samples, build_settings
 
@@ -80,6 +80,7 @@ def run_eval(cfg, state=None, log=None, check_call=None):
     if state is None or state.is_main_process:
         results = aggregate(cfg, settings, samples, log, num_processes=1 if state is None else state.num_processes)
         write_reports(cfg, results, log)
+        write_contact_sheets(cfg, samples, results, log)
         log(markdown_table(results))
         log(f"results.json, results.md and plots/ in {cfg.out}")
     if state is not None:

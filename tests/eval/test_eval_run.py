@@ -381,3 +381,28 @@ def test_records_from_before_effective_density_are_regenerated(first_run, prompt
     counter = Counter(monkeypatch)
     assert eval_main(_args(run, prompts, extra=["--no-plots"])) == 0
     assert counter.calls == [("sta", 0, 0)]
+
+
+def test_run_draws_a_contact_sheet_per_prompt(first_run):
+    """One PNG per prompt (first seed): a row per setting, dense first; each row's first tile shows
+    that setting's own first frame (its mean colour, read off the stored frames, not the sheet code)."""
+    import numpy as np
+    from PIL import Image
+
+    out, _ = first_run
+    folder = os.path.join(out, "contact_sheets")
+    assert sorted(os.listdir(folder)) == ["p0_s0.png", "p1_s0.png"]
+    sheet = np.asarray(Image.open(os.path.join(folder, "p0_s0.png")).convert("RGB")).astype(float)
+    rows = {}
+    for setting in ("dense", "sta"):
+        frames = np.load(os.path.join(out, "samples", setting, "0_0.npy"))
+        rows[setting] = frames[0].astype(float).mean((0, 1))
+    from fastdit.media.contact_sheet import FRAME_PIXELS, LABEL_WIDTH
+
+    factor = max(1, FRAME_PIXELS // max(frames.shape[1:3]))  # whole-number nearest-neighbour scaling
+    tile_h, tile_w = frames.shape[1] * factor, frames.shape[2] * factor
+    height = sheet.shape[0] // 2
+    assert sheet.shape[0] == 2 * height == 2 * (tile_h + 4)  # two rows: dense, sta
+    for row, setting in enumerate(("dense", "sta")):
+        first = sheet[row * height + 2: row * height + 2 + tile_h, LABEL_WIDTH: LABEL_WIDTH + tile_w]
+        assert np.abs(first.mean((0, 1)) - rows[setting]).max() < 3.0, setting
