@@ -86,7 +86,8 @@ STRATUM = 128
 #: Score entries one chunk of the exact rows holds (float32).
 _BUDGET = 1 << 24
 
-__all__ = ["GuardHooks", "STATE_KEY", "MASS_TOLERANCE", "sample_rows", "exact_rows", "estimate", "guarded_call"]
+__all__ = ["GuardHooks", "STATE_KEY", "MASS_TOLERANCE", "sample_rows", "exact_rows", "estimate", "guarded_call",
+           "head_fails", "summarise", "guard_report", "act_on_heads", "guard_levels_of"]
 
 
 def row_count(seq, fraction):
@@ -267,6 +268,136 @@ def remembered_levels(ctx, heads, refresh):
     return memory, [memory["levels"].get(ctx.head_offset + h, 0) for h in range(heads)]
 
 
+def head_fails(upper, mass, live, bound, promise):
+    """The guard's rule per (batch, head): the error's upper bound above ``bound`` (or NaN), or the
+    kept mass below ``promise - MASS_TOLERANCE``; only heads with a live sampled row fail."""
+    failed = (upper > bound) | torch.isnan(upper)
+    if promise is not None:
+        failed = failed | (mass < promise - MASS_TOLERANCE)
+    return failed & (live > 0)
+
+
+def guard_levels_of(method):
+    """``(scored, top)``: 1 when the method's first wider level is its plan widened by scores
+    (``guard/widen.py``), else 0; ``top``: the dense level (after the method's wider settings)."""
+    scored = 1 if method.guard_scores_widen else 0
+    return scored, method.guard_levels() + scored + 1
+
+
+def summarise(error, upper, mass, failed, finite):
+    """The call's one host synchronisation: per head the worst error, least mass, any failure and
+    worst bound of the first check. ``(errors, masses, fails, first, finite)``, Python values."""
+    summary = torch.stack([error.double().amax(0), mass.double().amin(0), failed.any(0).double(),
+                           upper.double().amax(0)])
+    summary, finite = summary.cpu(), bool(finite)
+    errors, masses, fails = summary[0].tolist(), summary[1].tolist(), summary[2].tolist()
+    # the method's own, before any action
+    first = dict(first_error=list(errors), first_error_bound=summary[3].tolist(), first_kept_mass=list(masses))
+    return errors, masses, fails, first, finite
+
+
+def guard_report(errors, masses, first, rows, actions, levels, head_density, bound, promise, extra, started,
+                 nonfinite=False):
+    """``ctx.info["guard"]`` (see ``Method.guard_report``)."""
+    return dict(error=errors, kept_mass=masses, **first, rows=rows, action=actions, nonfinite=nonfinite,
+                levels=levels, head_density=head_density, bound=bound, promise=promise, extra_density=extra,
+                seconds=time.perf_counter() - started)
+
+
+def act_on_heads(method, reruns, memory, head_offset, levels, fails, errors, masses, bound, seq, extra):
+    """Step 4 and 5 of the module docstring for one call's heads, however they are computed.
+
+    ``reruns`` computes for head ``h``: ``scored(h)`` (its plan widened by scores: ``(out, lse,
+    density)`` or None), ``wider(method, h)`` (the same at a wider setting), ``dense(h)`` (``(out,
+    lse)``) and ``check(h, out, lse, round)`` (``(error, bound, mass, live, rows)`` on fresh rows):
+    in one process (``guarded_call``) or over a ring of ranks (``parallel/ring_guard.py``), so both
+    take the same decisions. ``levels`` / ``errors`` / ``masses`` are updated in place and the
+    levels remembered in ``memory``. Returns ``(replaced {h: (out, lse)}, head_density, actions,
+    extra)``."""
+    heads = len(levels)
+    scored, top = guard_levels_of(method)
+    actions = ["remembered" if level else "pass" for level in levels]
+    todo = {h: (levels[h] if levels[h] else (1 if fails[h] else 0)) for h in range(heads)}
+    todo = {h: level for h, level in todo.items() if level}
+    replaced = {}
+    final_density = [None] * heads  # per head: what a re-run computed (None: the method's own call)
+    round_index = 1
+    while todo:
+        next_todo = {}
+        for h, level in sorted(todo.items()):
+            if scored and level == 1:  # key blocks added by the rows' exact scores
+                rerun = reruns.scored(h)
+                if rerun is None:  # nothing to add, or no plan to add to: the next level
+                    next_todo[h] = level + 1
+                    continue
+                promise = method.guard_promise()
+            else:
+                wider = method.guard_widened(level - scored) if level < top else None
+                if wider is None:
+                    replaced[h] = reruns.dense(h)
+                    errors[h], masses[h], levels[h] = 0.0, 1.0, top
+                    actions[h] = "dense"
+                    final_density[h] = 1.0
+                    extra += 1.0 / heads
+                    continue
+                rerun = reruns.wider(wider, h)
+                promise = wider.guard_promise()
+            result, head_lse, run_density = rerun
+            extra += run_density / heads
+            e, e_upper, m, alive, checked = reruns.check(h, result, head_lse, round_index)
+            extra += checked / seq / heads
+            if bool(head_fails(e_upper, m, alive, bound, promise).any()):
+                next_todo[h] = level + 1
+                continue
+            replaced[h] = (result, head_lse)
+            final_density[h] = run_density
+            errors[h], masses[h], levels[h] = float(e.amax()), float(m.amin()), level
+            actions[h] = "widened" if actions[h] == "pass" else actions[h]
+        todo = next_todo
+        round_index += 1
+    for h in range(heads):
+        if levels[h]:
+            memory["levels"][head_offset + h] = levels[h]
+        if actions[h] == "remembered":
+            actions[h] = "dense" if levels[h] >= top else "widened"
+    return replaced, final_density, actions, extra
+
+
+class _LocalReruns:
+    """``act_on_heads``' re-runs and checks of one process's call."""
+
+    def __init__(self, method, ctx, q, k, v, bound, fraction, key):
+        self.method, self.ctx, self.q, self.k, self.v = method, ctx, q, k, v
+        self.bound, self.fraction, self.key = bound, fraction, key
+
+    def _head(self, h):
+        return self.q[:, h:h + 1], self.k[:, h:h + 1], self.v[:, h:h + 1]
+
+    def scored(self, h):
+        method, ctx = self.method, self.ctx
+        return widen_head(method, ctx, self.q, self.k, self.v, h, self.bound) if widenable(method, ctx) else None
+
+    def wider(self, wider, h):
+        qh, kh, vh = self._head(h)
+        head_ctx = head_context(self.ctx, h, lambda: _dense_head(qh, kh, vh, self.ctx)[0])
+        result = wider.attend(head_ctx, qh, kh, vh)
+        return result, head_ctx.info.get("lse"), head_run_density(head_ctx.info)
+
+    def dense(self, h):
+        return _dense_head(*self._head(h), self.ctx)
+
+    def check(self, h, result, head_lse, round_index):
+        ctx, (qh, kh, vh) = self.ctx, self._head(h)
+        seq = qh.shape[2]
+        # keyed to the global head: Ulysses ranks agree
+        rows = sample_rows(seq, self.fraction, self.key + (round_index, ctx.head_offset + h), qh.device)
+        ref_o, ref_l = exact_rows(qh, kh, vh, rows, ctx.key_mask, ctx.scale)
+        valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, rows)
+        e, e_upper, m, alive = estimate(result.index_select(2, rows), ref_o, ref_l,
+                                        None if head_lse is None else head_lse.index_select(2, rows), valid)
+        return e, e_upper, m, alive, rows.numel()
+
+
 def guarded_call(method, ctx, q, k, v, run):
     """``run(ctx, q, k, v)`` (the method's call) under the guard of ``method.config``; writes
     ``ctx.info["guard"]`` (see ``Method.guard_report``) and returns the checked output."""
@@ -274,10 +405,6 @@ def guarded_call(method, ctx, q, k, v, run):
     bound, fraction, refresh = float(config.guard), float(config.guard_rows), int(config.guard_refresh)
     batch, heads, seq, _ = q.shape
     memory, levels = remembered_levels(ctx, heads, refresh)
-    # level 1: the plan widened by the sampled rows' scores (methods that have it, ``guard/widen.py``);
-    # then the method's wider settings; top: dense
-    scored = 1 if method.guard_scores_widen else 0
-    top = method.guard_levels() + scored + 1
     out = run(ctx, q, k, v)
     if ctx.info.get("dense"):  # the method ran dense (a layout it computes densely, a refresh step)
         return out
@@ -290,77 +417,17 @@ def guarded_call(method, ctx, q, k, v, run):
     query_valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, rows)
     error, upper, mass, live = estimate(out.index_select(2, rows), ref_out, ref_lse,
                                         None if lse is None else lse.index_select(2, rows), query_valid)
-    finite = all_finite(q, k, v)
-    failed = (upper > bound) | torch.isnan(upper)
-    if promise is not None:
-        failed = failed | (mass < promise - MASS_TOLERANCE)
-    failed = failed & (live > 0)
-    summary = torch.stack([error.double().amax(0), mass.double().amin(0), failed.any(0).double(),
-                           upper.double().amax(0)])
-    summary, finite = summary.cpu(), bool(finite)  # the call's one host synchronisation
-    errors, masses, fails = summary[0].tolist(), summary[1].tolist(), summary[2].tolist()
-    # the method's own, before any action
-    first = dict(first_error=list(errors), first_error_bound=summary[3].tolist(), first_kept_mass=list(masses))
+    failed = head_fails(upper, mass, live, bound, promise)
+    errors, masses, fails, first, finite = summarise(error, upper, mass, failed, all_finite(q, k, v))
     n = rows.numel()
     extra = n / seq  # the check's share of dense work, every head
-    actions = ["remembered" if level else "pass" for level in levels]
     if not finite:
-        report = dict(error=errors, kept_mass=masses, **first, rows=n, action=["nonfinite"] * heads, nonfinite=True,
-                      head_density=[None] * heads,
-                      levels=levels, bound=bound, promise=promise, extra_density=extra,
-                      seconds=time.perf_counter() - started)
-        ctx.info["guard"] = report
+        ctx.info["guard"] = guard_report(errors, masses, first, n, ["nonfinite"] * heads, levels, [None] * heads,
+                                         bound, promise, extra, started, nonfinite=True)
         return out
-    todo = {h: (levels[h] if levels[h] else (1 if fails[h] else 0)) for h in range(heads)}
-    todo = {h: level for h, level in todo.items() if level}
-    replaced = {}
-    final_density = [None] * heads  # per head: what a re-run computed (None: the method's own call)
-    round_index = 1
-    while todo:
-        next_todo = {}
-        for h, level in sorted(todo.items()):
-            qh, kh, vh = q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1]
-            head_ctx = head_context(ctx, h, lambda qh=qh, kh=kh, vh=vh: _dense_head(qh, kh, vh, ctx)[0])
-            if scored and level == 1:  # key blocks added by the sampled rows' exact scores
-                widened = widen_head(method, ctx, q, k, v, h, bound) if widenable(method, ctx) else None
-                if widened is None:  # nothing to add, or no plan to add to: the next level
-                    next_todo[h] = level + 1
-                    continue
-                result, head_lse, run_density = widened
-                wider_promise = method.guard_promise()
-            else:
-                wider = method.guard_widened(level - scored) if level < top else None
-                if wider is None:
-                    replaced[h] = _dense_head(qh, kh, vh, head_ctx)
-                    errors[h], masses[h], levels[h] = 0.0, 1.0, top
-                    actions[h] = "dense"
-                    final_density[h] = 1.0
-                    extra += 1.0 / heads
-                    continue
-                result = wider.attend(head_ctx, qh, kh, vh)
-                head_lse, run_density = head_ctx.info.get("lse"), head_run_density(head_ctx.info)
-                wider_promise = wider.guard_promise()
-            extra += run_density / heads
-            # keyed to the global head: Ulysses ranks agree
-            check = sample_rows(seq, fraction, key + (round_index, ctx.head_offset + h), q.device)
-            ref_o, ref_l = exact_rows(qh, kh, vh, check, ctx.key_mask, ctx.scale)
-            extra += check.numel() / seq / heads
-            valid = None if ctx.query_mask is None else ctx.query_mask.to(torch.bool).index_select(1, check)
-            e, e_upper, m, alive = estimate(result.index_select(2, check), ref_o, ref_l,
-                                            None if head_lse is None else head_lse.index_select(2, check), valid)
-            bad = (e_upper > bound) | torch.isnan(e_upper)
-            if wider_promise is not None:
-                bad = bad | (m < wider_promise - MASS_TOLERANCE)
-            bad = bool((bad & (alive > 0)).any())
-            if bad:
-                next_todo[h] = level + 1
-                continue
-            replaced[h] = (result, head_lse)
-            final_density[h] = run_density
-            errors[h], masses[h], levels[h] = float(e.amax()), float(m.amin()), level
-            actions[h] = "widened" if actions[h] == "pass" else actions[h]
-        todo = next_todo
-        round_index += 1
+    reruns = _LocalReruns(method, ctx, q, k, v, bound, fraction, key)
+    replaced, final_density, actions, extra = act_on_heads(method, reruns, memory, ctx.head_offset, levels, fails,
+                                                           errors, masses, bound, seq, extra)
     if replaced:
         out = out.clone()
         lse = None if lse is None else lse.clone()
@@ -370,16 +437,8 @@ def guarded_call(method, ctx, q, k, v, run):
                 lse[:, h:h + 1] = head_lse.to(lse.dtype)
         if lse is not None:
             ctx.info["lse"] = lse  # of what the call computed in the end
-    for h in range(heads):
-        if levels[h]:
-            memory["levels"][ctx.head_offset + h] = levels[h]
-        if actions[h] == "remembered":
-            actions[h] = "dense" if levels[h] >= top else "widened"
-    ctx.info["guard"] = dict(error=errors, kept_mass=masses, **first, rows=n, action=actions, nonfinite=False,
-                             levels=levels,
-                             head_density=final_density,
-                             bound=bound, promise=promise, extra_density=extra,
-                             seconds=time.perf_counter() - started)
+    ctx.info["guard"] = guard_report(errors, masses, first, n, actions, levels, final_density, bound, promise, extra,
+                                     started)
     return out
 
 

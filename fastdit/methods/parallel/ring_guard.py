@@ -53,8 +53,9 @@ import torch
 import torch.distributed as dist
 
 from ..base import Method
-from ..guard import (MASS_TOLERANCE, all_finite, estimate, exact_rows, head_context, head_run_density,
-                     remembered_levels, sample_rows)
+from ..guard import (act_on_heads, all_finite, estimate, exact_rows, guard_report, head_context, head_fails,
+                     head_run_density, remembered_levels, sample_rows, summarise)
+from ..guard.widen import widen_head, widenable
 from .ring import ring_attend
 
 __all__ = ["RingCall", "merge_partials", "ring_exact_rows", "ring_check", "ring_guarded_call"]
@@ -188,15 +189,6 @@ def ring_check(call, q, out, lse, key, fraction, scale=None, heads=slice(None), 
     return error, bound, mass, live, rows, (None if bad is None else bad[0] == 0)
 
 
-def _fails(bound, mass, live, limit, promise):
-    """The guard's rule (``guarded_call``): the error bound above ``limit`` (or NaN), or the kept
-    mass below the promise minus ``MASS_TOLERANCE``; on heads with a live sampled row."""
-    failed = (bound > limit) | torch.isnan(bound)
-    if promise is not None:
-        failed = failed | (mass < promise - MASS_TOLERANCE)
-    return failed & (live > 0)
-
-
 def ring_dense_head(call, q, h, scale=None):
     """Head ``h`` of the local queries ``q`` dense through the ring: against each key shard (exact
     rows, float32 accumulation), merged through the lse; ``(out in q's dtype, lse float32)``."""
@@ -236,24 +228,14 @@ def ring_widened(wider, head_ctx, call, q, h, scale=None):
     return out.to(q.dtype), lse
 
 
-def _scores_widening(method):
-    """The guard's widening by its rows' scores (``methods/guard/widen.py``) when ``method`` has it,
-    else None."""
-    if not getattr(method, "guard_scores_widen", False):
-        return None
-    from ..guard import widen
-
-    return widen
-
-
-def ring_scores_widened(widening, method, ctx, call, q, h, bound):
-    """Head ``h`` on its plan widened by its rows' exact scores (``widening.widen_head``) as one
-    process computes it: on the call's queries, keys and values in model order (every rank the
-    same), then this rank's rows. ``(out, lse, density)`` or None (nothing to add)."""
-    if not widening.widenable(method, ctx):
+def ring_scores_widened(method, ctx, call, q, h, bound):
+    """Head ``h`` on its plan widened by its rows' exact scores (``guard/widen.py``) as one process
+    computes it: on the call's queries, keys and values in model order (every rank the same), then
+    this rank's rows. ``(out, lse, density)`` or None (nothing to add, or no plan to add to)."""
+    if not widenable(method, ctx):
         return None
     k_model, v_model = call.model_kv()
-    widened = widening.widen_head(method, ctx, call.gathered_q(q), k_model, v_model, h, bound)
+    widened = widen_head(method, ctx, call.gathered_q(q), k_model, v_model, h, bound)
     if widened is None:
         return None
     out, head_lse, density = widened
@@ -261,87 +243,63 @@ def ring_scores_widened(widening, method, ctx, call, q, h, bound):
     return out.index_select(2, local).to(q.dtype), head_lse.index_select(2, local), density
 
 
+class _RingReruns:
+    """``guard.act_on_heads``' re-runs and checks of a ring call (every rank the same heads)."""
+
+    def __init__(self, method, ctx, call, q, bound, fraction, key):
+        self.method, self.ctx, self.call, self.q = method, ctx, call, q
+        self.bound, self.fraction, self.key = bound, fraction, key
+
+    def scored(self, h):
+        return ring_scores_widened(self.method, self.ctx, self.call, self.q, h, self.bound)
+
+    def wider(self, wider, h):
+        ctx, call, q = self.ctx, self.call, self.q
+        head_ctx = head_context(ctx, h, lambda: ring_dense_head(call, q, h, ctx.scale)[0])
+        result, head_lse = ring_widened(wider, head_ctx, call, q, h, ctx.scale)
+        head_lse = head_lse if getattr(wider, "reports_lse", False) else None
+        return result, head_lse, head_run_density(head_ctx.info)
+
+    def dense(self, h):
+        return ring_dense_head(self.call, self.q, h, self.ctx.scale)
+
+    def check(self, h, result, head_lse, round_index):
+        check_key = self.key + (round_index, self.ctx.head_offset + h)  # the global head: Ulysses x ring agree
+        e, e_upper, m, alive, checked, _ = ring_check(self.call, self.q[:, h:h + 1], result, head_lse, check_key,
+                                                      self.fraction, self.ctx.scale, heads=slice(h, h + 1))
+        return e, e_upper, m, alive, checked.numel()
+
+
 def ring_guarded_call(method, ctx, q, out, lse, call):
-    """The guard on a ring call (``guard.guarded_call``'s decisions, reports and memory): ``out``
-    ``(B, H, L, D)`` / ``lse`` ``(B, H, L)`` of the rank's queries ``q`` as the ring computed them.
-    Writes ``ctx.info["guard"]`` and returns the checked output (the same heads re-run on every rank)."""
+    """The guard on a ring call (``guard.guarded_call``'s decisions, reports and memory, through the
+    same ``act_on_heads``): ``out`` ``(B, H, L, D)`` / ``lse`` ``(B, H, L)`` of the rank's queries ``q``
+    as the ring computed them. Writes ``ctx.info["guard"]`` and returns the checked output (the same
+    heads re-run on every rank)."""
     config = method.config
     limit, fraction, refresh = float(config.guard), float(config.guard_rows), int(config.guard_refresh)
     heads, seq = q.shape[1], call.seq
     memory, levels = remembered_levels(ctx, heads, refresh)
-    widening = _scores_widening(method)
-    scored = 1 if widening is not None else 0
-    top = method.guard_levels() + scored + 1  # 1: scores-widened plan (if any), then wider settings; top: dense
     started = time.perf_counter()
     promise = method.guard_promise()
     key = (ctx.layer, ctx.step, ctx.branch)
     own_lse = lse if getattr(method, "reports_lse", False) else None
     error, upper, mass, live, rows, finite = ring_check(call, q, out, own_lse, key + (0,), fraction, ctx.scale,
                                                         finite=True)
+    failed = head_fails(upper, mass, live, limit, promise)
+    errors, masses, fails, first, finite = summarise(error, upper, mass, failed, finite)
     n = rows.numel()
-    failed = _fails(upper, mass, live, limit, promise)
-    summary = torch.stack([error.double().amax(0), mass.double().amin(0), failed.any(0).double(),
-                           upper.double().amax(0)])
-    summary, finite = summary.cpu(), bool(finite)  # the call's one host synchronisation
-    errors, masses, fails = summary[0].tolist(), summary[1].tolist(), summary[2].tolist()
-    first = dict(first_error=list(errors), first_error_bound=summary[3].tolist(), first_kept_mass=list(masses))
     extra = n / seq
-    actions = ["remembered" if level else "pass" for level in levels]
     if not finite:
-        ctx.info["guard"] = dict(error=errors, kept_mass=masses, **first, rows=n, action=["nonfinite"] * heads,
-                                 nonfinite=True, head_density=[None] * heads, levels=levels, bound=limit,
-                                 promise=promise, extra_density=extra, seconds=time.perf_counter() - started)
+        ctx.info["guard"] = guard_report(errors, masses, first, n, ["nonfinite"] * heads, levels, [None] * heads,
+                                         limit, promise, extra, started, nonfinite=True)
         return out
-    todo = {h: (levels[h] if levels[h] else (1 if fails[h] else 0)) for h in range(heads)}
-    todo = {h: level for h, level in todo.items() if level}
-    replaced = {}
-    final_density = [None] * heads
-    round_index = 1
-    while todo:
-        next_todo = {}
-        for h, level in sorted(todo.items()):
-            if scored and level == 1:  # key blocks added by the sampled rows' exact scores
-                widened = ring_scores_widened(widening, method, ctx, call, q, h, limit)
-                if widened is None:  # nothing to add, or no plan to add to: the next level
-                    next_todo[h] = level + 1
-                    continue
-                result, head_lse, run_density = widened
-                wider_promise = method.guard_promise()
-            else:
-                wider = method.guard_widened(level - scored) if level < top else None
-                if wider is None:
-                    replaced[h] = ring_dense_head(call, q, h, ctx.scale)[0]
-                    errors[h], masses[h], levels[h], actions[h], final_density[h] = 0.0, 1.0, top, "dense", 1.0
-                    extra += 1.0 / heads
-                    continue
-                head_ctx = head_context(ctx, h, lambda h=h: ring_dense_head(call, q, h, ctx.scale)[0])
-                result, head_lse = ring_widened(wider, head_ctx, call, q, h, ctx.scale)
-                head_lse = head_lse if getattr(wider, "reports_lse", False) else None
-                run_density, wider_promise = head_run_density(head_ctx.info), wider.guard_promise()
-            extra += run_density / heads
-            check_key = key + (round_index, ctx.head_offset + h)  # the global head: Ulysses x ring ranks agree
-            e, e_upper, m, alive, checked, _ = ring_check(call, q[:, h:h + 1], result, head_lse, check_key, fraction,
-                                                          ctx.scale, heads=slice(h, h + 1))
-            extra += checked.numel() / seq / heads
-            if bool(_fails(e_upper, m, alive, limit, wider_promise).any()):
-                next_todo[h] = level + 1
-                continue
-            replaced[h] = result
-            final_density[h] = run_density
-            errors[h], masses[h], levels[h] = float(e.amax()), float(m.amin()), level
-            actions[h] = "widened" if actions[h] == "pass" else actions[h]
-        todo = next_todo
-        round_index += 1
+    reruns = _RingReruns(method, ctx, call, q, limit, fraction, key)
+    replaced, final_density, actions, extra = act_on_heads(method, reruns, memory, ctx.head_offset, levels, fails,
+                                                           errors, masses, limit, seq, extra)
     if replaced:
         out = out.clone()
-        for h, result in replaced.items():
+        for h, (result, _) in replaced.items():
             out[:, h:h + 1] = result.to(out.dtype)
-    for h in range(heads):
-        if levels[h]:
-            memory["levels"][ctx.head_offset + h] = levels[h]
-        if actions[h] == "remembered":
-            actions[h] = "dense" if levels[h] >= top else "widened"
-    ctx.info["guard"] = dict(error=errors, kept_mass=masses, **first, rows=n, action=actions, nonfinite=False,
-                             levels=levels, head_density=final_density, bound=limit, promise=promise,
-                             extra_density=extra, seconds=time.perf_counter() - started)
+    ctx.info["guard"] = guard_report(errors, masses, first, n, actions, levels, final_density, limit, promise, extra,
+                                     started)
     return out
