@@ -8,7 +8,8 @@ import torch
 import fastdit
 from fastdit.layout import TokenLayout
 from fastdit.methods import base
-from fastdit.methods.guard.widen import block_rows, grown_lists, row_block_sums, token_blocks, widenable
+from fastdit.methods.corrections import token_blocks
+from fastdit.methods.guard.widen import block_rows, grown_lists, row_block_sums, widenable
 from fastdit.plan import BlockPlan
 
 pytestmark = pytest.mark.guard_defaults
@@ -89,7 +90,7 @@ def test_row_block_sums_equal_a_float64_loop_on_a_permuted_plan():
     q, k, v = (torch.randn(seq, dim, generator=gen) * 2 for _ in range(3))
     key_valid = torch.rand(seq, generator=gen) > 0.2
     rows = torch.tensor([0, 7, 13, 29, 30, 49])
-    query_block, key_block = token_blocks(plan, 0)
+    query_block, key_block = (blocks[0, 0] for blocks in token_blocks(plan, 1, 1, seq, "cpu")[:2])
     mass, weighted = row_block_sums(q[rows], k, v, key_block, n_blocks, key_valid)
     # reference: kernel position j holds model token perm[j] (read off perm, not the plan's inverse)
     block_of = {int(t): j // block for j, t in enumerate(perm.tolist()) if t >= 0}

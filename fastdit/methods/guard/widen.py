@@ -51,7 +51,7 @@ from fastdit.plan import run_plan
 HEAD_FIELDS = ("kv_indices", "kv_counts", "head_orders", "head_inverses", "choice", "q_order", "q_inverse",
                "k_order", "q_offsets", "k_offsets", "q_blocks", "k_blocks")
 
-__all__ = ["head_plan", "token_blocks", "row_block_sums", "block_rows", "grown_lists", "widen_head", "widenable"]
+__all__ = ["head_plan", "row_block_sums", "block_rows", "grown_lists", "widen_head", "widenable"]
 
 
 def widenable(method, ctx):
@@ -74,21 +74,6 @@ def head_plan(plan, head):
         if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[1] > 1:
             changes[name] = tensor[:, head:head + 1]
     return dataclasses.replace(plan, **changes) if changes else plan
-
-
-def token_blocks(plan, batch):
-    """``(query_block, key_block)`` long ``(S,)`` of every model token of one head's plan (batch
-    element ``batch``): the block of the kernel order each token falls in."""
-    if getattr(plan, "q_blocks", None) is not None:  # variable-size clusters: the plan says it
-        b = min(batch, plan.q_blocks.shape[0] - 1)
-        return plan.q_blocks[b, 0].long(), plan.k_blocks[b, 0].long()
-    if getattr(plan, "head_inverses", None) is not None:  # one kernel order per head
-        position = plan.head_inverses[min(batch, plan.head_inverses.shape[0] - 1), 0].long()
-    elif plan.inverse is not None:
-        position = plan.inverse
-    else:
-        position = torch.arange(plan.seq_len, device=plan.kv_counts.device)
-    return position // plan.block_m, position // plan.block_n
 
 
 def row_block_sums(q_rows, k, v, key_block, n_key_blocks, key_valid=None, scale=None):
@@ -191,10 +176,12 @@ def widen_head(method, ctx, q, k, v, head, bound):
     ``q, k, v``: the call's ``(B, H, S, D)``; returns ``(out (B, 1, S, D), lse (B, 1, S), density)``
     (``density``: the widened plan's share of the head's block pairs) or None when nothing can be
     added (every row already at its target: widening would change nothing)."""
-    from ..corrections import pooled_correction
+    from ..corrections import pooled_correction, token_blocks
 
     plan = head_plan(ctx.info["plan"], head)
     batch = q.shape[0]
+    # each model token's query / key block (B|1, 1, S): the same map pooled / ear corrections read
+    query_blocks, key_blocks = token_blocks(plan, batch, 1, q.shape[2], q.device)[:2]
     plan_batch = plan.kv_indices.shape[0]
     n_query_blocks, n_key_blocks = plan.kv_counts.shape[-1], plan.num_kv_blocks
     promise = method.guard_promise()
@@ -205,7 +192,8 @@ def widen_head(method, ctx, q, k, v, head, bound):
     for pb in range(plan_batch):  # a plan shared by the batch is widened by all its elements' rows
         parts = []
         for b in (range(batch) if plan_batch == 1 else [pb]):
-            query_block, key_block = token_blocks(plan, b)
+            row = min(b, query_blocks.shape[0] - 1)
+            query_block, key_block = query_blocks[row, 0].long(), key_blocks[row, 0].long()
             live = block_rows(query_block, n_query_blocks)
             if query_mask is not None:
                 live = live[query_mask[b].index_select(0, live)]
