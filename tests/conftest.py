@@ -62,13 +62,3 @@ def no_model(monkeypatch):
     monkeypatch.setattr(loading, "load_pipeline", fail)
     monkeypatch.setattr(tiny, "tiny", fail)
     monkeypatch.setattr(generation, "load_pipe", fail)
-
-
-@pytest.fixture(autouse=True)
-def _registered_backends_at_start():
-    """Snapshot of the fastdit backends registered with diffusers when a test starts, so that
-    ``model_matrix.assert_clean`` checks what that test left, whatever ran before it."""
-    import model_matrix
-
-    model_matrix.REGISTERED_AT_TEST_START[:] = model_matrix.fastdit_backends_registered()
-    yield

@@ -144,10 +144,6 @@ def fastdit_backends_registered():
     return [str(name) for name in _AttentionBackendRegistry._backends if "fastdit" in str(getattr(name, "value", name))]
 
 
-#: fastdit backends registered with diffusers when the running test started (tests/conftest.py)
-REGISTERED_AT_TEST_START = []
-
-
 def assert_clean(module, before=None):
     """Nothing of fastdit is left in ``module``: no forward hook or pre-hook, no instance ``forward``,
     no ``_fastdit_patch`` mark, no processor pinned to a fastdit backend; and with ``before`` (an
@@ -162,10 +158,7 @@ def assert_clean(module, before=None):
         if processor is not None:
             backend = processor.__dict__.get("_attention_backend")
             assert "fastdit" not in str(getattr(backend, "value", backend)), f"fastdit backend left on {where}"
-    # only what this test registered: a backend some earlier test left registered (test order) is not
-    # this patch's leak (conftest snapshots the registry at each test's start)
-    left = set(fastdit_backends_registered()) - set(REGISTERED_AT_TEST_START)
-    assert not left, f"fastdit backends left registered with diffusers: {sorted(left)}"
+    assert not fastdit_backends_registered(), "fastdit backends left registered with diffusers"
     if before is not None:
         assert installed_state(module) == before
 
