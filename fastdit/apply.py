@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from fastdit.calibration.calibration_file import calibration_argument
 from fastdit.intercept import check_backend, check_parallelism
 from fastdit.methods.base import OptionError, get_method
 from fastdit.patching import PATCH_MARK, AlreadyPatchedError, Patch
@@ -34,8 +35,8 @@ def _targets(target):
     return found, getattr(target, "scheduler", None)
 
 
-def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", plan=None, trainable=False,
-          method_params=None, **options):
+def patch(target, method="sta", config=None, *, record_masks=False, backend="auto", calibration=None,
+          trainable=False, method_params=None, plan=None, **options):
     """Replace the DiT attention of a diffusers pipeline (or transformer) with ``method``.
 
     Args:
@@ -46,19 +47,20 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
             ``options`` override its fields.
         record_masks: keep each layer's latest plan so ``Patch.mask(layer, head)`` can draw it.
         backend: kernel backend, ``"auto"``, ``"triton"`` or ``"torch"``.
-        plan: a plan file written by ``fastdit.calibrate`` or ``fastdit.methods.sta.load_strategy``
-            (a path, or the loaded dict): its settings per (step bucket, layer, head) become the
-            method's options. Options the plan sets (its ``options``, sta's ``strategy`` and so
-            ``window``, the ``layer_settings`` and every option they name) cannot be passed beside
-            it (PlanError naming them); other keyword ``options`` apply on top. A plan for another
-            method, model family, transformer class, layer or head count is refused, naming the
-            mismatch, and so is a grid where its settings would change meaning (at the first call
-            on each new grid).
-        trainable: calls needing gradients run the method with them (plans are constants; docs/training.md),
+        calibration: a calibration file written by ``fastdit.calibrate`` or
+            ``fastdit.methods.sta.load_strategy`` (a path, or the loaded dict): its settings per (step
+            bucket, layer, head) become the method's options. Options the calibration sets (its
+            ``options``, sta's ``strategy`` and so ``window``, the ``layer_settings`` and every option
+            they name) cannot be passed beside it (CalibrationError naming them); other keyword
+            ``options`` apply on top. A calibration for another method, model family, transformer
+            class, layer or head count is refused, naming the mismatch, and so is a grid where its
+            settings would change meaning (at the first call on each new grid).
+        plan: the earlier name of ``calibration`` (an alias, kept working; passing both is refused).
+        trainable: calls needing gradients run the method with them (block plans are constants; docs/training.md),
             not the model's attention (a counted fallback); a method that cannot is refused (OptionError).
         method_params: the method's trained per-layer parameters (its gates: ``Method.layer_module``), a
             ``fastdit_method_params.safetensors`` written by ``fastdit.train`` or its folder; refused
-            (PlanError naming both) when saved for another method, model, layer set or option, and at the
+            (CalibrationError naming both) when saved for another method, model, layer set or option, and at the
             first call on a latent grid they were not trained on (docs/training.md).
 
     Returns:
@@ -78,12 +80,13 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     """
     from fastdit.pipelines import find_adapter
 
-    if plan is not None:  # checked against the model before anything is installed
-        from fastdit.calibration.plan_file import load_plan, plan_options_for, with_plan
+    calibration = calibration_argument(calibration, plan)
+    if calibration is not None:  # checked against the model before anything is installed
+        from fastdit.calibration.calibration_file import calibration_options_for, load_calibration, with_calibration
 
-        plan_source = plan if isinstance(plan, (str, os.PathLike)) else ""
-        options = with_plan(plan_options_for(plan, target, method), options, plan_source)
-        plan = (load_plan(plan), plan_source)  # its grids are checked at the first call on each grid
+        source = calibration if isinstance(calibration, (str, os.PathLike)) else ""
+        options = with_calibration(calibration_options_for(calibration, target, method), options, source)
+        calibration = (load_calibration(calibration), source)  # grids: checked at each new grid's first call
     method_cls = get_method(method)
     config = method_cls.make_config(config, **options)
     transformers, scheduler = _targets(target)
@@ -119,7 +122,7 @@ def patch(target, method="sta", config=None, *, record_masks=False, backend="aut
     for variant in method_obj.variants():
         variant.check_layers(n_layers)
     result = Patch(target, method_obj, adapter, transformers, scheduler, record_masks, backend)
-    result._plan, result.trainable = plan, bool(trainable)
+    result._calibration, result.trainable = calibration, bool(trainable)
     try:
         result._install(modules_per_transformer)
         if method_params is not None:

@@ -136,8 +136,10 @@ def generate(pipe, prompt, seed=0, call_kwargs=None, method="dense", options=Non
 
 def warm_up_options(options):
     """Options for a 1-step warm-up run: no dense steps (so the method's kernels run), except with a
-    plan, which sets its own ``dense_steps`` (options a plan sets cannot be passed beside it)."""
-    return dict(options) if options.get("plan") is not None else {**options, "dense_steps": 0}
+    calibration file, which sets its own ``dense_steps`` (options it sets cannot be passed beside it)."""
+    from fastdit.calibration.calibration_file import split_calibration
+
+    return dict(options) if split_calibration(options)[0] is not None else {**options, "dense_steps": 0}
 
 
 def _public_options(config):

@@ -69,20 +69,21 @@ def builtin_model(model):
     return trained_name(model) is not None or tiny_name(model) is not None
 
 
-def trained_presets(name, folder=None, grid=None, plans=True):
+def trained_presets(name, folder=None, grid=None, calibrations=True):
     """``{method: options}`` shipped with the trained model ``name`` (``presets.json`` beside its
-    weights; ``{}`` when there is none). A method whose preset is a calibrated plan gets
-    ``{"plan": <absolute path>}``. The file records the model and the latent grid it was made for;
-    ``PlanError`` names both when they are not this model's.
+    weights; ``{}`` when there is none). A method whose preset is a calibration file (under
+    ``"calibrations"``; ``"plans"``, the earlier name, is read too) gets ``{"calibration":
+    <absolute path>}``. The file records the model and the latent grid it was made for;
+    ``CalibrationError`` names both when they are not this model's.
 
-    ``grid``: the latent grid of the run (None: the native one). A plan whose settings do not carry
-    over to it (``plan_file.grid_reason``: all but sta windows in a fixed tile) gives way to the
-    method's entry under ``"methods"`` (options found on the native grid; ``{}``: its defaults);
-    ``plans=False``: those entries alone, for every method (what a user setting a plan's own
-    options gets instead of the plan)."""
+    ``grid``: the latent grid of the run (None: the native one). A calibration whose settings do
+    not carry over to it (``calibration_file.grid_reason``: all but sta windows in a fixed tile)
+    gives way to the method's entry under ``"methods"`` (options found on the native grid; ``{}``:
+    its defaults); ``calibrations=False``: those entries alone, for every method (what a user
+    setting a calibration's own options gets instead of it)."""
     import json
 
-    from fastdit.calibration.plan_file import PlanError, grid_reason, load_plan
+    from fastdit.calibration.calibration_file import CalibrationError, grid_reason, load_calibration
 
     folder = folder or os.path.join(WEIGHTS_DIR, TRAINED_MODELS[name])
     path = os.path.join(folder, PRESETS_FILE)
@@ -92,21 +93,24 @@ def trained_presets(name, folder=None, grid=None, plans=True):
         with open(path) as f:
             data = json.load(f)
     except ValueError as error:
-        raise PlanError(f"preset file {path} is not valid JSON ({error}); "
+        raise CalibrationError(f"preset file {path} is not valid JSON ({error}); "
                         f"restore it with git checkout -- {path}") from None
     if data.get("model") != name:
-        raise PlanError(f"preset file {path} was made for model {data.get('model')!r}, not {name!r}")
+        raise CalibrationError(f"preset file {path} was made for model {data.get('model')!r}, not {name!r}")
     native = trained_grid(name) if name in TRAINED_DEFAULTS else None
     if native is not None and "grid" in data and list(data["grid"] or []) != list(native):
-        raise PlanError(f"preset file {path} was made for the latent grid {data['grid']} of {name}; {name}'s "
+        raise CalibrationError(f"preset file {path} was made for the latent grid {data['grid']} of {name}; {name}'s "
                         f"native grid is {list(native)}: re-calibrate it (see its model card)")
     presets = {method: dict(options) for method, options in (data.get("methods") or {}).items()}
-    for method, rel in (data.get("plans") or {}).items() if plans else ():
-        plan = os.path.join(folder, rel)
-        if not os.path.isfile(plan):
-            raise PlanError(f"preset file {path} names the plan {plan} for {method!r}, which is missing")
-        if grid is None or tuple(grid) == tuple(native or ()) or grid_reason(load_plan(plan), [tuple(grid)]) is None:
-            presets[method] = {"plan": plan}
+    files = data.get("calibrations", data.get("plans")) or {}
+    for method, rel in files.items() if calibrations else ():
+        calibration = os.path.join(folder, rel)
+        if not os.path.isfile(calibration):
+            raise CalibrationError(f"preset file {path} names the calibration {calibration} for {method!r}, which "
+                                   "is missing")
+        if (grid is None or tuple(grid) == tuple(native or ())
+                or grid_reason(load_calibration(calibration), [tuple(grid)]) is None):
+            presets[method] = {"calibration": calibration}
     return presets
 
 

@@ -1,11 +1,11 @@
-"""Calibration evidence on the embedded tiny model: a calibrated plan against every single global setting.
+"""Calibration evidence on the embedded tiny model: a calibration against every single global setting.
 
     python -m fastdit.eval.bench.calibration [--model tiny-wan|tiny-shapes] [--methods sta,sparge] [--quick]
                                              [--json FILE]
 
-For each method, ``fastdit.calibrate`` makes a plan on the calibration prompts at an error
+For each method, ``fastdit.calibrate`` makes a calibration on the calibration prompts at an error
 ``budget`` (per (step bucket, layer, head) for sta, per (step bucket, layer) for the others),
-choosing from a candidate list. The plan and every candidate applied globally (one setting for
+choosing from a candidate list. The calibration and every candidate applied globally (one setting for
 every layer and step) are then measured on the calibration prompts and on held-out prompts:
 
 * teacher-forced attention error: the pipeline runs dense; every attention call also runs each
@@ -19,8 +19,8 @@ every layer and step) are then measured on the calibration prompts and on held-o
   compound through the steps), from the mean squared error over the prompts.
 
 The comparison at equal effective density: the global settings (and dense, density 1 and error
-0) form a curve error(density); it is interpolated linearly at the plan's density (``@plan``: the
-error, and the PSNR from the interpolated mean squared error). A plan wins when its error is below
+0) form a curve error(density); it is interpolated linearly at the calibration's density (``@calibration``: the
+error, and the PSNR from the interpolated mean squared error). A calibration wins when its error is below
 the interpolated one. Random weights give nearly uniform attention (no head or layer is much more
 local than another), so per-layer choices have little to exploit there; ``--model tiny-shapes``
 (trained in this repository, learned spatial and wide-local heads; its native call and held-out
@@ -42,7 +42,7 @@ from fastdit.calibration.search import DenseProbe, calibrate
 from fastdit.cpu_load import LoadWatch
 from fastdit.eval.bench.common import warn_if_shared
 from fastdit.jsonutil import dump_json
-from fastdit.calibration.plan_file import plan_options_for
+from fastdit.calibration.calibration_file import calibration_options_for
 
 CAL_PROMPTS = ["a red fox runs through fresh snow", "a paper boat drifts down a rainy street",
                "waves break on a black sand beach"]
@@ -156,13 +156,13 @@ def run_method(pipe, name, setup, call, args, log):
         path = os.path.join(folder, f"{name}_plan.json")
         plan = calibrate(pipe, name, cal, budget=budget, steps=buckets, candidates=candidates, out=path,
                          call_kwargs=call, options=setup["options"], rows=args.rows, seed=args.seed, progress=False)
-        plan_opts = plan_options_for(path, pipe, name)
+        plan_opts = calibration_options_for(path, pipe, name)
     calibrate_s = time.perf_counter() - started
     histogram = {}
     for value in (plan.get("settings") or plan.get("strategy")).values():
         text = "dense" if value is None or value == [0, 0, 0] else str(value)
         histogram[text] = histogram.get(text, 0) + 1
-    log(f"{name}: plan at budget {budget} from {len(cal)} prompt(s), {calibrate_s:.0f} s; choices {histogram}")
+    log(f"{name}: calibration at budget {budget} from {len(cal)} prompt(s), {calibrate_s:.0f} s; choices {histogram}")
     labels = ["plan"] + [",".join(f"{k}={v}" for k, v in c.items()) for c in candidates]
     settings = [plan_opts] + [{**base, **c} for c in candidates]
     groups = {"calibration": cal, "held-out": held}
@@ -233,16 +233,16 @@ def _structured_table(name, setup, candidates, grid, seed, backend):
 
 
 def structured_evidence(name, setup, budget, args):
-    """Calibrate (``select_plan``, as ``fastdit.calibrate`` chooses: per head for sta, per layer
-    otherwise) on structured inputs of one seed, then measure the plan and every global setting on
-    those and on fresh inputs (another seed); heads are independent in both methods, so a plan's
+    """Calibrate (``select_settings``, as ``fastdit.calibrate`` chooses: per head for sta, per layer
+    otherwise) on structured inputs of one seed, then measure the calibration and every global setting on
+    those and on fresh inputs (another seed); heads are independent in both methods, so a calibration's
     error and density are its chosen entries of the per-(head, candidate) tables."""
-    from fastdit.calibration.candidates import select_plan
+    from fastdit.calibration.candidates import select_settings
 
     candidates = setup["candidates"][: args.max_candidates] if args.max_candidates else setup["candidates"]
     grid = (2, 4, 8) if args.quick else (4, 8, 8)
     calibration = _structured_table(name, setup, candidates, grid, args.seed, args.backend)
-    choice, _ = select_plan([calibration], candidates, budget, per_head=(name == "sta"))
+    choice, _ = select_settings([calibration], candidates, budget, per_head=(name == "sta"))
     summary = {}
     held_out = _structured_table(name, setup, candidates, grid, args.seed + 1000, args.backend)
     for group, table in (("calibration", calibration), ("held-out", held_out)):

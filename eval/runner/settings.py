@@ -9,6 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from fastdit.calibration.calibration_file import split_calibration
 from fastdit.eval.runner.config import EvalError
 from fastdit.eval.runner.prompts import Prompt
 from fastdit.jsonutil import to_json
@@ -83,49 +84,48 @@ def method_presets(model, grid=None):
 def tiny_method_presets(model, methods, options, grid=None):
     """``options`` (method -> options) with the built-in model's method presets underneath
     (see :func:`method_presets`; ``grid``: the run's latent grid); else unchanged. A preset that is
-    a plan (``{"plan": path}``) gives way to the user's ``--plan``, and to user options that the plan
-    sets (``--set sta.tile=...`` on tiny-shapes: the preset file's options for that method run
-    instead of its calibrated plan, with a note)."""
+    a calibration file (``{"calibration": path}``) gives way to the user's ``--calibration``, and to
+    user options that the calibration sets (``--set sta.tile=...`` on tiny-shapes: the preset
+    file's options for that method run instead of its calibration, with a note)."""
     options = {method: dict(values) for method, values in options.items()}
     presets, _ = method_presets(model, grid)
     if presets:
         for method, preset in presets.items():
             if method in methods:
                 given = options.get(method, {})
-                if "plan" in preset and "plan" not in given:
-                    preset = _unless_plan_options_given(model, method, preset, given)
+                if split_calibration(preset)[0] is not None:  # the user's own calibration replaces it
+                    preset = (_unless_calibrated_options_given(model, method, preset, given)
+                              if split_calibration(given)[0] is None else split_calibration(preset)[1])
                 options[method] = {**preset, **given}
     return options
 
 
-def _unless_plan_options_given(model, method, preset, given):
-    """The preset plan, or the preset file's options for ``method`` when ``given`` sets an option
-    the plan sets (the user chose those options; the plan would refuse them)."""
-    from fastdit.calibration.plan_file import load_plan
+def _unless_calibrated_options_given(model, method, preset, given):
+    """The preset calibration, or the preset file's options for ``method`` when ``given`` sets an
+    option the calibration sets (the user chose those options; the calibration would refuse them)."""
+    from fastdit.calibration.calibration_file import calibration_options, options_set_by
     from fastdit.pipelines.loading import trained_name, trained_presets
 
-    plan = load_plan(preset["plan"])  # its shared options, per-layer settings, per-head windows
-    fixed = set(plan.get("options") or {}) | {k for v in (plan.get("settings") or {}).values() for k in (v or {})}
-    fixed |= {"window"} if "strategy" in plan else set()
-    clash = sorted(set(given) & fixed)
+    path = split_calibration(preset)[0]
+    clash = sorted(set(given) & options_set_by(calibration_options(path, method)))
     if not clash or not trained_name(model):
         return preset
-    print(f"note: {method}: {', '.join(clash)} given, so {model}'s calibrated plan for {method} "
-          f"({preset['plan']}) is not used; its preset options run under yours")
-    return trained_presets(model, plans=False).get(method, {})
+    print(f"note: {method}: {', '.join(clash)} given, so {model}'s calibration for {method} "
+          f"({path}) is not used; its preset options run under yours")
+    return trained_presets(model, calibrations=False).get(method, {})
 
 
-def _options_with_plan(method, options):
-    """``options`` as ``fastdit.patch(pipe, method, **options)`` will apply them: a ``plan`` (a
-    calibrated plan file, from ``--plan`` or a trained model's presets) replaced by the plan's own
-    options with the others on top (the one rule of ``with_plan``), so a setting is checked before
-    any model loads exactly as the patch will check it."""
-    if options.get("plan") is None:
+def options_with_calibration(method, options):
+    """``options`` as ``fastdit.patch(pipe, method, **options)`` will apply them: a calibration file
+    (``calibration`` or its alias ``plan``, from ``--calibration`` or a trained model's presets)
+    replaced by its own options with the others on top (the one rule of ``with_calibration``), so a
+    setting is checked before any model loads exactly as the patch will check it."""
+    from fastdit.calibration.calibration_file import calibration_options, with_calibration
+
+    path, given = split_calibration(options)
+    if path is None:
         return options
-    from fastdit.calibration.plan_file import plan_options, with_plan
-
-    given = {name: value for name, value in options.items() if name != "plan"}
-    return with_plan(plan_options(options["plan"], method), given, options["plan"])
+    return with_calibration(calibration_options(path, method), given, path)
 
 
 def build_settings(cfg):
@@ -151,8 +151,8 @@ def build_settings(cfg):
             label = method if not names else (
                 method + "[" + ",".join(f"{n}={format_option_value(v)}" for n, v in zip(names, combo)) + "]")
             try:
-                fastdit.methods.get_method(method).make_config(None, **_options_with_plan(method, options))
-            except (TypeError, ValueError) as error:  # PlanError is a ValueError
+                fastdit.methods.get_method(method).make_config(None, **options_with_calibration(method, options))
+            except (TypeError, ValueError) as error:  # CalibrationError is a ValueError
                 raise EvalError(f"setting {label}: {error}") from None
             settings.append(Setting(label, method, options))
             if cfg.cache is not None:  # the same setting under cache-dit, right after it

@@ -35,9 +35,10 @@ __all__ = ["AppError", "MAX_SEED", "OptionSpec", "PipelineCache", "RunCancelled"
            "method_choices", "option_specs", "parse_option", "parse_options", "plan_call", "pooled_mask"]
 
 
-def build_app(default_model="tiny-shapes", device=None, dtype=None, max_tokens=None, concurrency=1, plan=None):
-    """The Gradio app (``fastdit.app.ui.build_app``; imports gradio)."""
+def build_app(default_model="tiny-shapes", device=None, dtype=None, max_tokens=None, concurrency=1, calibration=None,
+              plan=None):
+    """The Gradio app (``fastdit.app.ui.build_app``; imports gradio). ``plan``: ``calibration``'s earlier name."""
     from .ui import build_app as build
 
     return build(default_model, device=device, dtype=dtype, max_tokens=max_tokens, concurrency=concurrency,
-                 plan=plan)
+                 calibration=calibration, plan=plan)

@@ -24,31 +24,32 @@ def _add_arguments(parser):
     parser.add_argument("--max-tokens", type=positive_int, default=None,
                         help=f"largest latent token count a run may take (default CPU {MAX_TOKENS['cpu']}, "
                              f"GPU {MAX_TOKENS['cuda']})")
-    parser.add_argument("--plan", default=None, metavar="PATH",
-                        help="a plan file (fastdit calibrate) preset in the page's plan input, for its method")
+    parser.add_argument("--calibration", "--plan", dest="calibration", default=None, metavar="PATH",
+                        help="a calibration file (fastdit calibrate) preset in the page's calibration input, for its "
+                             "method (--plan: the same, its earlier name)")
     parser.add_argument("--concurrency", type=positive_int, default=1,
                         help="comparisons that may run at once (runs on one model always take turns; default 1)")
 
 
-def check_plan_argument(path):
-    """``--plan PATH`` read and checked before the page starts; SystemExit with the reason otherwise."""
+def check_calibration_argument(path):
+    """``--calibration PATH`` read and checked before the page starts; SystemExit with the reason otherwise."""
     if path is None:
         return None
-    from fastdit.calibration.plan_file import PlanError, load_plan
+    from fastdit.calibration.calibration_file import CalibrationError, load_calibration
 
     try:
-        load_plan(path)
-    except PlanError as error:
-        raise SystemExit(f"fastdit app: argument --plan: {error}") from None
+        load_calibration(path)
+    except CalibrationError as error:
+        raise SystemExit(f"fastdit app: argument --calibration: {error}") from None
     return path
 
 
 def cmd_app(args):
     from .ui import build_app
 
-    plan = check_plan_argument(getattr(args, "plan", None))
+    calibration = check_calibration_argument(getattr(args, "calibration", None))
     demo = build_app(args.model, device=args.device, dtype=args.dtype, max_tokens=args.max_tokens,
-                     concurrency=getattr(args, "concurrency", 1), plan=plan)
+                     concurrency=getattr(args, "concurrency", 1), calibration=calibration)
     demo.queue(default_concurrency_limit=1)
     demo.launch(server_name=args.host, server_port=args.port, share=args.share)
     return 0

@@ -83,22 +83,22 @@ def fallback_text(fallbacks):
 
 
 @contextlib.contextmanager
-def patched(pipe, method, options, record_masks=False, plan=None):
+def patched(pipe, method, options, record_masks=False, calibration=None):
     """``fastdit.patch`` for the length of a ``with`` block, removed whatever happens in it. Bad
-    options or a plan file that does not fit (checked against the model at patch time) raise
+    options or a calibration file that does not fit (checked against the model at patch time) raise
     ``AppError`` with nothing installed."""
     import fastdit
-    from fastdit.calibration.plan_file import PlanError
+    from fastdit.calibration.calibration_file import CalibrationError
 
     try:
-        patch = fastdit.patch(pipe, method, record_masks=record_masks, plan=plan, **options)
-    except PlanError as error:
+        patch = fastdit.patch(pipe, method, record_masks=record_masks, calibration=calibration, **options)
+    except CalibrationError as error:
         raise AppError(str(error)) from None
     except (ValueError, TypeError) as error:
         raise AppError(f"{method} options: {error}") from None
     try:
         yield patch
-    except PlanError as error:  # the first call on a grid the plan was not calibrated for
+    except CalibrationError as error:  # the first call on a grid the calibration was not made for
         raise AppError(str(error)) from None
     finally:
         patch.remove()
@@ -107,9 +107,9 @@ def patched(pipe, method, options, record_masks=False, plan=None):
 @dataclass
 class RunRequest:
     """One comparison. ``options``: method option values, typed or as the app's text boxes give
-    them (``"1,1,1"``); blank ones keep the config dataclass's default. ``plan``: a plan file
-    (``fastdit calibrate``) for the method; its options then replace ``options`` and the tiny
-    models' presets."""
+    them (``"1,1,1"``); blank ones keep the config dataclass's default. ``calibration``: a
+    calibration file (``fastdit calibrate``) for the method; its options then replace ``options``
+    and the tiny models' presets (``plan``: its earlier name, an alias)."""
 
     model: str = "tiny-wan"
     prompt: str = DEFAULT_PROMPT
@@ -126,7 +126,16 @@ class RunRequest:
     mask_head: int = 0
     reuse_dense: bool = False
     image: object = None
-    plan: str | None = None
+    calibration: str | None = None
+    plan: str | None = None  # the earlier name of ``calibration``
+
+    def __post_init__(self):
+        from fastdit.calibration.calibration_file import CalibrationError, calibration_argument
+
+        try:
+            self.calibration, self.plan = calibration_argument(self.calibration, self.plan), None
+        except CalibrationError as error:
+            raise AppError(str(error)) from None
 
 
 @dataclass
@@ -149,21 +158,21 @@ class RunResult:
 def model_presets(model, grid=None):
     """``{method: options}`` a built-in model runs a method with unless the user sets them: the
     presets calibrated for a trained model and shipped with its weights (an option dict, or
-    ``{"plan": path}`` where the plan fits the run's latent ``grid``), the random-weight tiny
+    ``{"calibration": path}`` where the calibration fits the run's latent ``grid``), the random-weight tiny
     models' own presets otherwise."""
     from fastdit.eval.runner.settings import method_presets
 
     return method_presets(model, grid)[0]
 
 
-def _plan_path(plan):
-    """The plan file of a request: a path, or what Gradio's file input gives (a path or a dict with
-    ``path``); None when no plan is given."""
-    if isinstance(plan, dict):
-        plan = plan.get("path") or plan.get("name")
-    if plan is None or (isinstance(plan, str) and not plan.strip()):
+def _calibration_path(calibration):
+    """The calibration file of a request: a path, or what Gradio's file input gives (a path or a
+    dict with ``path``); None when none is given."""
+    if isinstance(calibration, dict):
+        calibration = calibration.get("path") or calibration.get("name")
+    if calibration is None or (isinstance(calibration, str) and not calibration.strip()):
         return None
-    return os.fspath(plan)
+    return os.fspath(calibration)
 
 
 def _plain(value):
@@ -234,12 +243,13 @@ class Runner:
         if not (request.prompt or "").strip():
             raise AppError("Write a prompt.")
         seed = check_seed(request.seed)
-        if _plan_path(request.plan) is not None:  # the plan's options replace the option boxes
-            from fastdit.calibration.plan_file import PlanError, plan_options
+        if _calibration_path(request.calibration) is not None:  # its options replace the option boxes
+            from fastdit.calibration.calibration_file import CalibrationError, calibration_options
 
             try:
-                return seed, plan_options(_plan_path(request.plan), request.method)  # file and method only
-            except PlanError as error:
+                return seed, calibration_options(_calibration_path(request.calibration),  # file, method only
+                                                 request.method)
+            except CalibrationError as error:
                 raise AppError(str(error)) from None
         options = parse_options(request.method, dict(request.options or {}))
         try:
@@ -300,23 +310,26 @@ class Runner:
 
         pipe, method = entry.pipe, request.method
         call, notes, tokens = self._call_for(entry, request)
-        plan = _plan_path(request.plan)
-        if plan is not None:  # checked against this model before the dense run; patch(plan=...) applies it
-            from fastdit.calibration.plan_file import PlanError, plan_options_for
+        calibration = _calibration_path(request.calibration)
+        if calibration is not None:  # checked against this model before the dense run; patch applies it
+            from fastdit.calibration.calibration_file import CalibrationError, calibration_options_for
 
             try:
-                plan_options_for(plan, pipe, method)
-            except PlanError as error:
+                calibration_options_for(calibration, pipe, method)
+            except CalibrationError as error:
                 raise AppError(str(error)) from None
             options = {}
-            notes.append(f"plan {os.path.basename(plan)} applied: its settings replace the {method} option boxes")
+            notes.append(f"calibration {os.path.basename(calibration)} applied: its settings replace the {method} "
+                         "option boxes")
         elif builtin_model(request.model):
+            from fastdit.calibration.calibration_file import split_calibration
             from fastdit.pipelines.loading import latent_grid
 
             preset = dict(model_presets(request.model, latent_grid(pipe, call)).get(method, {}))
-            if "plan" in preset:  # a calibrated plan shipped with the trained model: patch(plan=...) applies it
-                plan = preset.pop("plan")
-                notes.append(f"{method}: the plan calibrated for {request.model} ({os.path.basename(plan)}) applied")
+            calibration, preset = split_calibration(preset)  # one shipped with the trained model
+            if calibration is not None:
+                notes.append(f"{method}: the calibration made for {request.model} ({os.path.basename(calibration)}) "
+                             "applied")
             options = {**preset, **{k: v for k, v in options.items() if v is not None}}
         n_steps = int(call.get("num_inference_steps", request.steps))
         size = f"{call.get('num_frames', 1)}x{call.get('height', '?')}x{call.get('width', '?')}"
@@ -339,7 +352,7 @@ class Runner:
             timed["callback_on_step_end"] = on_step
         if cancel.is_set():
             raise RunCancelled()
-        self._warm_up(entry, request.prompt, seed, call, method, options, size, n_steps, progress, plan)
+        self._warm_up(entry, request.prompt, seed, call, method, options, size, n_steps, progress, calibration)
         if dense is None:
             state["phase"] = "dense"
             progress(0.0, desc="dense")
@@ -353,7 +366,7 @@ class Runner:
             notes.append("dense run reused from an earlier run with the same inputs")
         state["phase"], state["offset"] = method, n_steps * (phases - 1)
         mask_path, mask_caption = None, ""
-        with patched(pipe, method, options, record_masks=True, plan=plan) as patch:
+        with patched(pipe, method, options, record_masks=True, calibration=calibration) as patch:
             result = generate(pipe, request.prompt, seed, timed)  # the pipeline is patched: the method runs
             stats = patch.stats.as_dict()
             config = {k: _plain(v) for k, v in dataclasses.asdict(patch.config).items()}
@@ -369,7 +382,7 @@ class Runner:
                     notes=notes, size=size, steps=n_steps, tokens=tokens, out_dir=out_dir, mask=mask_path,
                     mask_caption=mask_caption, device=str(pipe.device), reused=phases == 1)
 
-    def _warm_up(self, entry, prompt, seed, call, method, options, size, n_steps, progress, plan=None):
+    def _warm_up(self, entry, prompt, seed, call, method, options, size, n_steps, progress, calibration=None):
         """First-call costs (allocation; Triton compilation on CUDA) stay out of the timings."""
         from fastdit.compare import generate, warm_up_options
 
@@ -378,10 +391,11 @@ class Runner:
             progress(0.0, desc="warm-up (1 step, not timed)")
             generate(entry.pipe, prompt, seed, warm)
             entry.warm.add((size, n_steps))
-        key = (size, n_steps, method, repr(sorted(options.items())), plan)
+        key = (size, n_steps, method, repr(sorted(options.items())), calibration)
         if str(entry.pipe.device).startswith("cuda") and key not in entry.warm:
             progress(0.0, desc=f"{method} warm-up (1 step, not timed)")
-            with patched(entry.pipe, method, options if plan is not None else warm_up_options(options), plan=plan):
+            with patched(entry.pipe, method, options if calibration is not None else warm_up_options(options),
+                         calibration=calibration):
                 generate(entry.pipe, prompt, seed, warm)
             entry.warm.add(key)
 
@@ -392,7 +406,7 @@ class Runner:
 
         dense, result, stats, notes = run["dense"], run["result"], run["stats"], run["notes"]
         method = run["request"].method
-        plan_path = _plan_path(run["request"].plan)
+        calibration_path = _calibration_path(run["request"].calibration)
         dense_path = write_video(os.path.join(run["out_dir"], "dense.mp4"), dense.frames, fps=FPS)
         method_path = write_video(os.path.join(run["out_dir"], f"{method}.mp4"), result.frames, fps=FPS)
         psnr_db, ssim_value = fidelity(result.frames, dense.frames)
@@ -415,7 +429,7 @@ class Runner:
                 notes.append(warning)
         metrics = {
             "model": run["request"].model, "method": method, "options": run["config"],
-            "plan": None if plan_path is None else os.path.basename(plan_path),
+            "calibration": None if calibration_path is None else os.path.basename(calibration_path),
             "options_text": options_text(run["config"]), "size": run["size"], "steps": run["steps"],
             "tokens": run["tokens"], "seed": run["seed"],
             "dense_latency_s": dense.latency_s, "method_latency_s": result.latency_s,

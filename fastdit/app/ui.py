@@ -14,6 +14,7 @@ import gradio as gr
 from .errors import AppError, RunCancelled
 from .method_options import DEFAULT_CHOICE, method_choices, option_specs
 from .models import KNOWN_MODELS, TINY_MODELS, free_cuda, is_oom, size_defaults
+from fastdit.calibration.calibration_file import calibration_argument, load_calibration, split_calibration
 from fastdit.pipelines.shapes_data import DEMO_CAPTION
 
 from .service import DEFAULT_NEGATIVE, DEFAULT_PROMPT, MAX_SEED, RunRequest, Runner, default_prompt
@@ -25,19 +26,19 @@ log = logging.getLogger("fastdit.app")
 
 #: The API parameters of ``/compare`` before the method options (``sta_window``, ``radial_decay``, ...).
 FIXED_INPUTS = ["model", "prompt", "negative_prompt", "seed", "steps", "guidance", "frames", "height", "width",
-                "method", "mask_layer", "mask_head", "reuse_dense", "image", "history", "plan"]
+                "method", "mask_layer", "mask_head", "reuse_dense", "image", "history", "calibration"]
 
 
 def _shown_presets(model):
-    """The option presets of ``model`` the option boxes can show (a preset that is a calibrated plan
-    is applied by the service and shows no box values)."""
+    """The option presets of ``model`` the option boxes can show (a preset that is a calibration
+    file is applied by the service and shows no box values)."""
     from .service import model_presets
 
     try:
         presets = model_presets(model) if (model or "").startswith("tiny-") else {}
     except ValueError:  # an unknown tiny name or a broken preset file: the run itself reports it
         presets = {}
-    return {method: values for method, values in presets.items() if "plan" not in values}
+    return {method: values for method, values in presets.items() if split_calibration(values)[0] is None}
 
 
 def option_widget(spec, value):
@@ -102,10 +103,12 @@ class _App(gr.Blocks):
 DEFAULT_MODEL = "tiny-shapes"
 
 
-def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=None, concurrency=1, plan=None):
+def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=None, concurrency=1, calibration=None,
+              plan=None):
     """The Gradio app (a ``gr.Blocks``; ``.launch()`` it; its ``runner`` is the service).
 
-    ``plan``: a plan file (``fastdit calibrate``) preset in the plan input (``--plan PATH``).
+    ``calibration``: a calibration file (``fastdit calibrate``) preset in the calibration input
+    (``--calibration PATH``); ``plan``: its earlier name, an alias.
 
     ``device``/``dtype``: default CUDA + bf16 when available, else CPU + fp32. ``max_tokens``: the
     largest latent token count a run may take. ``concurrency``: comparisons that may run at once
@@ -114,11 +117,10 @@ def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=N
     runner = Runner(device, dtype, max_tokens)
     methods = method_choices()
     default_method = "sta" if "sta" in methods else methods[0]
-    if plan is not None:  # the plan's method is selected when the page opens
-        from fastdit.calibration.plan_file import load_plan
-
-        planned = load_plan(plan)["method"]
-        default_method = planned if planned in methods else default_method
+    calibration = calibration_argument(calibration, plan)
+    if calibration is not None:  # the calibration's method is selected when the page opens
+        calibrated = load_calibration(calibration)["method"]
+        default_method = calibrated if calibrated in methods else default_method
     sizes = size_defaults(default_model) or {}
     presets = _shown_presets(default_model)
     option_widgets = []  # (OptionSpec, component)
@@ -166,11 +168,11 @@ def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=N
                 with gr.Accordion("Advanced", open=False, elem_id="fd-advanced"):
                     for name in methods:  # expert options (OptionSpec.advanced, from the config's metadata)
                         option_group(name, [spec for spec in option_specs(name) if spec.advanced])
-                    plan_file = gr.File(value=plan, label="plan file (fastdit calibrate)", file_types=[".json"],
-                                        type="filepath", elem_id="fd-plan")
-                    gr.Markdown("A plan file sets the method's settings per step bucket, layer and head (its "
+                    calibration_file = gr.File(value=calibration, label="calibration file (fastdit calibrate)",
+                                               file_types=[".json"], type="filepath", elem_id="fd-calibration")
+                    gr.Markdown("A calibration file sets the method's settings per step bucket, layer and head (its "
                                 "method must be the one chosen above); its options replace the boxes.",
-                                elem_classes=["fd-plan-help"])
+                                elem_classes=["fd-calibration-help"])
                     negative = gr.Textbox(value=DEFAULT_NEGATIVE, label="negative prompt", lines=1)
                     with gr.Row():
                         mask_layer = gr.Number(value=-1, label="mask: layer", precision=0,
@@ -246,7 +248,7 @@ def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=N
                 seed=fixed["seed"], steps=fixed["steps"], guidance=fixed["guidance"], frames=fixed["frames"],
                 height=fixed["height"], width=fixed["width"], method=fixed["method"], options=options,
                 mask_layer=fixed["mask_layer"], mask_head=fixed["mask_head"], reuse_dense=bool(fixed["reuse_dense"]),
-                image=fixed["image"], plan=fixed["plan"])
+                image=fixed["image"], calibration=fixed["calibration"])
             with runner.run_scope(getattr(request, "session_hash", None) or "default") as cancel:
                 out = _compare(runner, run_request, progress, cancel)
             past = list(fixed["history"] or [])
@@ -266,7 +268,7 @@ def build_app(default_model=DEFAULT_MODEL, device=None, dtype=None, max_tokens=N
         run.__annotations__ = {"request": gr.Request}
 
         inputs = [model, prompt, negative, seed, steps, guidance, frames, height, width, method, mask_layer, mask_head,
-                  reuse_dense, image, history, plan_file] + [c for _, c in option_widgets]
+                  reuse_dense, image, history, calibration_file] + [c for _, c in option_widgets]
         outputs = [dense_video, method_video, metrics_box, mask_image, mask_caption, notes, table, scatter, details,
                    sheet_image, history]
         run_event = run_btn.click(run, inputs, outputs, api_name="compare", concurrency_limit=concurrency,

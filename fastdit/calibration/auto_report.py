@@ -8,8 +8,8 @@
 * ``compare_single(results, candidates, budget)``: auto's choice against every single method with
   its own per-head choice (its candidates only, dense where none meets the budget), all at the
   same budget: predicted time, worst error, heads per method;
-* ``summary(plan)`` (text lines: heads per method, predicted speedup on the plan's GPU, measured
-  error) and ``heatmap(plan, path)`` (a PNG: the chosen method per (layer, head), one panel per
+* ``summary(calibration)`` (text lines: heads per method, predicted speedup on the calibration's GPU, measured
+  error) and ``heatmap(calibration, path)`` (a PNG: the chosen method per (layer, head), one panel per
   step bucket): what ``fastdit calibrate --method auto`` prints and draws.
 """
 from __future__ import annotations
@@ -62,40 +62,41 @@ def compare_single(results, candidates, budget):
     return rows
 
 
-def _grid(plan):
+def _grid(calibration):
     """Per step bucket, a (layers x heads) list of method names."""
-    layers, heads = plan["model"]["layers"], plan["model"]["heads"]
+    layers, heads = calibration["model"]["layers"], calibration["model"]["heads"]
     out = {}
-    for key, index in plan["choices"].items():
+    for key, index in calibration["choices"].items():
         step, layer, head = map(int, key.split("_"))
         step_table = out.setdefault(step, [["dense"] * heads for _ in range(layers)])
-        step_table[layer][head] = method_of(plan["candidates"], index)
+        step_table[layer][head] = method_of(calibration["candidates"], index)
     return out
 
 
-def summary(plan):
+def summary(calibration):
     """Text lines: heads per method (over buckets, layers, heads), the predicted speedup of the
-    calibrated attention calls on the plan's GPU, and the measured worst error and mean density."""
+    calibrated attention calls on the calibration's GPU, and the measured worst error and mean density."""
     counts = {}
-    for index in plan["choices"].values():
-        name = method_of(plan["candidates"], index)
+    for index in calibration["choices"].values():
+        name = method_of(calibration["candidates"], index)
         counts[name] = counts.get(name, 0) + 1
-    measured = plan["measured"]
-    lines = [f"auto plan: {len(plan['choices'])} (step bucket, layer, head) choices at budget {plan['budget']}: "
+    measured = calibration["measured"]
+    lines = [f"auto calibration: {len(calibration['choices'])} (step bucket, layer, head) choices at budget "
+             f"{calibration['budget']}: "
              + ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))]
     if "predicted_speedup" in measured:
-        lines.append(f"predicted attention time on {plan.get('gpu')}: {measured['predicted_ms']:.4g} ms vs dense "
-                     f"{measured['dense_ms']:.4g} ms over the calibrated calls (speedup "
+        lines.append(f"predicted attention time on {calibration.get('gpu')}: {measured['predicted_ms']:.4g} ms vs "
+                     f"dense {measured['dense_ms']:.4g} ms over the calibrated calls (speedup "
                      f"{measured['predicted_speedup']:.2f}x, fastdit.costmodel)")
-    lines.append(f"measured worst relative error {measured['error']:.4f} (budget {plan['budget']}), mean density "
-                 f"{measured['density']:.3f} (dense heads count 1)")
-    for step, grid in sorted(_grid(plan).items()):
+    lines.append(f"measured worst relative error {measured['error']:.4f} (budget {calibration['budget']}), mean "
+                 f"density {measured['density']:.3f} (dense heads count 1)")
+    for step, grid in sorted(_grid(calibration).items()):
         lines.append(f"step bucket {step}: layer: methods per head")
         lines += [f"  {layer}: {' '.join(row)}" for layer, row in enumerate(grid)]
     return lines
 
 
-def heatmap(plan, path):
+def heatmap(calibration, path):
     """Draw the chosen method per (layer, head) as a PNG at ``path`` (one panel per step bucket)."""
     import matplotlib
 
@@ -103,11 +104,11 @@ def heatmap(plan, path):
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    grids = _grid(plan)
+    grids = _grid(calibration)
     names = sorted({n for grid in grids.values() for row in grid for n in row} | {"dense"})
     colors = plt.get_cmap("tab10").colors
     cmap = ListedColormap([colors[i % len(colors)] for i in range(len(names))])
-    layers, heads = plan["model"]["layers"], plan["model"]["heads"]
+    layers, heads = calibration["model"]["layers"], calibration["model"]["heads"]
     fig, axes = plt.subplots(1, len(grids), figsize=(max(4.5, 2.5 + 0.35 * heads * len(grids)),
                                                      max(2.5, 1.4 + 0.3 * layers)), squeeze=False)
     for axis, (step, grid) in zip(axes[0], sorted(grids.items())):
@@ -121,10 +122,10 @@ def heatmap(plan, path):
         axis.tick_params(labelsize=6)
     handles = [matplotlib.patches.Patch(color=cmap(i), label=n) for i, n in enumerate(names)]
     fig.legend(handles=handles, loc="center right", fontsize=7)
-    measured = plan["measured"]
+    measured = calibration["measured"]
     speed = measured.get("predicted_speedup")
-    predicted = f"predicted {speed:.2f}x on {plan.get('gpu')}\n" if speed else ""
-    fig.suptitle(f"auto at budget {plan['budget']}: " + predicted + f"worst error {measured['error']:.3f}",
+    predicted = f"predicted {speed:.2f}x on {calibration.get('gpu')}\n" if speed else ""
+    fig.suptitle(f"auto at budget {calibration['budget']}: " + predicted + f"worst error {measured['error']:.3f}",
                  fontsize=8, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 0.75, 0.88))
     fig.savefig(path, dpi=80)

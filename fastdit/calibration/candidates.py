@@ -6,7 +6,7 @@ axis' tile count and 0, the whole axis), ``cdf`` / ``topk`` for ``sparge``, ``de
 ``svg``, ``top_p`` for ``svg2``, ratios / factors for the token methods, windows for ``window``),
 or the one registered for it with ``register_candidates``; only options its config has.
 
-``select_plan`` turns the measured errors into choices: per (step bucket, layer, head) for ``sta``
+``select_settings`` turns the measured errors into choices: per (step bucket, layer, head) for ``sta``
 (the least dense candidate whose worst relative error over the prompts is within the budget;
 none - dense - when no candidate is), per (step bucket, layer) for the other methods (their options
 hold for all heads of a call; applied through the ``layer_settings`` option every method has).
@@ -20,7 +20,7 @@ import torch
 from fastdit.methods.base import get_method, methods_with
 
 __all__ = ["auto_candidates", "auto_methods", "candidates_for", "has_candidates", "register_candidates",
-           "select_auto", "select_plan", "sta_candidates"]
+           "select_auto", "select_settings", "sta_candidates"]
 
 #: Candidates registered with ``register_candidates`` (they replace the method's own grid).
 _REGISTERED = {}
@@ -79,8 +79,8 @@ def auto_candidates(layout=None, options=None, methods=None):
 
     A base option the user set wins over the candidates' values of it (``todo.factor=1``: ToDo is
     scored at factor 1 only; the candidates that differed only in it collapse into one), so that
-    the plan holds what was asked for. ``dense_steps`` / ``dense_layers`` are refused per method:
-    a candidate runs where the plan's choices put it (set them on ``auto`` when patching)."""
+    the calibration holds what was asked for. ``dense_steps`` / ``dense_layers`` are refused per method:
+    a candidate runs where the calibration's choices put it (set them on ``auto`` when patching)."""
     choosable = auto_methods()
     methods = choosable if methods is None else methods
     options = dict(options or {})
@@ -91,9 +91,9 @@ def auto_candidates(layout=None, options=None, methods=None):
     for name, values in options.items():
         ignored = sorted({"dense_steps", "dense_layers"} & set(values or {}))
         if ignored:
-            raise ValueError(f"auto: {name}.{ignored[0]}: a candidate runs on the steps and layers the plan chooses "
-                             f"it for; set {ignored[0]} on auto when patching (e.g. --set auto.{ignored[0]}=1 in "
-                             f"fastdit compare)")
+            raise ValueError(f"auto: {name}.{ignored[0]}: a candidate runs on the steps and layers the calibration "
+                             f"chooses it for; set {ignored[0]} on auto when patching (e.g. --set "
+                             f"auto.{ignored[0]}=1 in fastdit compare)")
     out = []
     for name in methods:
         base = dict(options.get(name, {}))
@@ -123,7 +123,7 @@ def _errors(prompt_results, key):
     return errors, density
 
 
-def select_plan(prompt_results, candidates, budget, per_head=True):
+def select_settings(prompt_results, candidates, budget, per_head=True):
     """Choose per (bucket, layer, head) (``per_head``, sta's windows) or per (bucket, layer) (the
     other methods, whose options hold for every head of a call): the least dense candidate whose
     worst relative error over the prompts (and, per layer, over the heads) is within ``budget``;
@@ -163,7 +163,7 @@ def select_auto(prompt_results, candidates, budget, allowed=None):
     ``allowed``, default all) whose worst relative error over the prompts is within ``budget``, the
     one of least predicted time (mean over the prompts of the per-head times the probe recorded);
     None (dense) when none is, or when dense is predicted as fast. Ties go to the smaller error.
-    Returns ``(choice, measured)`` as ``select_plan``, ``measured`` with ``head_time`` and
+    Returns ``(choice, measured)`` as ``select_settings``, ``measured`` with ``head_time`` and
     ``dense_time`` per head (ms) besides the chosen error and density."""
     keys = sorted({k for result in prompt_results for k in result}, key=lambda k: tuple(map(int, k.split("_"))))
     usable = [c for c, candidate in enumerate(candidates) if allowed is None or candidate["method"] in allowed]

@@ -14,8 +14,8 @@ handed to each call as ``ctx.params``. Their initial values are the method's tra
   block size), every layer's parameter shapes and the latent grids they were trained on.
 * ``load_method_params(patch, source)`` (also ``fastdit.patch(..., method_params=source)``): the
   file (or its folder, or ``(record, state)``) checked against the patch before anything is
-  copied: a method, model class, option key, layer set or shape that differs raises ``PlanError``
-  naming both sides; the grids are checked at the first call on each new latent grid (PlanError
+  copied: a method, model class, option key, layer set or shape that differs raises ``CalibrationError``
+  naming both sides; the grids are checked at the first call on each new latent grid (CalibrationError
   naming the trained grids and the call's), as a calibrated plan's are.
 """
 from __future__ import annotations
@@ -72,18 +72,18 @@ def save_method_params(patch, folder, grids=None):
 
 def read_method_params(source):
     """``(record, state, where)`` of a saved file, its folder, or a ``(record, state)`` pair."""
-    from fastdit.calibration.plan_file import PlanError
+    from fastdit.calibration.calibration_file import CalibrationError
 
     if isinstance(source, (tuple, list)) and len(source) == 2 and isinstance(source[0], dict):
         return source[0], source[1], "(given record)"
     if not isinstance(source, (str, os.PathLike)):
-        raise PlanError(f"method_params must be a {FILE} path, its folder or a (record, state) pair, got "
+        raise CalibrationError(f"method_params must be a {FILE} path, its folder or a (record, state) pair, got "
                         f"{type(source).__name__}")
     path = Path(source)
     if path.is_dir():
         path = path / FILE
     if not path.is_file():
-        raise PlanError(f"method_params: {path} is not a file (fastdit.train writes {FILE} beside the LoRA)")
+        raise CalibrationError(f"method_params: {path} is not a file (fastdit.train writes {FILE} beside the LoRA)")
     from safetensors import safe_open
 
     try:
@@ -91,37 +91,38 @@ def read_method_params(source):
             record = json.loads((handle.metadata() or {}).get("fastdit", "null"))
             state = {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as error:  # noqa: BLE001 - surfaced with the file's name
-        raise PlanError(f"method_params: cannot read {path}: {error}") from error
+        raise CalibrationError(f"method_params: cannot read {path}: {error}") from error
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise PlanError(f"method_params: {path} is not a fastdit method-parameter file (no {FORMAT!r} record)")
+        raise CalibrationError(f"method_params: {path} is not a fastdit method-parameter file (no {FORMAT!r} record)")
     return record, state, str(path)
 
 
 def check_method_params(patch, record, state, where=""):
-    """PlanError naming both sides when ``record`` / ``state`` do not fit ``patch`` (module docstring)."""
-    from fastdit.calibration.plan_file import PlanError
+    """CalibrationError naming both sides when ``record`` / ``state`` do not fit ``patch`` (module docstring)."""
+    from fastdit.calibration.calibration_file import CalibrationError
 
     mine = method_record(patch, grids=())
     if record.get("version") != VERSION:
-        raise PlanError(f"method parameters {where}: version {record.get('version')!r}, this fastdit reads {VERSION}")
+        raise CalibrationError(f"method parameters {where}: version {record.get('version')!r}, this fastdit reads "
+                               f"{VERSION}")
     for field, what in (("method", "method"), ("model", "model class"), ("key", "options")):
         if record.get(field) != mine[field]:
-            raise PlanError(f"method parameters {where} were trained for {what} {record.get(field)!r}; this patch is "
-                            f"{what} {mine[field]!r}")
+            raise CalibrationError(f"method parameters {where} were trained for {what} {record.get(field)!r}; this "
+                                   f"patch is {what} {mine[field]!r}")
     if not mine["layers"]:
-        raise PlanError(f"method parameters {where}: method {patch.method!r} adds no parameters of its own")
+        raise CalibrationError(f"method parameters {where}: method {patch.method!r} adds no parameters of its own")
     if set(record.get("layers", {})) != set(mine["layers"]):
         theirs, ours = sorted(record.get("layers", {})), sorted(mine["layers"])
-        raise PlanError(f"method parameters {where} name {len(theirs)} layers ({', '.join(theirs[:3])}, ...); this "
-                        f"model's patch has {len(ours)} ({', '.join(ours[:3])}, ...)")
+        raise CalibrationError(f"method parameters {where} name {len(theirs)} layers ({', '.join(theirs[:3])}, ...); "
+                               f"this model's patch has {len(ours)} ({', '.join(ours[:3])}, ...)")
     for layer, shapes in mine["layers"].items():
         saved = record["layers"][layer]
         if saved != shapes:
-            raise PlanError(f"method parameters {where}: layer {layer} has shapes {saved} there, {shapes} in this "
-                            "model (another head count or head size)")
+            raise CalibrationError(f"method parameters {where}: layer {layer} has shapes {saved} there, {shapes} in "
+                                   "this model (another head count or head size)")
         missing = [k for k in shapes if f"{layer}{_SEP}{k}" not in state]
         if missing:
-            raise PlanError(f"method parameters {where}: layer {layer} lacks tensor(s) {missing}")
+            raise CalibrationError(f"method parameters {where}: layer {layer} lacks tensor(s) {missing}")
 
 
 def load_method_params(patch, source):

@@ -24,7 +24,7 @@ batch and CFG branches of a prompt, and its worst value over the prompts counts.
 call) whose error is within ``budget``; ``dense`` is always a candidate (error 0), so a head that
 cannot meet the budget stays dense. The other methods' options hold for every head of a call, so
 they are chosen per (bucket, layer): the least dense candidate (mean over heads) whose error is
-within ``budget`` in every head, else dense (a null setting); the plan's ``settings`` become the
+within ``budget`` in every head, else dense (a null setting); the calibration's ``settings`` become the
 method's ``layer_settings`` option when applied.
 
 Progress bars per prompt and per layer; finished prompts are kept in ``OUT.partial.json`` so an
@@ -45,11 +45,11 @@ import torch
 from fastdit.methods.base import Method, MethodConfig, get_method, option
 from fastdit.methods.sta import SlidingTile
 from fastdit.calibration.candidates import (auto_candidates, candidates_for, has_candidates, register_candidates,
-                                            select_auto, select_plan, sta_candidates)
-from fastdit.calibration.plan_file import PLAN_FORMAT, PLAN_VERSION, model_facts, write_plan
+                                            select_auto, select_settings, sta_candidates)
+from fastdit.calibration.calibration_file import CALIBRATION_FORMAT, CALIBRATION_VERSION, model_facts, write_calibration
 from fastdit.costmodel import DEFAULT_GPU, gpu_named, head_times
 
-__all__ = ["calibrate", "candidates_for", "register_candidates", "select_plan"]
+__all__ = ["calibrate", "candidates_for", "register_candidates", "select_settings"]
 
 DEFAULT_ROWS = 256
 
@@ -326,9 +326,9 @@ def _bar(total, desc, enabled, position=0, leave=True):
     return tqdm(total=total, desc=desc, position=position, leave=leave, dynamic_ncols=True)
 
 
-def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out="plan.json", call_kwargs=None,
-              options=None, rows=DEFAULT_ROWS, seed=0, progress=True, gpu=None):
-    """Calibrate ``method`` on ``pipe`` against an error budget and write the plan to ``out``.
+def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out="calibration.json",
+              call_kwargs=None, options=None, rows=DEFAULT_ROWS, seed=0, progress=True, gpu=None):
+    """Calibrate ``method`` on ``pipe`` against an error budget and write the calibration file ``out``.
 
     Args:
         pipe: a diffusers DiT pipeline (fastdit must support its family).
@@ -341,7 +341,7 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
             steps) or a list of first steps of the buckets.
         candidates: option dicts to try (``sta``: window triples also), or None for the method's
             defaults (``candidates_for``); dense is always a candidate.
-        out: the plan file (JSON); ``OUT.partial.json`` keeps finished prompts for a resume.
+        out: the calibration file (JSON); ``OUT.partial.json`` keeps finished prompts for a resume.
         call_kwargs: extra pipeline call arguments (sizes, steps, guidance); options: base method
             options (e.g. the tile; for ``auto`` per method, ``{"sta": {"tile": ...}, ...}``); rows:
             sampled query rows per call; seed: the generation seed.
@@ -351,10 +351,10 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
     ``method="auto"`` scores the candidates of every method (``auto_candidates``: sta windows,
     radial, sparge, svg, svg2, ToDo, ToMe) on the same calls and chooses per (step bucket, layer,
     head) the one of least predicted time on ``gpu`` within the budget (``select_auto``), dense
-    where none is or dense is predicted as fast; ``fastdit.patch(pipe, "auto", plan=out)`` runs it.
+    where none is or dense is predicted as fast; ``fastdit.patch(pipe, "auto", calibration=out)`` runs it.
 
     Returns:
-        the plan (a dict, as written to ``out``).
+        the calibration (a dict, as written to ``out``).
     """
     from fastdit.apply import patch
 
@@ -422,51 +422,52 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
             prompt_bar.update(1)
     if prompt_bar is not None:
         prompt_bar.close()
-    plan = _build_plan(name, base_options, state, [finished[p] for p in prompts], budget, prompts,
+    calibration = _build_calibration(name, base_options, state, [finished[p] for p in prompts], budget, prompts,
                        (family, transformer, layers, heads), steps, gpu)
-    write_plan(plan, out)
+    write_calibration(calibration, out)
     if os.path.exists(partial_path):
         os.remove(partial_path)
-    return plan
+    return calibration
 
 
-def _build_plan(name, base_options, state, results, budget, prompts, facts, steps, gpu=None):
+def _build_calibration(name, base_options, state, results, budget, prompts, facts, steps, gpu=None):
     family, transformer, layers, heads = facts
     candidates = state["candidates"]
     if name == "auto":
         choice, measured = select_auto(results, candidates, budget)
     else:
-        choice, measured = select_plan(results, candidates, budget, per_head=(name == "sta"))
+        choice, measured = select_settings(results, candidates, budget, per_head=(name == "sta"))
     keys = sorted(measured, key=lambda k: tuple(map(int, k.split("_"))))
     buckets = sorted({int(k.split("_")[0]) for k in keys})
-    plan = {
-        "format": PLAN_FORMAT, "version": PLAN_VERSION, "method": name,
+    calibration = {
+        "format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "method": name,
         "model": {"family": family, "transformer": transformer, "layers": layers, "heads": heads,
                   "grids": [list(g) for g in state["grids"]]},
         "step_buckets": buckets, "num_steps": state["num_steps"], "steps": steps,
         "budget": budget, "prompts": list(prompts),
         "candidates": [{k: list(v) if isinstance(v, tuple) else v for k, v in c.items()} for c in candidates],
     }
-    # dense_steps / dense_layers the user set (e.g. --set dense_steps=0.5) apply when the plan runs;
-    # unset, the plan runs its calibrated settings from the first step and layer
+    # dense_steps / dense_layers the user set (e.g. --set dense_steps=0.5) apply when the calibration runs;
+    # unset, the calibration runs its calibrated settings from the first step and layer
     dense = {key: base_options.get(key) or 0 for key in ("dense_steps", "dense_layers")}
     if name == "auto":
-        plan["options"] = {}
-        plan["gpu"] = gpu.name
-        plan["choices"] = {key: choice[key] for key in sorted(choice, key=lambda k: tuple(map(int, k.split("_"))))}
+        calibration["options"] = {}
+        calibration["gpu"] = gpu.name
+        calibration["choices"] = {key: choice[key]
+                                  for key in sorted(choice, key=lambda k: tuple(map(int, k.split("_"))))}
     elif name == "sta":
         options = {k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()
                    if k not in ("window", "strategy", "tile", "fit_tile")}
-        plan["options"] = {**options, "tile": state["tile"], "fit_tile": False, **dense}
-        plan["strategy"] = {key: (list(candidates[c]["window"]) if c is not None else [0, 0, 0])
+        calibration["options"] = {**options, "tile": state["tile"], "fit_tile": False, **dense}
+        calibration["strategy"] = {key: (list(candidates[c]["window"]) if c is not None else [0, 0, 0])
                             for key, c in sorted(choice.items(), key=lambda kv: tuple(map(int, kv[0].split("_"))))}
     else:  # per (bucket, layer): the sparsest candidate within budget, null (dense) where none is
-        plan["options"] = {**{k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()},
+        calibration["options"] = {**{k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()},
                            **dense}
-        plan["settings"] = {key: None if choice[key] is None else
+        calibration["settings"] = {key: None if choice[key] is None else
                             {k: list(v) if isinstance(v, tuple) else v for k, v in candidates[choice[key]].items()}
                             for key in keys}
-    plan["measured"] = {
+    calibration["measured"] = {
         "layers": [{"bucket": int(k.split("_")[0]), "layer": int(k.split("_")[1]), **measured[k]} for k in keys],
         "error": max(m["error"] for m in measured.values()),
         "density": sum(m["density"] for m in measured.values()) / len(measured),
@@ -474,5 +475,6 @@ def _build_plan(name, base_options, state, results, budget, prompts, facts, step
     if name == "auto":  # predicted attention time of the calibrated calls, auto against dense
         predicted = sum(sum(m["head_time"]) for m in measured.values())
         dense_time = sum(sum(m["dense_time"]) for m in measured.values())
-        plan["measured"].update(predicted_ms=predicted, dense_ms=dense_time, predicted_speedup=dense_time / predicted)
-    return plan
+        calibration["measured"].update(predicted_ms=predicted, dense_ms=dense_time,
+                                       predicted_speedup=dense_time / predicted)
+    return calibration

@@ -1,7 +1,7 @@
 """``fastdit calibrate``: search a method's settings per (step bucket, layer[, head]) against an error budget.
 
-    fastdit calibrate --model tiny-wan --method sta --prompts coco --max-prompts 4 --budget 0.05 --out plan.json
-    fastdit compare ... (then apply with fastdit.patch(pipe, "sta", plan="plan.json"))
+    fastdit calibrate --model tiny-wan --method sta --prompts coco --max-prompts 4 --budget 0.05 --out sta.json
+    fastdit compare ... (then apply with fastdit.patch(pipe, "sta", calibration="sta.json"))
     fastdit calibrate --model tiny-shapes --method auto --budget 0.2 --gpu H100 --out auto.json
 
 ``--method auto`` scores the candidates of every method per (step bucket, layer, head) and chooses
@@ -10,7 +10,7 @@ prints the chosen method per (layer, head), the predicted speedup and the measur
 draws them (``OUT`` with ``.png``). ``--set METHOD.OPTION=VALUE`` sets a method's base option there.
 
 Runs the pipeline densely on the prompts, measures every candidate setting on sampled query rows
-of every attention call, and writes the plan (JSON). Re-running the same command after an
+of every attention call, and writes the calibration file (JSON). Re-running the same command after an
 interruption resumes: prompts already finished (kept in ``OUT.partial.json``) are not redone.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def add_calibrate_arguments(parser):
                         help="a base option of the method, e.g. --set tile=4,4,8 (repeatable)")
     parser.add_argument("--rows", type=positive_int, default=256, help="query rows sampled per attention call")
     parser.add_argument("--seed", type=seed_int, default=0)
-    parser.add_argument("--out", default="plan.json", help="the plan file to write (JSON)")
+    parser.add_argument("--out", default="calibration.json", help="the calibration file to write (JSON)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -89,6 +89,7 @@ def cmd_calibrate(args):
     import torch
 
     import fastdit
+    from fastdit.calibration.calibration_file import split_calibration
     from fastdit.calibration.search import calibrate
     from fastdit.cli.common import (CLIError, call_arguments, check_device, check_requested_size,
                                     check_shapes_prompts, default_prompts)
@@ -162,34 +163,35 @@ def cmd_calibrate(args):
         pipe.set_progress_bar_config(disable=True)
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
     # The built-in models' presets (block sizes, tiles) under each method's options; a preset that is
-    # a calibrated plan (a trained model's) is what this command re-makes, so it is left out.
+    # a calibration (a trained model's) is what this command re-makes, so it is left out.
     if auto:
-        options = {method: {k: v for k, v in values.items() if k != "plan"}
+        options = {method: split_calibration(values)[1]
                    for method, values in tiny_method_presets(args.model, auto_methods(), options).items()}
     else:
-        options = tiny_method_presets(args.model, [args.method], {args.method: options})[args.method]
-        options = {k: v for k, v in options.items() if k != "plan"}
+        options = split_calibration(
+            tiny_method_presets(args.model, [args.method], {args.method: options})[args.method])[1]
     shown = {k: v for k, v in call_kwargs.items() if isinstance(v, (int, float, str))}
     print(f"calibrating {args.method} on {args.model} ({pipe.device}): {len(prompts)} prompt(s), budget {args.budget}, "
           f"{shown}")
     try:
-        plan = calibrate(pipe, args.method, prompts, budget=args.budget, steps=args.buckets, candidates=candidates,
-                         out=args.out, call_kwargs=call_kwargs, options=options, rows=args.rows, seed=args.seed,
-                         progress=not args.no_progress, **({"gpu": args.gpu or "H100"} if auto else {}))
+        calibration = calibrate(pipe, args.method, prompts, budget=args.budget, steps=args.buckets,
+                                candidates=candidates, out=args.out, call_kwargs=call_kwargs, options=options,
+                                rows=args.rows, seed=args.seed, progress=not args.no_progress,
+                                **({"gpu": args.gpu or "H100"} if auto else {}))
     except ValueError as error:
         raise CLIError(str(error), exit_code=1) from None
     if auto:
         from fastdit.calibration.auto_report import heatmap, summary
 
-        print(f"plan written to {args.out}")
-        print("\n".join(summary(plan)))
-        picture = heatmap(plan, os.path.splitext(args.out)[0] + ".png")
+        print(f"calibration written to {args.out}")
+        print("\n".join(summary(calibration)))
+        picture = heatmap(calibration, os.path.splitext(args.out)[0] + ".png")
         print(f"chosen methods drawn in {picture}")
         return 0
-    measured = plan["measured"]
-    print(f"plan written to {args.out}: worst relative error {measured['error']:.4f} (budget {args.budget}), "
+    measured = calibration["measured"]
+    print(f"calibration written to {args.out}: worst relative error {measured['error']:.4f} (budget {args.budget}), "
           f"mean density {measured['density']:.3f}")
-    settings = plan.get("settings", {})
+    settings = calibration.get("settings", {})
     for row in measured["layers"]:
         key = f"{row['bucket']}_{row['layer']}"
         chosen = f", {'dense' if settings[key] is None else settings[key]}" if key in settings else ""
@@ -202,7 +204,7 @@ def add_calibrate_parser(subparsers):
     """Add the ``calibrate`` subcommand to ``fastdit``'s subparsers."""
     parser = subparsers.add_parser("calibrate",
                                    help="search per-layer (sta: per-head) settings of a method against an error "
-                                        "budget; writes a plan file (resumable)")
+                                        "budget; writes a calibration file (resumable)")
     add_calibrate_arguments(parser)
     parser.set_defaults(func=cmd_calibrate)
     return parser

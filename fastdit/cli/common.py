@@ -83,40 +83,47 @@ def check_method_options(method, options, what):
 
 
 
-def apply_plan_argument(path, methods, options, user_options):
-    """``--plan FILE``: the plan's method runs with ``plan=FILE`` and the options the user set
-    (``--set``) on top; the tiny models' presets do not apply to it (the plan fixes its own tile).
-    A ``--set`` of an option the plan sets is refused here, before any model loads."""
-    from fastdit.calibration.plan_file import PlanError, load_plan, plan_options, with_plan
+def apply_calibration_argument(path, methods, options, user_options):
+    """``--calibration FILE`` (alias ``--plan``): the file's method runs with ``calibration=FILE`` and
+    the options the user set (``--set``) on top; the tiny models' presets do not apply to it (the
+    calibration fixes its own tile). A ``--set`` of an option the calibration sets is refused here,
+    before any model loads."""
+    from fastdit.calibration.calibration_file import (
+        CalibrationError, calibration_options, load_calibration, with_calibration)
 
     if path is None:
         return options
     try:
-        method = load_plan(path)["method"]
-    except PlanError as error:
-        raise CLIError(f"argument --plan: {error}") from None
+        method = load_calibration(path)["method"]
+    except CalibrationError as error:
+        raise CLIError(f"argument --calibration: {error}") from None
     if method not in methods:
-        raise CLIError(f"argument --plan: {path} is a plan for method {method!r}; add it to --methods")
+        raise CLIError(f"argument --calibration: {path} is a calibration for method {method!r}; add it to --methods")
     try:
-        with_plan(plan_options(path, method), user_options.get(method, {}), path)
-    except PlanError as error:
+        with_calibration(calibration_options(path, method), user_options.get(method, {}), path)
+    except CalibrationError as error:
         raise CLIError(f"argument --set: {error}") from None
-    return {**options, method: {"plan": path, **user_options.get(method, {})}}
+    return {**options, method: {"calibration": path, **user_options.get(method, {})}}
 
 
-def parse_options(settings, methods, plan=None):
-    """``["sta.tile=6,8,8", ...]`` -> ``{"sta": {"tile": (6, 8, 8)}}``. ``plan``: the ``--plan`` file,
-    whose method's options are checked with the plan's own under them (``auto`` has no config
-    without its plan's candidates and choices)."""
+def add_calibration_argument(parser, help_text):
+    """``--calibration FILE``, with ``--plan`` (its earlier name) as an alias of the same argument."""
+    parser.add_argument("--calibration", "--plan", dest="calibration", default=None, metavar="FILE", help=help_text)
+
+
+def parse_options(settings, methods, calibration=None):
+    """``["sta.tile=6,8,8", ...]`` -> ``{"sta": {"tile": (6, 8, 8)}}``. ``calibration``: the
+    ``--calibration`` file, whose method's options are checked with the file's own under them
+    (``auto`` has no config without its calibration's candidates and choices)."""
     base = {}
-    if plan is not None:
-        from fastdit.calibration.plan_file import PlanError, load_plan, plan_options
+    if calibration is not None:
+        from fastdit.calibration.calibration_file import CalibrationError, calibration_options, load_calibration
 
         try:
-            planned = load_plan(plan)["method"]
-            base = {planned: plan_options(plan, planned)}
-        except PlanError as error:
-            raise CLIError(f"argument --plan: {error}") from None
+            calibrated = load_calibration(calibration)["method"]
+            base = {calibrated: calibration_options(calibration, calibrated)}
+        except CalibrationError as error:
+            raise CLIError(f"argument --calibration: {error}") from None
     options = {}
     for setting in settings or []:
         key, sep, value = setting.partition("=")

@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 from fastdit.cli.common import (
-    apply_plan_argument,
     CLIError,
     add_cache_arguments,
+    add_calibration_argument,
+    apply_calibration_argument,
     add_generation_arguments,
     cache_arguments,
     call_arguments,
@@ -52,11 +53,11 @@ def cmd_compare(args):
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
                        f"{', '.join(fastdit.method_names() + ['auto'])}")
-    if "auto" in methods and args.plan is None:  # auto runs only a calibrated plan
-        from fastdit.methods.auto import NEEDS_PLAN
+    if "auto" in methods and args.calibration is None:  # auto runs only a calibration's choices
+        from fastdit.methods.auto import NEEDS_CALIBRATION
 
-        raise CLIError(f"argument --methods: {NEEDS_PLAN}; pass it here with --plan plan.json")
-    options = parse_options(args.set, methods, args.plan)
+        raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json")
+    options = parse_options(args.set, methods, args.calibration)
     check_generation_arguments(args)
     shapes = trained_name(args.model) == "tiny-shapes"
     if args.prompt is None:
@@ -99,8 +100,9 @@ def cmd_compare(args):
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
     from fastdit.pipelines.loading import latent_grid
 
-    grid = latent_grid(pipe, call_kwargs) if shapes else None  # a trained model's plans fit its native grid
-    options = apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options, grid), options)
+    grid = latent_grid(pipe, call_kwargs) if shapes else None  # a trained model's calibrations fit its native grid
+    options = apply_calibration_argument(args.calibration, methods,
+                                         tiny_method_presets(args.model, methods, options, grid), options)
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     if cache is not None:  # the fitted settings, checked before any run
@@ -181,9 +183,8 @@ def add_compare_parser(sub):
     compare.add_argument("--out", default="fastdit_compare", help="output folder (mp4 per run, report.json)")
     compare.add_argument("--fps", type=positive_int, default=16)
     compare.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
-    compare.add_argument("--plan", default=None, metavar="FILE",
-                         help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be "
-                              "in --methods")
+    add_calibration_argument(compare, "a calibration file (fastdit calibrate, or sta.load_strategy) for its "
+                             "method, which must be in --methods (--plan: the same, its earlier name)")
     compare.add_argument("--cp", type=positive_int, default=None, metavar="N",
                          help="Ulysses context parallelism over N processes of a launcher "
                               "(torchrun --nproc_per_node N -m fastdit.cli compare ... --cp N)")

@@ -20,7 +20,7 @@ DEFAULT_METRICS = "psnr,ssim,vbench"
 
 
 def add_eval_arguments(parser):
-    from fastdit.cli.common import add_generation_arguments, positive_int
+    from fastdit.cli.common import add_calibration_argument, add_generation_arguments, positive_int
 
     add_generation_arguments(parser)
     parser.add_argument("--methods", default="dense,sta", help="comma-separated methods; dense always runs, first")
@@ -43,9 +43,8 @@ def add_eval_arguments(parser):
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--plan", default=None, metavar="FILE",
-                        help="a plan file (fastdit calibrate, or sta.load_strategy) for its method, which must be "
-                             "in --methods")
+    add_calibration_argument(parser, "a calibration file (fastdit calibrate, or sta.load_strategy) for its "
+                             "method, which must be in --methods (--plan: the same, its earlier name)")
     parser.add_argument("--cp", type=positive_int, default=None, metavar="N",
                         help="split each sample over N processes (Ulysses context parallelism); the launcher's "
                              "processes form groups of N that share the samples")
@@ -78,7 +77,7 @@ def add_eval_arguments(parser):
 
 
 def _trained_call_grid(args):
-    """The latent grid of the sizes asked of a trained built-in model (its presets' plans are for its
+    """The latent grid of the sizes asked of a trained built-in model (its presets' calibrations are for its
     native grid), else None."""
     from fastdit.pipelines.loading import trained_grid, trained_name
 
@@ -134,7 +133,7 @@ def config_from_args(args):
     import os
 
     import fastdit
-    from fastdit.cli.common import (CLIError, apply_plan_argument, cache_arguments, check_generation_arguments,
+    from fastdit.cli.common import (CLIError, apply_calibration_argument, cache_arguments, check_generation_arguments,
                                     check_method_options, check_shapes_prompts, default_prompts, parse_options)
     from fastdit.eval.runner.config import EvalConfig, EvalError
     from fastdit.eval.runner.prompts import load_prompts
@@ -147,7 +146,7 @@ def config_from_args(args):
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
                        f"{', '.join(fastdit.method_names())}")
-    options = parse_options(args.set, methods, args.plan)
+    options = parse_options(args.set, methods, args.calibration)
     grid = parse_grid(args.grid, methods)
     for method, values in grid.items():
         for option, choices in values.items():
@@ -188,8 +187,8 @@ def config_from_args(args):
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
     return EvalConfig(
         out=args.out, model=args.model, methods=methods,
-        options=apply_plan_argument(args.plan, methods, tiny_method_presets(args.model, methods, options,
-                                                                            _trained_call_grid(args)), options),
+        options=apply_calibration_argument(args.calibration, methods, tiny_method_presets(
+            args.model, methods, options, _trained_call_grid(args)), options),
         grid=grid, prompts=prompts, prompts_file=args.prompts, seeds=parse_seeds(args.seeds),
         metrics=metric_names,
         call={k: v for k, v in call.items() if v is not None}, device=args.device, dtype=args.dtype,

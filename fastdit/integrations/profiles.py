@@ -36,16 +36,16 @@ rule at ``scale_factor = a * exp(b * target_sparsity)``; ``initial_disabled_step
 the ``vsa`` method when this fastdit has one. Any other algorithm (``sparse_softmax``: N:M
 sparse softmax) raises ``ProfileError`` naming it and what fastdit has.
 
-fastdit writes a ``skip_softmax`` plan (``fastdit.calibrate(pipe, "skip_softmax", ...)``, or any
-plan file of that method) the same way, with ``"producer": {"name": "fastdit", ...}`` and a
+fastdit writes a ``skip_softmax`` calibration (``fastdit.calibrate(pipe, "skip_softmax", ...)``, or any
+calibration file of that method) the same way, with ``"producer": {"name": "fastdit", ...}`` and a
 ``"fastdit"`` entry holding the model facts (family, transformer, layers, heads) so that reading it
 back onto another model is refused naming both. fastdit's calibration picks one threshold, not a
 curve: it writes ``b = FLAT_B`` (ModelOpt's runtime needs ``a, b > 0``) and ``a`` so that
 ``a * exp(b * target_sparsity)`` is its scale factor; changing ``target_sparsity`` at serving time
 therefore barely moves the threshold. ModelOpt's profile has one threshold per component: where a
-plan's layers have their own thresholds (``fastdit.calibrate`` picks one per layer), the strictest
+calibration's layers have their own thresholds (``fastdit.calibrate`` picks one per layer), the strictest
 (smallest ``lambda``) is written, which keeps every layer within its calibrated error budget, and
-the per-layer factors are recorded under ``"fastdit"``; a plan with step buckets beyond the first,
+the per-layer factors are recorded under ``"fastdit"``; a calibration with step buckets beyond the first,
 or other per-layer options, is refused.
 """
 from __future__ import annotations
@@ -58,7 +58,8 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fastdit.calibration.plan_file import PlanError, load_plan, model_facts, plan_options_for
+from fastdit.calibration.calibration_file import (CalibrationError, load_calibration, model_facts,
+                                                  calibration_options_for)
 
 __all__ = ["ALGORITHMS", "FLAT_B", "FORMULA", "Profile", "ProfileError", "ProfileGroup", "SoftmaxAttention",
            "apply_profile", "profile_options", "read_profile", "sparse_attention_config", "write_profile"]
@@ -108,7 +109,7 @@ class SoftmaxAttention(TorchFunctionMode):
         return torch.nn.functional.softmax(scores, dim=-1) @ v
 
 
-class ProfileError(PlanError):
+class ProfileError(CalibrationError):
     """A ``sparse_attention_config`` that cannot be read, run or written for this model."""
 
 
@@ -298,7 +299,7 @@ def _patched(target):
 
 def profile_options(profile, target):
     """``(method, options)`` that run ``profile`` on ``target`` (a pipeline or its transformer) with
-    ``fastdit.patch``. ``ProfileError`` (a ``PlanError``) when the profile was made for another
+    ``fastdit.patch``. ``ProfileError`` (a ``CalibrationError``) when the profile was made for another
     model: its attention classes, the modules it names or (fastdit's profiles) its layers and heads.
     A profile is one component's (``transformer``): on a pipeline with a second transformer (Wan 2.2)
     fastdit runs it on both, and ``ignore`` names modules of the first."""
@@ -344,25 +345,25 @@ def apply_profile(target, profile, **options):
     return patch(target, method, **planned, **options)
 
 
-def sparse_attention_config(plan, target, *, keys=None, steps=None, target_sparsity=None):
-    """The ``sparse_attention_config`` (dict) of a fastdit ``skip_softmax`` plan for ``target``.
+def sparse_attention_config(calibration, target, *, keys=None, steps=None, target_sparsity=None):
+    """The ``sparse_attention_config`` (dict) of a fastdit ``skip_softmax`` calibration for ``target``.
 
-    ``plan``: a plan file or dict (checked against ``target`` like ``fastdit.patch(..., plan=)``).
+    ``calibration``: a calibration file or dict (checked against ``target`` like ``fastdit.patch(..., calibration=)``).
     ``keys``: the key count a fixed ``skip_threshold`` was meant for (``scale_factor = keys *
-    exp(-skip_threshold)``); default the token count of the plan's one grid. ``steps``: the run's
+    exp(-skip_threshold)``); default the token count of the calibration's one grid. ``steps``: the run's
     steps when ``dense_steps`` is a fraction. ``target_sparsity``: what to record (default: the
-    plan's measured skipped share, else 0.5).
+    calibration's measured skipped share, else 0.5).
     """
     from fastdit import __version__
 
-    source = plan if isinstance(plan, (str, os.PathLike)) else ""
-    plan = load_plan(plan)
-    where = f"plan {source}" if source else "plan"
+    source = calibration if isinstance(calibration, (str, os.PathLike)) else ""
+    calibration = load_calibration(calibration)
+    where = f"calibration file {source}" if source else "calibration file"
     writable = sorted(m for m in set(ALGORITHMS.values()) if m == "skip_softmax")
-    if plan["method"] not in writable:
-        raise ProfileError(f"{where} is for method {plan['method']!r}; ModelOpt's sparse_attention_config carries "
-                           f"{sorted(ALGORITHMS)}, which fastdit writes from plans of {writable}")
-    options = plan_options_for(plan, target, plan["method"])
+    if calibration["method"] not in writable:
+        raise ProfileError(f"{where} is for method {calibration['method']!r}; ModelOpt's sparse_attention_config "
+                           f"carries {sorted(ALGORITHMS)}, which fastdit writes from calibrations of {writable}")
+    options = calibration_options_for(calibration, target, calibration["method"])
     patched, transformer = _patched(target)
     settings = options.pop("layer_settings", None) or {}
     dense = set(range(options.get("dense_layers") or 0))
@@ -384,10 +385,10 @@ def sparse_attention_config(plan, target, *, keys=None, steps=None, target_spars
     def key_count():
         if keys is not None:
             return keys
-        grids = plan["model"].get("grids") or []
+        grids = calibration["model"].get("grids") or []
         if len(grids) != 1:
             raise ProfileError(f"{where}: a fixed skip_threshold becomes ModelOpt's scale factor for one key count; "
-                               f"the plan has grids {grids}: pass keys=")
+                               f"the calibration has grids {grids}: pass keys=")
         return math.prod(grids[0])
 
     def factor(chosen):
@@ -406,7 +407,7 @@ def sparse_attention_config(plan, target, *, keys=None, steps=None, target_spars
                                f"write ModelOpt's initial_disabled_steps")
         dense_steps = math.ceil(dense_steps * steps)
     if target_sparsity is None:
-        measured = (plan.get("measured") or {}).get("skipped")
+        measured = (calibration.get("measured") or {}).get("skipped")
         target_sparsity = measured if isinstance(measured, (int, float)) else DEFAULT_TARGET
     classes = sorted({type(m).__name__ for _, m in patched})
     patched_names = [name for name, _ in patched]
@@ -423,15 +424,16 @@ def sparse_attention_config(plan, target, *, keys=None, steps=None, target_spars
     group["target_sparsity"] = {"prefill": float(target_sparsity)}
     family, cls, layers, heads = model_facts(target)
     return {"config_groups": {"group_0": group}, "producer": {"name": "fastdit", "version": __version__},
-            "fastdit": {"method": plan["method"], "scale_factors": {str(k): v for k, v in sorted(factors.items())},
+            "fastdit": {"method": calibration["method"],
+                        "scale_factors": {str(k): v for k, v in sorted(factors.items())},
                         "model": {"family": family, "transformer": cls, "layers": layers, "heads": heads}}}
 
 
-def write_profile(plan, path, target, **kwargs):
-    """Write ``sparse_attention_config(plan, target, **kwargs)`` into ``path``: a ``.json`` file or a
+def write_profile(calibration, path, target, **kwargs):
+    """Write ``sparse_attention_config(calibration, target, **kwargs)`` into ``path``: a ``.json`` file or a
     component folder (its ``config.json``; the folder is made when missing), merged into what is
     there, else a new file. Returns the dict."""
-    config = sparse_attention_config(plan, target, **kwargs)
+    config = sparse_attention_config(calibration, target, **kwargs)
     path = os.fspath(path)
     if os.path.isdir(path) or not path.endswith(".json"):  # a component folder (made when missing)
         os.makedirs(path, exist_ok=True)

@@ -1,6 +1,6 @@
 """``method="auto"``: per (step bucket, layer, head) the cheapest method within an error budget.
 
-The choices come from a plan written by ``fastdit.calibrate(pipe, "auto", prompts, budget=B)``
+The choices come from a calibration written by ``fastdit.calibrate(pipe, "auto", prompts, budget=B)``
 (``fastdit calibrate --method auto --budget B``): for every (step bucket, layer, head) the candidate
 (a method and its options: sta windows, radial, sparge thresholds, svg densities, svg2 settings,
 ToDo / ToMe, ...) of least predicted time (``fastdit.costmodel.head_times`` on the target GPU)
@@ -19,9 +19,9 @@ parallelism (a rank holds a slice of the heads) every head still runs its own ch
 reports per head what it computed (``ctx.info["head_density"]``: each group's pairs per head / dense
 pairs) and over the call (``performed`` / ``total``), so the patch's statistics count every head.
 
-``fastdit.patch(pipe, "auto")`` without a plan is refused (no silent default): the message says how
+``fastdit.patch(pipe, "auto")`` without a calibration is refused (no silent default): the message says how
 to calibrate. The method is not in ``fastdit.method_names()`` (it is no method of its own, and cannot
-run without a plan); ``fastdit.methods.get_method("auto")`` finds it.
+run without a calibration); ``fastdit.methods.get_method("auto")`` finds it.
 """
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ import torch.nn.functional as F
 from fastdit.methods.base import (Method, MethodConfig, bucket_start, get_method, index_key, methods_with, option,
                                   register_method)
 
-NEEDS_PLAN = ("method 'auto' needs a plan of per-head choices: calibrate one first, e.g. `fastdit calibrate --model "
-              "MODEL --method auto --budget 0.1 --out plan.json` or `fastdit.calibrate(pipe, \"auto\", prompts, "
-              "budget=0.1, out=\"plan.json\")`, then `fastdit.patch(pipe, \"auto\", plan=\"plan.json\")`")
+NEEDS_CALIBRATION = ("method 'auto' needs a calibration of per-head choices: calibrate one first, e.g. `fastdit "
+                     "calibrate --model MODEL --method auto --budget 0.1 --out auto.json` or `fastdit.calibrate(pipe, "
+                     "\"auto\", prompts, budget=0.1, out=\"auto.json\")`, then `fastdit.patch(pipe, \"auto\", "
+                     "calibration=\"auto.json\")`")
 
 
 @dataclass
 class AutoConfig(MethodConfig):
-    """Options of ``auto`` (what a plan file gives; see the module docstring).
+    """Options of ``auto`` (what a calibration file gives; see the module docstring).
 
     Attributes:
         candidates: the candidate settings, ``[{"method": name, option: value, ...}, ...]``.
@@ -51,15 +52,16 @@ class AutoConfig(MethodConfig):
             start ``<= step``; a (bucket, layer) the choices do not name runs dense.
     """
 
-    candidates: list | None = option(None, "the candidates: [{'method': name, option: value}, ...] (from a plan)",
+    candidates: list | None = option(None,
+                                     "the candidates: [{'method': name, option: value}, ...] (from a calibration)",
                                      widget="text", advanced=True)
     choices: dict | None = option(None, "per 's_l_h' (bucket start, layer, head) a candidate index or None (dense); "
-                                  "from a plan", widget="text", advanced=True)
+                                  "from a calibration", widget="text", advanced=True)
 
     def validate(self):
         super().validate()
         if self.candidates is None or self.choices is None:
-            raise ValueError(NEEDS_PLAN)
+            raise ValueError(NEEDS_CALIBRATION)
         if not isinstance(self.candidates, (list, tuple)) or not all(isinstance(c, dict) for c in self.candidates):
             raise ValueError(f"auto: candidates must be a list of {{'method': name, option: value}} dicts, got "
                              f"{self.candidates!r}")
@@ -69,7 +71,7 @@ class AutoConfig(MethodConfig):
             name = options.pop("method", None)
             if name in (None, "auto"):
                 raise ValueError(f"auto: candidate {index} {candidate!r} must name another method under 'method'")
-            # prune and window reuse results across steps (one call's error, which the plan was
+            # prune and window reuse results across steps (one call's error, which the calibration was
             # chosen on, says little of them); dense is a choice of its own (null), no candidate
             if name not in choosable:
                 raise ValueError(f"auto: candidate {index} {candidate!r}: method {name!r} is not one auto chooses "
@@ -114,12 +116,12 @@ def head_density(info, batch, heads, seq, keys):
 
 @register_method
 class Auto(Method):
-    """Per (step bucket, layer, head) the method a calibrated plan chose (see the module docstring)."""
+    """Per (step bucket, layer, head) the method a calibration chose (see the module docstring)."""
 
     name = "auto"
     config_cls = AutoConfig
-    listed = False  # not in fastdit.method_names(): it runs only from a calibrated plan
-    untrainable = "auto mixes methods per head from a calibrated plan; train with one method"
+    listed = False  # not in fastdit.method_names(): it runs only from a calibration
+    untrainable = "auto mixes methods per head from a calibration; train with one method"
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
@@ -127,7 +129,7 @@ class Auto(Method):
         for candidate in self.config.candidates:
             options = {k: v for k, v in candidate.items() if k != "method"}
             cls = get_method(candidate["method"])
-            # the plan chose each candidate by its own measured error: no guard unless the candidate sets one,
+            # the calibration chose each candidate by its own measured error: no guard unless the candidate sets one,
             # and it runs where the choices put it (dense_steps / dense_layers 0; validate refuses them)
             config = cls.resolve(options=options, where="candidate")
             self.methods.append(cls(config))
@@ -141,24 +143,25 @@ class Auto(Method):
     def check_heads(self, num_heads):
         for (step, layer), heads in sorted(self.table.items()):
             if sorted(heads) != list(range(num_heads)):
-                raise ValueError(f"auto: the plan gives heads {sorted(heads)} of step bucket {step}, layer {layer}, "
-                                 f"but the model's layers have {num_heads} heads: the plan is for another model")
+                raise ValueError(f"auto: the calibration gives heads {sorted(heads)} of step bucket {step}, "
+                                 f"layer {layer}, but the model's layers have {num_heads} heads: the calibration "
+                                 f"is for another model")
 
     def check_layers(self, num_layers):
         outside = sorted({layer for _, layer in self.table if layer >= num_layers})
         if outside:
-            raise ValueError(f"auto: the plan names layer {outside[0]} but the model has {num_layers} patched "
-                             "attention layers: the plan is for another model")
+            raise ValueError(f"auto: the calibration names layer {outside[0]} but the model has {num_layers} patched "
+                             "attention layers: the calibration is for another model")
 
     def choices_of(self, step, layer):
-        """``{global head: candidate index or None}`` of ``layer`` at ``step`` (None: the plan names
+        """``{global head: candidate index or None}`` of ``layer`` at ``step`` (None: the calibration names
         no such (bucket, layer), which runs dense)."""
         start = bucket_start(self.starts, step)
         return None if start is None else self.table.get((start, layer))
 
     def _warn_early(self, ctx):
-        """Warn once when a call comes before the plan's first step bucket: such steps run dense, and
-        a plan whose first bucket lies past the run's last step (``step_buckets: [5]`` on a 2-step
+        """Warn once when a call comes before the calibration's first step bucket: such steps run dense, and
+        a calibration whose first bucket lies past the run's last step (``step_buckets: [5]`` on a 2-step
         run) would otherwise make the whole run dense without a word."""
         if self._warned_early:
             return
@@ -167,8 +170,9 @@ class Auto(Method):
         steps = getattr(ctx, "num_steps", None)
         whole = (f": every step of this {steps}-step run does, so the whole run is dense"
                  if steps is not None and steps <= first else f": steps 0 to {first - 1} run dense")
-        warnings.warn(f"auto: step {ctx.step} comes before the plan's first step bucket ({first}){whole} (the plan "
-                      f"was calibrated for a longer run, or its step_buckets were edited)", UserWarning, stacklevel=2)
+        warnings.warn(f"auto: step {ctx.step} comes before the calibration's first step bucket ({first}){whole} "
+                      f"(the calibration was calibrated for a longer run, or its step_buckets were edited)",
+                      UserWarning, stacklevel=2)
 
     def attend(self, ctx, q, k, v):
         row = self.choices_of(ctx.step, ctx.layer)

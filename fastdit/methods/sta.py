@@ -400,8 +400,11 @@ class SlidingTile(BlockSparseMethod):
 
 #: FastVideo's STA tile (tokens): its mask strategies count windows in tiles of this size.
 FASTVIDEO_TILE = (6, 8, 8)
-#: Version 2 (method "auto": per-head ``choices`` among ``candidates``); version 1 plans still load.
-PLAN_FORMAT, PLAN_VERSION = "fastdit-plan", 2
+#: Calibration files' format tag and version 2 (method "auto": per-head ``choices`` among
+#: ``candidates``); version 1 files and the old tag ``"fastdit-plan"`` (files written before the
+#: rename) still load.
+CALIBRATION_FORMAT, CALIBRATION_VERSION = "fastdit-calibration", 2
+READABLE_FORMATS = (CALIBRATION_FORMAT, "fastdit-plan")
 
 
 def _fastvideo_window(entry, n_tiles):
@@ -421,19 +424,19 @@ def _fastvideo_window(entry, n_tiles):
 
 
 def load_strategy(path, *, grid=None, tile=FASTVIDEO_TILE, out=None):
-    """Import a FastVideo STA mask strategy (``mask_strategy_*.json``) as a fastdit plan (a dict).
+    """Import a FastVideo STA mask strategy (``mask_strategy_*.json``) as a fastdit calibration (a dict).
 
     The file maps ``"step_layer_head"`` (FastVideo's denoising step index, layer, head) to a window
     ``[wt, wh, ww]`` in tiles of ``tile`` tokens (FastVideo's 6x8x8). Entries become the ``sta``
     option ``strategy`` (consecutive steps with the same settings share one step bucket), with
     ``tile`` fixed and ``dense_steps=0`` (FastVideo's dense first steps are full windows in the
     file). ``grid`` ``(T, H, W)`` latent tokens: with it, even entries smaller than the axis follow
-    FastVideo's rule exactly (``e + 1`` tiles) and the plan records the grid; without it an even
-    entry means the whole axis. ``out``: also write the plan there (JSON).
+    FastVideo's rule exactly (``e + 1`` tiles) and the calibration records the grid; without it an even
+    entry means the whole axis. ``out``: also write the calibration there (JSON).
 
-    Apply it with ``fastdit.patch(pipe, "sta", plan=path_of_the_written_plan)``, or with the options
-    ``fastdit.calibration.plan_file.plan_options`` gives. ValueError names the file and the entry for a file
-    that is not JSON, not an object, or has keys / windows that do not parse.
+    Apply it with ``fastdit.patch(pipe, "sta", calibration=path_of_the_written_file)``, or with the options
+    ``fastdit.calibration.calibration_file.calibration_options`` gives. ValueError names the file and the
+    entry for a file that is not JSON, not an object, or has keys / windows that do not parse.
     """
     path = os.fspath(path)
     try:
@@ -470,8 +473,8 @@ def load_strategy(path, *, grid=None, tile=FASTVIDEO_TILE, out=None):
     strategy = normalize_strategy(strategy)
     layers = 1 + max(layer for settings in per_step.values() for layer, _ in settings)
     heads = 1 + max(head for settings in per_step.values() for _, head in settings)
-    plan = {
-        "format": PLAN_FORMAT, "version": PLAN_VERSION, "method": "sta",
+    calibration = {
+        "format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "method": "sta",
         "model": {"family": None, "transformer": None, "layers": layers, "heads": heads,
                   "grids": [list(grid)] if grid is not None else []},
         "options": {"tile": list(tile), "fit_tile": False, "dense_steps": 0, "dense_layers": 0},
@@ -482,5 +485,5 @@ def load_strategy(path, *, grid=None, tile=FASTVIDEO_TILE, out=None):
     }
     if out is not None:
         with open(out, "w", encoding="utf-8") as handle:
-            json.dump(plan, handle, indent=1)
-    return plan
+            json.dump(calibration, handle, indent=1)
+    return calibration

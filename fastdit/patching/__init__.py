@@ -88,8 +88,8 @@ class Patch:
         #: branches). On a bare transformer a repeated timestep past this starts a new call (fresh
         #: method state); set it higher for a loop that makes more calls per step.
         self.branches_per_step = 2
-        self._plan = None  # (loaded plan, its file) applied with plan=: grids checked per new grid
-        self._plan_grids = set()  # grids the plan was found to fit
+        self._calibration = None  # (loaded calibration, its file) applied with calibration=: grids checked
+        self._calibration_grids = set()  # grids the calibration was found to fit
         self._removed = False
         self.trainable = False  # set by patch(..., trainable=True): calls with gradients run the method
         #: layer name -> the method's trainable parameters of that layer (``Method.layer_module``), held
@@ -144,7 +144,7 @@ class Patch:
 
     def set_param_grids(self, grids, source=""):
         """Refuse, at the first call on it, a latent grid outside ``grids`` (the grids loaded method
-        parameters were trained on; empty: any grid); ``source`` names them in the PlanError."""
+        parameters were trained on; empty: any grid); ``source`` names them in the CalibrationError."""
         self._param_grids = {tuple(int(x) for x in g) for g in grids} or None
         self._param_grids_source = source
 
@@ -263,12 +263,12 @@ class Patch:
             grid = None
         if grid is not None:
             check_ring_split(transformer, grid, kwargs)
-        if grid is not None and self._plan is not None and tuple(grid) not in self._plan_grids:
-            self._check_plan_grid(tuple(grid))
+        if grid is not None and self._calibration is not None and tuple(grid) not in self._calibration_grids:
+            self._check_calibration_grid(tuple(grid))
         if grid is not None and self._param_grids is not None and tuple(grid) not in self._param_grids:
-            from fastdit.calibration.plan_file import PlanError
+            from fastdit.calibration.calibration_file import CalibrationError
 
-            raise PlanError(f"the method parameters {self._param_grids_source} were trained on grid(s) "
+            raise CalibrationError(f"the method parameters {self._param_grids_source} were trained on grid(s) "
                             f"{sorted(self._param_grids)}, this call's latent grid is {tuple(grid)}; train them on "
                             "this grid (python -m fastdit.train) or call at the grid they were trained on")
         if grid is not None:
@@ -281,18 +281,18 @@ class Patch:
                 cfg = None
         set_transformer_call(transformer, TransformerCall(grid, branch, state, cfg, kwargs.get("timestep")))
 
-    def _check_plan_grid(self, grid):
-        """The first call on a grid the plan was not calibrated for: PlanError naming both grids
-        unless its settings mean the same there (``plan_file.grid_reason``). Raised before any
+    def _check_calibration_grid(self, grid):
+        """The first call on a grid the calibration was not made for: CalibrationError naming both grids
+        unless its settings mean the same there (``calibration_file.grid_reason``). Raised before any
         attention runs, from the transformer's pre-hook: the call stops, the patch stays removable."""
-        from fastdit.calibration.plan_file import PlanError, grid_reason
+        from fastdit.calibration.calibration_file import CalibrationError, grid_reason
 
-        plan, source = self._plan
-        reason = grid_reason(plan, [grid])
+        calibration, source = self._calibration
+        reason = grid_reason(calibration, [grid])
         if reason is not None:
-            where = f"plan {os.fspath(source)}" if source else "plan"
-            raise PlanError(f"{where} cannot be applied to grid {grid}: {reason}")
-        self._plan_grids.add(grid)
+            where = f"calibration file {os.fspath(source)}" if source else "calibration file"
+            raise CalibrationError(f"{where} cannot be applied to grid {grid}: {reason}")
+        self._calibration_grids.add(grid)
 
     # -- per attention call (inside the custom op) ------------------------------------------
     def _fallback(self, layer, reason, size, original):

@@ -23,7 +23,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI: apt-get install -y chromium)")
 
 WIDTH, HEIGHT = 1280, 800
-ELEMENTS = ["fd-compare", "fd-prompt", "fd-method", "fd-dense-video", "fd-method-video", "fd-metrics", "fd-plan",
+ELEMENTS = ["fd-compare", "fd-prompt", "fd-method", "fd-dense-video", "fd-method-video", "fd-metrics", "fd-calibration",
             "fd-advanced", "fd-opt-sta_window", "fd-opt-sta_dense_steps", "fd-opt-sta_strategy",
             "fd-opt-sta_skip_threshold", "fd-opt-sta_correction", "fd-opt-sta_refresh_every",
             "fd-opt-sta_layer_settings"]
@@ -36,7 +36,7 @@ MEASURE = """() => {
   const ids = %s;
   const measure = () => {
     if (!document.getElementById('fd-compare')) { setTimeout(measure, 100); return; }
-    const plan = document.getElementById('fd-plan');
+    const plan = document.getElementById('fd-calibration');
     const upload = plan ? [...plan.querySelectorAll('[data-testid="upload-text"]')].map(box) : [];
     const found = Object.fromEntries(ids.map((id) => [id, box(document.getElementById(id))]));
     document.body.setAttribute('data-fd-layout', JSON.stringify(
@@ -125,16 +125,16 @@ def test_first_screen_at_1280x800_holds_compare_and_the_results(page):
         assert visible(boxes[everyday]), everyday
     assert visible(boxes["fd-advanced"])
     for expert in ("fd-opt-sta_strategy", "fd-opt-sta_skip_threshold", "fd-opt-sta_correction",
-                   "fd-opt-sta_refresh_every", "fd-opt-sta_layer_settings", "fd-plan"):
+                   "fd-opt-sta_refresh_every", "fd-opt-sta_layer_settings", "fd-calibration"):
         assert not visible(boxes[expert]), f"{expert} shows although the Advanced group is closed"
 
 
 def test_advanced_group_opens_with_the_expert_options_and_an_unclipped_plan_upload(page):
     _, found = layout(page + "?open-advanced=1")
     boxes = found["boxes"]
-    for expert in ("fd-opt-sta_strategy", "fd-opt-sta_skip_threshold", "fd-opt-sta_correction", "fd-plan"):
+    for expert in ("fd-opt-sta_strategy", "fd-opt-sta_skip_threshold", "fd-opt-sta_correction", "fd-calibration"):
         assert visible(boxes[expert]), f"{expert} is not shown in the opened Advanced group"
-    plan = boxes["fd-plan"]
+    plan = boxes["fd-calibration"]
     assert found["upload"], "the plan input shows no upload prompt"
     for text in found["upload"]:  # "Click to Upload" lies wholly inside the plan input's box
         if text["height"] > 0:

@@ -232,7 +232,7 @@ def test_compare_without_a_model_runs_tiny_shapes_with_its_presets_and_a_contact
     for run in report["runs"]:
         assert 0.0 <= run["adherence"] <= 1.0
         for option, value in presets.get(run["method"], {}).items():
-            if option != "plan":
+            if option != "calibration":
                 assert run["options"][option] == (list(value) if isinstance(value, tuple) else value), (run, option)
     with Image.open(report["contact_sheet"]) as sheet:
         assert sheet.format == "PNG" and sheet.size[1] >= len(methods) * 64
@@ -248,7 +248,7 @@ def test_shipped_presets_load_and_a_mismatched_file_is_refused(tmp_path):
     is refused naming it; a random-weight tiny model keeps its own labelled presets."""
     import json
 
-    from fastdit.calibration.plan_file import PlanError
+    from fastdit.calibration.calibration_file import CalibrationError
     from fastdit.eval.runner.settings import method_presets, tiny_method_presets
     from fastdit.pipelines.loading import trained_presets
 
@@ -261,18 +261,18 @@ def test_shipped_presets_load_and_a_mismatched_file_is_refused(tmp_path):
                                                      "methods": {"sparge": {"cdf": 0.95}},
                                                      "plans": {"auto": "plans/auto.json"}}))
     presets = trained_presets("tiny-shapes", str(folder))
-    assert presets["sparge"] == {"cdf": 0.95} and presets["auto"] == {"plan": str(folder / "plans" / "auto.json")}
+    assert presets["sparge"] == {"cdf": 0.95} and presets["auto"] == {"calibration": str(folder / "plans" / "auto.json")}
     (folder / "presets.json").write_text(json.dumps({"model": "tiny-wan", "methods": {}}))
-    with pytest.raises(PlanError, match="tiny-wan"):
+    with pytest.raises(CalibrationError, match="tiny-wan"):
         trained_presets("tiny-shapes", str(folder))
     (folder / "presets.json").write_text(json.dumps({"model": "tiny-shapes", "plans": {"auto": "plans/none.json"}}))
-    with pytest.raises(PlanError, match="none.json"):
+    with pytest.raises(CalibrationError, match="none.json"):
         trained_presets("tiny-shapes", str(folder))
     (folder / "presets.json").write_text(json.dumps({"model": "tiny-shapes", "grid": [9, 16, 16], "methods": {}}))
-    with pytest.raises(PlanError, match=r"\[9, 16, 16\].*\[9, 32, 32\]"):
+    with pytest.raises(CalibrationError, match=r"\[9, 16, 16\].*\[9, 32, 32\]"):
         trained_presets("tiny-shapes", str(folder))
     (folder / "presets.json").write_text("{not json")
-    with pytest.raises(PlanError, match="not valid JSON"):
+    with pytest.raises(CalibrationError, match="not valid JSON"):
         trained_presets("tiny-shapes", str(folder))
     presets, label = method_presets("tiny-wan")
     assert "random-weight" in label and presets["sparge"]["topk"] == 0.125
@@ -300,8 +300,8 @@ def test_the_app_opens_on_tiny_shapes_and_its_run_shows_the_contact_sheet():
     metrics = out.metrics
     assert metrics["size"] == "17x128x128" and metrics["speedup"] > 0 and metrics["psnr_db"] > 0
     preset = trained_presets("tiny-shapes")[method]
-    if "plan" in preset:
-        assert metrics["plan"] is None and any("plan calibrated for tiny-shapes" in note for note in out.notes)
+    if "calibration" in preset:
+        assert metrics["calibration"] is None and any("calibration made for tiny-shapes" in note for note in out.notes)
         assert metrics["options"]["layer_settings"], metrics["options"]  # the patch runs the plan's settings
     else:
         assert all(metrics["options"][k] == v for k, v in preset.items())
@@ -310,23 +310,25 @@ def test_the_app_opens_on_tiny_shapes_and_its_run_shows_the_contact_sheet():
     small = runner.compare(RunRequest(model="tiny-shapes", prompt=values["fd-prompt"], steps=1, frames=5, height=64,
                                       width=64, method=method))
     fallback = trained_presets("tiny-shapes", grid=(3, 16, 16)).get(method, {})
-    assert "plan" not in fallback and not small.metrics["options"].get("layer_settings")
+    assert "calibration" not in fallback and not small.metrics["options"].get("layer_settings")
     assert all(small.metrics["options"][k] == v for k, v in fallback.items())
 
 
 def test_user_options_a_preset_plan_sets_replace_the_plan(capsys):
     """``--set sta.tile=... --set sta.window=...`` on tiny-shapes: the shipped sta plan sets both, so
-    the preset file's options run under the user's (with a note) instead of a PlanError; options the
+    the preset file's options run under the user's (with a note) instead of a CalibrationError; options the
     plan does not set keep the plan; ``--plan`` still wins."""
     from fastdit.eval.runner.settings import tiny_method_presets
 
     chosen = tiny_method_presets("tiny-shapes", ["sta", "sparge"], {"sta": {"tile": (3, 4, 4), "window": (1, 3, 3)},
                                                                     "sparge": {"guard": False}})
-    assert "plan" not in chosen["sta"] and chosen["sta"]["tile"] == (3, 4, 4) and chosen["sta"]["window"] == (1, 3, 3)
+    assert "calibration" not in chosen["sta"] and chosen["sta"]["tile"] == (3, 4, 4) and chosen["sta"]["window"] == (1, 3, 3)
     assert "tile and window given" in capsys.readouterr().out.replace(", ", " and ")
-    assert chosen["sparge"]["plan"].endswith("sparge.json") and chosen["sparge"]["guard"] is False
-    kept = tiny_method_presets("tiny-shapes", ["sta"], {"sta": {"plan": "mine.json"}})
-    assert kept["sta"]["plan"] == "mine.json"
+    assert chosen["sparge"]["calibration"].endswith("sparge.json") and chosen["sparge"]["guard"] is False
+    kept = tiny_method_presets("tiny-shapes", ["sta"], {"sta": {"calibration": "mine.json"}})
+    assert kept["sta"] == {"calibration": "mine.json"}
+    kept = tiny_method_presets("tiny-shapes", ["sta"], {"sta": {"plan": "mine.json"}})  # the earlier name
+    assert kept["sta"] == {"plan": "mine.json"}
 
 
 def test_eval_settings_take_the_shipped_plans():
@@ -339,8 +341,8 @@ def test_eval_settings_take_the_shipped_plans():
     options = tiny_method_presets("tiny-shapes", ["sta", "sparge"], {"sta": {"guard": 0.1}})
     settings = build_settings(EvalConfig(out="unused", methods=["sta", "sparge"], options=options))
     by_name = {s.name: s.options for s in settings}
-    assert by_name["sta"]["plan"].endswith("sta.json") and by_name["sta"]["guard"] == 0.1
-    assert by_name["sparge"]["plan"].endswith("sparge.json")
-    clash = {"sta": {"plan": options["sta"]["plan"], "window": (1, 1, 1)}}
+    assert by_name["sta"]["calibration"].endswith("sta.json") and by_name["sta"]["guard"] == 0.1
+    assert by_name["sparge"]["calibration"].endswith("sparge.json")
+    clash = {"sta": {"calibration": options["sta"]["calibration"], "window": (1, 1, 1)}}
     with pytest.raises(EvalError, match="window"):
         build_settings(EvalConfig(out="unused", methods=["sta"], options=clash))

@@ -14,7 +14,7 @@ import torch
 
 import comfyui_models as cm
 import fastdit
-from fastdit.calibration.plan_file import PlanError
+from fastdit.calibration.calibration_file import CalibrationError
 from fastdit.integrations.comfyui import NODE_CLASS_MAPPINGS, step_of
 from fastdit.layout import TokenLayout
 from fastdit.methods.base import get_method
@@ -168,7 +168,7 @@ def test_hunyuan_text_padding_is_a_key_mask(comfy):
     assert not runtime_of(patched).stats.fallbacks
 
 
-def test_plan_file_sets_windows_per_layer(comfy, tmp_path):
+def test_calibration_file_sets_windows_per_layer(comfy, tmp_path):
     plan = {"format": "fastdit-plan", "version": 2, "method": "sta",
             "model": {"family": "wan", "transformer": None, "layers": 2, "heads": 2, "grids": None},
             "options": {"tile": [1, 2, 4]}, "step_buckets": [0],
@@ -176,29 +176,31 @@ def test_plan_file_sets_windows_per_layer(comfy, tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     model = cm.build("wan")
-    patched = patch(model, "sta", plan_file=str(path))
+    patched = patch(model, "sta", calibration_file=str(path))
     calls = record(patched)
     cm.forward(patched, "wan")
     layout = layout_of("wan")
     masks = [sta_token_mask(layout, (1, 2, 4), w) for w in ((3, 3, 1), (1, 3, 3))]
     assert check_layers(calls, layout, lambda layer, head: masks[layer]) == 2
-    # a plan for another model: PlanError naming both layer counts
+    # a plan for another model: CalibrationError naming both layer counts
     plan["model"]["layers"] = 30
     path.write_text(json.dumps(plan))
-    with pytest.raises(PlanError, match="layers.*2.*30"):
-        patch(model, "sta", plan_file=str(path))
+    with pytest.raises(CalibrationError, match="layers.*2.*30"):
+        patch(model, "sta", calibration_file=str(path))
     # options the plan fixes cannot be set beside it
     plan["model"]["layers"] = 2
     path.write_text(json.dumps(plan))
-    with pytest.raises(PlanError, match="window"):
-        patch(model, "sta", plan_file=str(path), options="window=1,1,1")
+    with pytest.raises(CalibrationError, match="window"):
+        patch(model, "sta", calibration_file=str(path), options="window=1,1,1")
+    with pytest.raises(CalibrationError, match="both"):  # the input and its earlier name at once
+        patch(model, "sta", calibration_file=str(path), plan_file=str(path))
     # settings measured on another grid: refused at the first forward on this grid, naming both
     other = {"format": "fastdit-plan", "version": 2, "method": "sparge",
              "model": {"family": "wan", "transformer": None, "layers": 2, "heads": 2, "grids": [[3, 4, 4]]},
              "options": {}, "step_buckets": [0], "settings": {"0_0": {"cdf": 0.9}, "0_1": None}}
     path.write_text(json.dumps(other))
-    patched = patch(model, "sparge", plan_file=str(path))
-    with pytest.raises(PlanError, match=r"grid \(5, 6, 9\).*\[\(3, 4, 4\)\]"):
+    patched = patch(model, "sparge", plan_file=str(path))  # the input's earlier name still works
+    with pytest.raises(CalibrationError, match=r"grid \(5, 6, 9\).*\[\(3, 4, 4\)\]"):
         cm.forward(patched, "wan")
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import fastdit
-from fastdit.calibration.plan_file import PLAN_FORMAT, PLAN_VERSION, PlanError
+from fastdit.calibration.calibration_file import CALIBRATION_FORMAT, CALIBRATION_VERSION, CalibrationError
 from fastdit.integrations.profiles import (FORMULA, ProfileError, SoftmaxAttention, apply_profile, profile_options,
                                            read_profile, sparse_attention_config, write_profile)
 from fastdit.kernels import skip_reference
@@ -207,7 +207,7 @@ def test_modelopt_disabled_steps_and_ignored_layers(tmp_path):
 
 # -- fastdit -> ModelOpt -------------------------------------------------------------------------
 def _plan(options, settings=None, heads=2, layers=2, grids=((3, 7, 13),)):
-    return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "method": "skip_softmax",
+    return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "method": "skip_softmax",
             "model": {"family": "wan", "transformer": "WanTransformer3DModel", "layers": layers, "heads": heads,
                       "grids": [list(g) for g in grids]},
             "options": options, "step_buckets": [0], "settings": settings or {"0_0": {}}}
@@ -330,7 +330,7 @@ def test_profile_for_another_model_names_both(tmp_path):
     written = sparse_attention_config(_plan({"skip_threshold": 3.0}), model)
     other = copy.deepcopy(written)
     other["fastdit"]["model"]["heads"] = 12
-    with pytest.raises(PlanError, match="number of attention heads is 2 but the profile was made for 12"):
+    with pytest.raises(CalibrationError, match="number of attention heads is 2 but the profile was made for 12"):
         profile_options(read_profile(other), model)
     other = copy.deepcopy(written)
     other["fastdit"]["model"]["layers"] = 40
@@ -340,7 +340,7 @@ def test_profile_for_another_model_names_both(tmp_path):
         profile_options(read_profile(_profile(ignore=["blocks.39.attn1"])), model)
     with pytest.raises(ProfileError, match=r"\['LlamaAttention'\].*\['WanAttention'\]"):
         profile_options(read_profile(_profile(targets=["LlamaAttention"])), model)
-    with pytest.raises(PlanError, match="heads"):  # the plan's own check when writing
+    with pytest.raises(CalibrationError, match="heads"):  # the plan's own check when writing
         sparse_attention_config(_plan({"skip_threshold": 3.0}, heads=12), model)
 
 

@@ -9,7 +9,7 @@ import torch
 import fastdit
 from fastdit.calibration.auto_report import compare_single, heatmap, score_call, summary
 from fastdit.calibration.candidates import auto_candidates, select_auto
-from fastdit.calibration.plan_file import PlanError, load_plan
+from fastdit.calibration.calibration_file import CalibrationError, load_calibration
 from fastdit.calibration.search import calibrate
 from fastdit.context import AttentionContext, CallState
 from fastdit.costmodel import gpu_named
@@ -128,14 +128,14 @@ def test_calibrate_auto_writes_a_v2_plan_that_patch_applies(pipe, tmp_path):
     plan = calibrate(pipe, "auto", ["a red fox"], budget=1e9, out=out, call_kwargs=CALL, candidates=TINY, rows=32,
                      progress=False, gpu="A100")
     assert plan["version"] == 2 and plan["method"] == "auto" and plan["gpu"] == "A100"
-    assert len(plan["choices"]) == 4 * 2 and load_plan(out) == plan
+    assert len(plan["choices"]) == 4 * 2 and load_calibration(out) == plan
     assert plan["measured"]["predicted_speedup"] > 0
     assert "predicted attention time on A100" in "\n".join(summary(plan))
     # a hand-made mix on the same model: every layer runs its heads' choices
     plan["choices"] = {f"0_{layer}_{head}": [0, 1, None][(layer + head) % 3] for layer in range(4) for head in range(2)}
     out.write_text(json.dumps(plan))
-    assert heatmap(load_plan(out), tmp_path / "auto.png").stat().st_size > 0
-    patch = fastdit.patch(pipe, "auto", plan=out)
+    assert heatmap(load_calibration(out), tmp_path / "auto.png").stat().st_size > 0
+    patch = fastdit.patch(pipe, "auto", calibration=out)
     try:
         pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="latent", **CALL)
         stats = patch.stats
@@ -155,10 +155,10 @@ def test_bad_input_is_refused_before_model_work(pipe, tmp_path):
     plan = {"format": "fastdit-plan", "version": 2, "method": "auto", "step_buckets": [0], "options": {},
             "model": {"family": "wan", "transformer": "WanTransformer3DModel", "layers": 6, "heads": 2, "grids": []},
             "candidates": TINY, "choices": {f"0_{layer}_{h}": 0 for layer in range(6) for h in range(2)}}
-    with pytest.raises(PlanError, match="number of patched attention layers is 4 but the plan was made for 6"):
-        fastdit.patch(pipe, "auto", plan=plan)
-    with pytest.raises(PlanError, match="needs plan version 2"):
-        load_plan({**plan, "version": 1})
+    with pytest.raises(CalibrationError, match="number of patched attention layers is 4 but the calibration was made for 6"):
+        fastdit.patch(pipe, "auto", calibration=plan)
+    with pytest.raises(CalibrationError, match="needs calibration version 2"):
+        load_calibration({**plan, "version": 1})
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -187,14 +187,14 @@ def test_only_plans_the_engine_runs_alone_are_widened_by_scores():
 
     plan = BlockPlan(kv_indices=torch.zeros(1, 1, 1, 1, dtype=torch.int32), kv_counts=torch.ones(1, 1, 1, dtype=torch.int32),
                      block_m=4, block_n=4, seq_len=4)
-    with_plan, without = SimpleNamespace(info={"plan": plan}), SimpleNamespace(info={})
+    with_calibration, without = SimpleNamespace(info={"plan": plan}), SimpleNamespace(info={})
 
     def method(name, **options):
         cls = base.get_method(name)
         return cls(cls.make_config(None, **options))
 
-    assert widenable(method("sparge"), with_plan) and widenable(method("sta", correction="ear"), with_plan)
+    assert widenable(method("sparge"), with_calibration) and widenable(method("sta", correction="ear"), with_calibration)
     assert not widenable(method("sparge"), without)
-    assert not widenable(method("sparge", correction="cached"), with_plan)
-    assert not widenable(method("sla"), with_plan) and not widenable(method("vsa"), with_plan)
-    assert not widenable(method("todo"), with_plan)
+    assert not widenable(method("sparge", correction="cached"), with_calibration)
+    assert not widenable(method("sla"), with_calibration) and not widenable(method("vsa"), with_calibration)
+    assert not widenable(method("todo"), with_calibration)

@@ -246,7 +246,7 @@ def test_projection_trains_saves_and_loads_with_the_patch(tmp_path):
     """The projection is a trainable parameter of the patch (one per layer, never on the model), saved
     and loaded beside the adapter; parameters of another feature map are refused naming both."""
     import fastdit
-    from fastdit.calibration.plan_file import PlanError
+    from fastdit.calibration.calibration_file import CalibrationError
     from fastdit.calibration.method_params import method_parameters, save_method_params
 
     from tiny_models import TINY
@@ -272,11 +272,11 @@ def test_projection_trains_saves_and_loads_with_the_patch(tmp_path):
         loaded = model(**dict(inputs, timestep=torch.tensor([400])))[0]
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)
     assert (loaded - out.detach()).abs().max() > 1e-6  # the learned linear branch changes the output
-    with pytest.raises(PlanError, match="softmax.*elu|elu.*softmax"):
+    with pytest.raises(CalibrationError, match="softmax.*elu|elu.*softmax"):
         fastdit.patch(model, "sla", backend="torch", method_params=tmp_path, **dict(options, feature_map="elu"))
     other = tiny.inputs(model, (2, 8, 8), 0)  # another latent grid than the one trained on
     with torch.no_grad(), fastdit.patch(model, "sla", backend="torch", method_params=tmp_path, **options):
-        with pytest.raises(PlanError, match=r"\(4, 8, 8\).*\(2, 8, 8\)|4, 8, 8.*2, 8, 8"):
+        with pytest.raises(CalibrationError, match=r"\(4, 8, 8\).*\(2, 8, 8\)|4, 8, 8.*2, 8, 8"):
             model(**dict(other, timestep=torch.tensor([400])))
 
 
@@ -311,7 +311,7 @@ def test_calibrate_tries_sla_candidates_and_its_plan_runs(tmp_path):
                      options={"tile": (1, 2, 2)}, rows=48, progress=False)
     assert [c["topk_ratio"] for c in plan["candidates"]] == [0.5, 0.3, 0.2, 0.1, 0.05]
     assert set(map(str, plan["settings"].values())) == {str({"topk_ratio": 0.05})}
-    with fastdit.patch(pipe, "sla", plan=tmp_path / "plan.json", guard=False) as p:
+    with fastdit.patch(pipe, "sla", calibration=tmp_path / "plan.json", guard=False) as p:
         pipe("a cat", **call)
     assert p.stats.sparse_calls > 0 and p.stats.sparse_density < 0.2
 

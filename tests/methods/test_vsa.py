@@ -14,7 +14,7 @@ import torch
 
 import fastdit
 from fastdit import TokenLayout
-from fastdit.calibration.plan_file import PlanError
+from fastdit.calibration.calibration_file import CalibrationError
 from fastdit.context import AttentionContext, CallState
 from fastdit.methods.base import OptionError
 from fastdit.methods.parallel import ring_refusal
@@ -247,7 +247,7 @@ def test_patch_trains_gates_and_loads_them_for_this_model_only(tmp_path):
         assert torch.equal(model(**inputs).sample, reference_out)
         with fastdit.patch(model, "vsa", method_params=tmp_path, **options):
             assert torch.allclose(model(**inputs).sample, trained, atol=1e-5)
-    with pytest.raises(PlanError, match=r"block_size_3d': \[2, 2, 2\].*block_size_3d': \[4, 4, 4\]"):
+    with pytest.raises(CalibrationError, match=r"block_size_3d': \[2, 2, 2\].*block_size_3d': \[4, 4, 4\]"):
         fastdit.patch(model, "vsa", method_params=tmp_path, block_size_3d=(4, 4, 4))
     with pytest.raises(OptionError, match="vsa takes no correction"):
         fastdit.patch(model, "vsa", correction="pooled")

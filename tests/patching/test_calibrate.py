@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.calibration.search import calibrate, candidates_for, select_plan
+from fastdit.calibration.search import calibrate, candidates_for, select_settings
 from fastdit.layout import TokenLayout
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
-from fastdit.calibration.plan_file import load_plan, plan_options_for, write_plan
+from fastdit.calibration.calibration_file import load_calibration, calibration_options_for, write_calibration
 
 from helpers import sta_mask
 
@@ -50,7 +50,7 @@ def test_huge_budget_sparsest_everywhere_and_resume_after_interrupt(pipe, tmp_pa
     assert list(partial["prompts"]) == ["a red fox"] and not out.exists()
     plan = run(pipe, ["a red fox", "a blue car"], 1e9, out)
     assert seen == ["a red fox", "a blue car", "a blue car"]  # the finished prompt was not redone
-    assert not os.path.exists(f"{out}.partial.json") and load_plan(out) == plan
+    assert not os.path.exists(f"{out}.partial.json") and load_calibration(out) == plan
     assert plan["model"] == {"family": "wan", "transformer": "WanTransformer3DModel", "layers": 4, "heads": 2,
                              "grids": [list(GRID)]}
     assert len(plan["strategy"]) == 4 * 2 and set(map(tuple, plan["strategy"].values())) == {tuple(SPARSEST)}
@@ -59,13 +59,13 @@ def test_huge_budget_sparsest_everywhere_and_resume_after_interrupt(pipe, tmp_pa
     assert len(layers) == 4 and all(0 < row["density"] < 1 and row["error"] > 0 for row in layers)
     # the same measurements at a tiny budget choose dense everywhere; the sparsest when the budget is huge
     results = [partial["prompts"]["a red fox"]]
-    choice, _ = select_plan(results, partial["candidates"], 1e-12)
+    choice, _ = select_settings(results, partial["candidates"], 1e-12)
     assert set(choice.values()) == {None}
-    choice, measured = select_plan(results, partial["candidates"], 1e9)
+    choice, measured = select_settings(results, partial["candidates"], 1e9)
     assert set(choice.values()) == {0}
     # an intermediate budget: every chosen head meets it, and is the least dense that does
     budget = sorted(row["error"] for row in layers)[1]
-    choice, measured = select_plan(results, partial["candidates"], budget)
+    choice, measured = select_settings(results, partial["candidates"], budget)
     assert all(m["error"] <= budget for m in measured.values())
 
 
@@ -86,8 +86,8 @@ def test_patch_with_plan_uses_each_layer_and_head_setting(pipe, tmp_path):
                       "grids": [list(GRID)]},
             "options": {"tile": list(TILE), "fit_tile": False, "dense_steps": 0, "dense_layers": 0},
             "step_buckets": [0, 1], "strategy": strategy}
-    path = write_plan(plan, tmp_path / "plan.json")
-    options = plan_options_for(path, pipe, "sta", grids=[GRID])
+    path = write_calibration(plan, tmp_path / "plan.json")
+    options = calibration_options_for(path, pipe, "sta", grids=[GRID])
     with fastdit.patch(pipe, "sta", record_masks=True, **options) as p:
         pipe(prompt="a red fox", **CALL, output_type="latent")
         for layer in range(4):
@@ -104,9 +104,9 @@ def test_plan_of_another_model_is_refused(pipe, tmp_path):
     plan = {"format": "fastdit-plan", "version": 1, "method": "sta",
             "model": {"family": "wan", "transformer": "WanTransformer3DModel", "layers": 6, "heads": 2, "grids": []},
             "options": {"tile": list(TILE)}, "step_buckets": [0], "strategy": {"0_0_0": [1, 1, 1], "0_0_1": [1, 1, 1]}}
-    path = write_plan(plan, tmp_path / "plan.json")
-    with pytest.raises(ValueError, match="number of patched attention layers is 4 but the plan was made for 6"):
-        plan_options_for(path, pipe, "sta")
+    path = write_calibration(plan, tmp_path / "plan.json")
+    with pytest.raises(ValueError, match="number of patched attention layers is 4 but the calibration was made for 6"):
+        calibration_options_for(path, pipe, "sta")
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -153,8 +153,8 @@ def test_cli_calibrate(tmp_path, capsys):
                  "--prompts", str(prompts), "--budget", "1e9", "--candidates", "1,1,1;1,3,3", "--set", "tile=1,2,2",
                  "--set", "dense_steps=0.5", "--rows", "32", "--out", str(out), "--no-progress"])
     captured = capsys.readouterr()
-    assert code == 0 and "plan written" in captured.out
+    assert code == 0 and "calibration written" in captured.out
     assert "it/s" not in captured.err and "s/it" not in captured.err, captured.err  # no bar, the pipeline's neither
-    plan = load_plan(out)
+    plan = load_calibration(out)
     assert plan["options"]["dense_steps"] == 0.5  # --set dense_steps is the plan's, not silently 0
     assert set(map(tuple, plan["strategy"].values())) == {(1, 1, 1)}

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.calibration.search import calibrate, select_plan
+from fastdit.calibration.search import calibrate, select_settings
 from fastdit.layout import TokenLayout
 from fastdit.methods.sparge import Sparge
 from fastdit.pipelines.tiny import TINY_TEST_DEFAULTS, tiny
-from fastdit.calibration.plan_file import PlanError, load_plan, write_plan
+from fastdit.calibration.calibration_file import CalibrationError, load_calibration, write_calibration
 
 CALL = dict(TINY_TEST_DEFAULTS["wan"])  # 3 x 5 x 7 latent tokens, 2 steps, CFG, 4 patched layers, 2 heads
 GRID = (3, 5, 7)
@@ -59,8 +59,8 @@ def spy(monkeypatch):
 def test_patch_with_plan_uses_each_layer_and_bucket_setting(pipe, tmp_path, spy):
     settings = {"0_0": {"topk": 0.5}, "0_1": None, "0_2": {"topk": 0.1}, "0_3": {"topk": 0.25},
                 "1_0": {"topk": 0.1}, "1_1": {"topk": 0.5}, "1_2": None}  # layer 3 not named in bucket 1
-    path = write_plan(sparge_plan(settings, [0, 1]), tmp_path / "plan.json")
-    with fastdit.patch(pipe, "sparge", plan=path) as p:
+    path = write_calibration(sparge_plan(settings, [0, 1]), tmp_path / "plan.json")
+    with fastdit.patch(pipe, "sparge", calibration=path) as p:
         pipe(prompt="a red fox", **CALL, output_type="latent")
         base_topk = p.config.topk
         per_layer = p.stats.as_dict()
@@ -145,8 +145,8 @@ def test_bad_settings_in_a_plan_file_name_the_entry(pipe, tmp_path):
     plan = sparge_plan({"0_0": {"topk": 0.5}, "0_1": {"topk": -1}}, [0])
     path = tmp_path / "bad.json"
     path.write_text(__import__("json").dumps(plan))
-    with pytest.raises(PlanError, match=r"entry 'settings': layer_settings entry '0_1': topk must be"):
-        fastdit.patch(pipe, "sparge", plan=path)
+    with pytest.raises(CalibrationError, match=r"entry 'settings': layer_settings entry '0_1': topk must be"):
+        fastdit.patch(pipe, "sparge", calibration=path)
     assert getattr(pipe.transformer, "_fastdit_patch", None) is None
 
 
@@ -164,7 +164,7 @@ def test_select_plan_per_layer_is_the_sparsest_within_budget():
             prompt[key] = {"err2": err2, "ref2": ref2, "density": [density] * 2, "calls": 1}
         results.append(prompt)
     for budget in (1e-9, 0.08, 0.15, 0.3, 1e9):
-        choice, measured = select_plan(results, CANDIDATES, budget, per_head=False)
+        choice, measured = select_settings(results, CANDIDATES, budget, per_head=False)
         for key in ("0_0", "0_1", "5_0", "5_1"):
             worst = [max(math.sqrt(r[key]["err2"][h][c] / r[key]["ref2"][h]) for r in results for h in range(2))
                      for c in range(3)]
@@ -191,9 +191,9 @@ def test_calibrate_per_layer_round_trip(pipe, tmp_path, spy):
     middle = calibrate(pipe, "sparge", ["a red fox"], budget=errors[len(errors) // 2], out=tmp_path / "mid.json",
                        **kwargs)
     assert all(row["error"] <= middle["budget"] for row in middle["measured"]["layers"])
-    assert load_plan(tmp_path / "mid.json") == middle
+    assert load_calibration(tmp_path / "mid.json") == middle
     spy.clear()
-    with fastdit.patch(pipe, "sparge", plan=tmp_path / "mid.json"):
+    with fastdit.patch(pipe, "sparge", calibration=tmp_path / "mid.json"):
         pipe(prompt="a blue car", **CALL, output_type="latent")
     ran = {(step, layer): topk for step, layer, topk in spy}
     for step in (0, 1):

@@ -26,7 +26,7 @@ LAYERS = [
      "fastdit.cpu_load", "fastdit.costmodel"),
     ("fastdit.methods",),
     ("fastdit.patching", "fastdit.apply", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
-     "fastdit.calibration.plan_file", "fastdit.calibration.method_params"),
+     "fastdit.calibration.calibration_file", "fastdit.calibration.method_params"),
     ("fastdit.compare", "fastdit.parallel", "fastdit.support", "fastdit.options", "fastdit.media",
      "fastdit.calibration", "fastdit.eval", "fastdit.app", "fastdit.integrations", "fastdit.train"),
     ("fastdit.cli", "fastdit.eval.__main__"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.calibration.plan_file import PlanError
+from fastdit.calibration.calibration_file import CalibrationError
 from fastdit.methods.base import Method, MethodConfig, option, register_method, unregister_method
 from fastdit.calibration.method_params import FILE, method_parameters, save_method_params
 
@@ -94,13 +94,13 @@ def test_parameters_for_another_model_option_or_grid_are_refused(toy, tmp_path):
     with torch.no_grad(), fastdit.patch(model, "toy_head_scale") as p:
         _run(model, inputs)
         save_method_params(p, tmp_path)
-    with pytest.raises(PlanError, match=r"options \{'tag': 0\}.*options \{'tag': 1\}"):
+    with pytest.raises(CalibrationError, match=r"options \{'tag': 0\}.*options \{'tag': 1\}"):
         fastdit.patch(model, "toy_head_scale", tag=1, method_params=tmp_path)
     assert not hasattr(model, "_fastdit_patch")  # a refused load leaves the model unpatched
-    with pytest.raises(PlanError, match="model class 'WanTransformer3DModel'.*model class 'HunyuanVideo"):
+    with pytest.raises(CalibrationError, match="model class 'WanTransformer3DModel'.*model class 'HunyuanVideo"):
         fastdit.patch(tiny_hunyuan(), "toy_head_scale", method_params=tmp_path)
-    with pytest.raises(PlanError, match=r"grid\(s\) \[\(5, 3, 3\)\].*grid is \(5, 4, 3\)"):
+    with pytest.raises(CalibrationError, match=r"grid\(s\) \[\(5, 3, 3\)\].*grid is \(5, 4, 3\)"):
         with torch.no_grad(), fastdit.patch(model, "toy_head_scale", method_params=tmp_path):
             _run(model, wan_inputs(frames=5, height=8, width=6, batch=1))
-    with pytest.raises(PlanError, match="is not a file"):
+    with pytest.raises(CalibrationError, match="is not a file"):
         fastdit.patch(model, "toy_head_scale", method_params=tmp_path / "missing")

@@ -344,37 +344,37 @@ def _auto_plan(choices):
 def test_item6_plan_keys_are_ascii_decimal(key):
     """A choices key ``"²_0_0"`` gave a raw ``int()`` error; ``"٠_0_0"`` (Arabic-Indic zero) was
     accepted as a second ``0_0_0``. Both, and leading zeros, are refused naming the entry."""
-    from fastdit.calibration.plan_file import PlanError, load_plan
+    from fastdit.calibration.calibration_file import CalibrationError, load_calibration
     from fastdit.methods.base import get_method
 
-    with pytest.raises(PlanError, match="choices entry .*ASCII digits"):
-        load_plan(_auto_plan({"0_0_0": 0, key: 1}))
+    with pytest.raises(CalibrationError, match="choices entry .*ASCII digits"):
+        load_calibration(_auto_plan({"0_0_0": 0, key: 1}))
     with pytest.raises(ValueError, match="choices entry .*ASCII digits"):
         get_method("auto").make_config(candidates=AUTO_CANDIDATES, choices={key: 0})
 
 
 def test_item6_a_non_utf8_plan_file_is_a_plan_error(tmp_path):
-    """A non-UTF-8 plan file gave a raw ``UnicodeDecodeError``; docs promise a PlanError naming the file."""
-    from fastdit.calibration.plan_file import PlanError, load_plan
+    """A non-UTF-8 plan file gave a raw ``UnicodeDecodeError``; docs promise a CalibrationError naming the file."""
+    from fastdit.calibration.calibration_file import CalibrationError, load_calibration
 
     path = tmp_path / "plan.json"
     path.write_bytes(b'{"format": "fastdit-plan", "method": "\xff\xfe"}')
-    with pytest.raises(PlanError, match=r"plan .*plan\.json: not UTF-8"):
-        load_plan(path)
+    with pytest.raises(CalibrationError, match=r"calibration file .*plan\.json: not UTF-8"):
+        load_calibration(path)
 
 
 def test_item6_set_applies_on_top_of_an_auto_plan(tmp_path):
     """``fastdit compare --methods dense,auto --plan auto.json --set auto.dense_steps=1`` was refused
-    with "method 'auto' needs a plan" although --plan was given (docs/calibration.md: --set applies
+    with "method 'auto' needs a calibration" although --calibration was given (docs/calibration.md: --set applies
     on top); the options are now checked with the plan's under them."""
     from fastdit.cli.common import CLIError, parse_options
 
     path = tmp_path / "auto.json"
     path.write_text(json.dumps(_auto_plan({"0_0_0": 0})))
     assert parse_options(["auto.dense_steps=1"], ["dense", "auto"], str(path)) == {"auto": {"dense_steps": 1}}
-    with pytest.raises(CLIError, match="needs a plan"):  # without --plan it is still refused
+    with pytest.raises(CLIError, match="needs a calibration"):  # without --calibration it is still refused
         parse_options(["auto.dense_steps=1"], ["dense", "auto"])
-    with pytest.raises(CLIError, match="argument --plan: .*not UTF-8"):
+    with pytest.raises(CLIError, match="argument --calibration: .*not UTF-8"):
         (tmp_path / "bad.json").write_bytes(b"\xff\xfe")
         parse_options(["auto.dense_steps=1"], ["dense", "auto"], str(tmp_path / "bad.json"))
 

@@ -5,8 +5,9 @@ by ``fastdit.app.method_options.option_specs``, as the Gradio app builds its wid
 
 * every node: ``model`` (MODEL), ``dense_steps`` (FLOAT; -1: the method's / model family's default;
   a whole number >= 1 counts steps, a value in [0, 1) is a fraction of the sampler's steps),
-  ``dense_blocks`` (INT, fastdit's ``dense_layers``; -1: the default), and optional ``plan_file``
-  (a plan written by ``fastdit calibrate``; blank: none) and ``options`` (``name=value`` pairs, one
+  ``dense_blocks`` (INT, fastdit's ``dense_layers``; -1: the default), and optional
+  ``calibration_file`` (a calibration file written by ``fastdit calibrate``; blank: none; a
+  ``plan_file`` value, its earlier name, is still taken) and ``options`` (``name=value`` pairs, one
   per line or separated by spaces: any option of the method, advanced ones included; they win over
   the widgets);
 * "fastdit Sparse Attention" adds a ``method`` dropdown (every registered method);
@@ -14,7 +15,7 @@ by ``fastdit.app.method_options.option_specs``, as the Gradio app builds its wid
   widgets: INT / FLOAT with the option's range, BOOLEAN, a dropdown for choices (with ``model
   default`` where the option may be left to the model family), STRING for triples, text and
   options whose default the method or family chooses (blank: that default). A widget left at its
-  default is not passed (so plan files, which fix some options, combine with the node's defaults).
+  default is not passed (so calibration files, which fix some options, combine with the node's defaults).
 
 ``FastditSparseAttention.patch`` returns ``ModelPatcher.clone()`` with the attention override and
 the diffusion-model wrapper of ``runtime.FastditAttention`` (the input model is untouched); a model
@@ -29,7 +30,8 @@ import re
 import warnings
 
 from fastdit.app.method_options import DEFAULT_CHOICE, option_specs, parse_option
-from fastdit.calibration.plan_file import load_plan, plan_options, with_plan
+from fastdit.calibration.calibration_file import (calibration_argument, calibration_options, load_calibration,
+                                                  with_calibration)
 from fastdit.methods.base import get_method, method_names
 from fastdit.methods.config import MethodConfig
 
@@ -52,7 +54,7 @@ COMMON_TOOLTIPS = {
                    "a whole number >= 1 counts steps; a value in [0, 1) is a fraction of the sampler's steps",
     "dense_blocks": "the first N transformer blocks always run dense attention (fastdit's dense_layers); "
                     "-1: the method's / model family's default",
-    "plan_file": "a plan JSON written by `fastdit calibrate` for this model and method (blank: none)",
+    "calibration_file": "a calibration JSON written by `fastdit calibrate` for this model and method (blank: none)",
     "options": "more options as name=value (one per line or space-separated), advanced ones included; "
                "they win over the widgets",
 }
@@ -100,7 +102,7 @@ def node_widgets(method=None):
     if method is not None:
         for spec in main_specs(method):
             required[spec.name] = widget_of(spec)
-    optional = {"plan_file": ("STRING", {"default": "", "tooltip": COMMON_TOOLTIPS["plan_file"]}),
+    optional = {"calibration_file": ("STRING", {"default": "", "tooltip": COMMON_TOOLTIPS["calibration_file"]}),
                 "options": ("STRING", {"default": "", "multiline": True, "tooltip": COMMON_TOOLTIPS["options"]})}
     return {"required": required, "optional": optional}
 
@@ -163,7 +165,8 @@ class FastditSparseAttention:
     def INPUT_TYPES(cls):  # noqa: N802 (ComfyUI's name)
         return node_widgets(cls.METHOD)
 
-    def patch(self, model, method=None, dense_steps=-1.0, dense_blocks=-1, plan_file="", options="", **widgets):
+    def patch(self, model, method=None, dense_steps=-1.0, dense_blocks=-1, calibration_file="", options="",
+              plan_file="", **widgets):
         method = self.METHOD or method or DEFAULT_METHOD
         if method not in method_names():
             raise ValueError(f"{NAME}: unknown method {method!r}; available: {list(method_names())}")
@@ -181,12 +184,14 @@ class FastditSparseAttention:
         method_cls = get_method(method)
         given = _given(method, widgets, dense_steps, dense_blocks, options)
         layers, heads = family.layers(diffusion_model), family.heads(diffusion_model)
-        plan = None
-        if plan_file and str(plan_file).strip():
-            path = os.path.expanduser(str(plan_file).strip())
-            plan = (load_plan(path), path)
-            planned = plan_options(path, method, family=family.family, layers=layers, heads=heads)
-            given = with_plan(planned, given, path)
+        calibration = None
+        path = calibration_argument(str(calibration_file or "").strip() or None, str(plan_file or "").strip() or None,
+                                    "calibration_file")
+        if path is not None:
+            path = os.path.expanduser(path)
+            calibration = (load_calibration(path), path)
+            calibrated = calibration_options(path, method, family=family.family, layers=layers, heads=heads)
+            given = with_calibration(calibrated, given, path)
         try:
             config = method_cls.resolve(options=given, adapter=family.family)
             instance = method_cls(config)
@@ -197,12 +202,13 @@ class FastditSparseAttention:
                 method_cls.check_family(adapter, config)
         except (ValueError, TypeError) as error:
             raise ValueError(f"{NAME} ({method} on {family.label}): {error}") from None
-        return (patched_clone(model, family, method, config, plan),)
+        return (patched_clone(model, family, method, config, calibration),)
 
 
-def patched_clone(model, family, method, config, plan=None):
+def patched_clone(model, family, method, config, calibration=None):
     """``model.clone()`` with the node's attention override and diffusion-model wrapper (a fastdit
-    node applied before is replaced, not stacked); ``plan``: ``(contents, path)`` of a plan file."""
+    node applied before is replaced, not stacked); ``calibration``: ``(contents, path)`` of a
+    calibration file."""
     from comfy.patcher_extension import WrappersMP
 
     clone = model.clone()
@@ -211,7 +217,7 @@ def patched_clone(model, family, method, config, plan=None):
     if isinstance(previous, FastditAttention):
         previous = previous.previous
         clone.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
-    runtime = FastditAttention(family, method, config, previous, plan)
+    runtime = FastditAttention(family, method, config, previous, calibration)
     options["optimized_attention_override"] = runtime
     clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, runtime.wrapper)
     return clone

@@ -12,7 +12,7 @@ ComfyUI class or module):
 * ``transformer_options["optimized_attention_override"]``: ComfyUI's ``wrap_attn`` hands every
   attention call to it as ``(func, q, k, v, heads, mask=..., skip_reshape=..., transformer_options=...)``.
   Self / joint attention calls whose length is the forward's token count are the model's layers,
-  numbered in call order (``dense_layers``, ``layer_settings`` and plan files use that number); each
+  numbered in call order (``dense_layers``, ``layer_settings`` and calibration files use that number); each
   runs ``fastdit.functional.run_call`` with the method's resolved config, a ``TokenLayout`` on
   ComfyUI's token order (text prefix / suffix included), the key mask ComfyUI passes (HunyuanVideo's
   text padding) and per (layer, CFG batch) state kept across the steps of one sampling run. Every
@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from fastdit.calibration.plan_file import PlanError, grid_reason
+from fastdit.calibration.calibration_file import CalibrationError, grid_reason
 from fastdit.context import CallState
 from fastdit.functional import run_call
 from fastdit.layout import key_mask_from_attn_mask
@@ -79,14 +79,15 @@ class FastditAttention:
     Args:
         family: the model's ``ComfyFamily``; method: the method name; config: its resolved config
             (``Method.resolve`` with the family's defaults); previous: an attention override set on
-            the model before the node's (dense calls go through it), or None; plan: the plan file's
-            contents and path ``(plan, path)`` when the options came from one: a forward on a grid
-            where its settings do not mean what they were calibrated for raises ``PlanError``.
+            the model before the node's (dense calls go through it), or None; calibration: the
+            calibration file's contents and path ``(contents, path)`` when the options came from
+            one: a forward on a grid where its settings do not mean what they were calibrated for
+            raises ``CalibrationError``.
     """
 
-    def __init__(self, family, method, config, previous=None, plan=None):
+    def __init__(self, family, method, config, previous=None, calibration=None):
         self.family, self.method, self.config, self.previous = family, method, config, previous
-        self.plan = plan
+        self.calibration = calibration
         self._grids_checked = set()
         self.stats = PatchStats()
         self._warned = set()
@@ -110,7 +111,7 @@ class FastditAttention:
         model = executor.class_obj
         options = arguments.get("transformer_options") or {}
         geometry = self.family.geometry(model, arguments)
-        if self.plan is not None and geometry.layout is not None:
+        if self.calibration is not None and geometry.layout is not None:
             self._check_grid(geometry.layout.grid)
         step, num_steps = step_of(options)
         branch = tuple(options.get("cond_or_uncond") or ())
@@ -124,10 +125,11 @@ class FastditAttention:
     def _check_grid(self, grid):
         if grid in self._grids_checked:
             return
-        plan, path = self.plan
-        reason = grid_reason(plan, [grid])
+        contents, path = self.calibration
+        reason = grid_reason(contents, [grid])
         if reason is not None:
-            raise PlanError(f"fastdit Sparse Attention: plan {path} cannot be applied to grid {grid}: {reason}")
+            raise CalibrationError(f"fastdit Sparse Attention: calibration file {path} cannot be applied to grid "
+                                   f"{grid}: {reason}")
         self._grids_checked.add(grid)
 
     def _new_step(self, options, step):

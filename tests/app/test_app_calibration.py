@@ -1,5 +1,5 @@
 """The app with a plan file (``fastdit calibrate``): the plan input and ``--plan PATH`` apply it
-through ``fastdit.patch(..., plan=...)``; a plan that does not fit shows the PlanError message and
+through ``fastdit.patch(..., calibration=...)``; a plan that does not fit shows the CalibrationError message and
 leaves the model unpatched. Same harness as ``tests/app/test_app.py`` (service layer and gradio_client)."""
 import json
 
@@ -53,9 +53,9 @@ def test_runner_applies_the_plan_and_refuses_a_mismatched_one(tmp_path):
     from fastdit.app import AppError, Runner
 
     runner = Runner()
-    out = runner.compare(request(plan=write(tmp_path)))
+    out = runner.compare(request(calibration=write(tmp_path)))
     metrics = out.metrics
-    assert metrics["plan"] == "plan.json" and any("plan plan.json applied" in n for n in out.notes)
+    assert metrics["calibration"] == "plan.json" and any("calibration plan.json applied" in n for n in out.notes)
     assert metrics["options"]["layer_settings"] == {k: (None if v is None else {"topk": v["topk"]})
                                                     for k, v in SETTINGS.items()}
     assert metrics["options"]["dense_steps"] == 0 and metrics["options"]["tile"] == [1, 2, 2]  # not the boxes
@@ -66,7 +66,7 @@ def test_runner_applies_the_plan_and_refuses_a_mismatched_one(tmp_path):
     cases = [
         (write(tmp_path, "six.json", model={"family": "wan", "transformer": "WanTransformer3DModel", "layers": 6,
                                             "heads": 2, "grids": []}),
-         "number of patched attention layers is 4 but the plan was made for 6"),
+         "number of patched attention layers is 4 but the calibration was made for 6"),
         (write(tmp_path, "sta.json"), None),  # applied with method sta below: another method's plan
         (str(tmp_path / "missing.json"), "cannot read it"),
         (write(tmp_path, "bad.json", settings={"0_0": {"topk": 3.0}}), "settings entry '0_0'|layer_settings entry '0_0'"),
@@ -78,40 +78,40 @@ def test_runner_applies_the_plan_and_refuses_a_mismatched_one(tmp_path):
     for path, message in cases:
         method = "sta" if path.endswith("sta.json") else "sparge"
         with pytest.raises(AppError, match=message or "is for method 'sparge', not 'sta'"):
-            runner.compare(request(plan=path, method=method))
+            runner.compare(request(calibration=path, method=method))
         assert_unpatched(runner)
 
 
 def test_page_plan_input_and_plan_argument(tmp_path):
     """``--plan PATH`` presets the page's plan input (and selects its method); a run through the page
-    with that plan applies it; an uploaded plan of another model is a Gradio error with PlanError's text."""
+    with that plan applies it; an uploaded plan of another model is a Gradio error with CalibrationError's text."""
     from fastdit.app import add_app_parser, build_app
-    from fastdit.app.launch import check_plan_argument
+    from fastdit.app.launch import check_calibration_argument
 
     import argparse
 
     parser = argparse.ArgumentParser(prog="fastdit")
     add_app_parser(parser.add_subparsers(dest="command", required=True))
     path = write(tmp_path)
-    assert parser.parse_args(["app", "--plan", path]).plan == path
-    with pytest.raises(SystemExit, match="argument --plan: plan .*missing.json: cannot read it"):
-        check_plan_argument(str(tmp_path / "missing.json"))
-    demo = build_app("tiny-wan", plan=check_plan_argument(path))
+    assert parser.parse_args(["app", "--calibration", path]).calibration == path
+    with pytest.raises(SystemExit, match="argument --calibration: calibration file .*missing.json: cannot read it"):
+        check_calibration_argument(str(tmp_path / "missing.json"))
+    demo = build_app("tiny-wan", calibration=check_calibration_argument(path))
     demo.queue(default_concurrency_limit=1)
     url = launch(demo)
     try:
         client = gradio_client.Client(url, verbose=False)
         params = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/compare"]["parameters"]
         defaults = {p["parameter_name"]: p.get("parameter_default") for p in params}
-        assert defaults["method"] == "sparge" and defaults["plan"] is not None  # preset by --plan
-        result = client.predict(**SMALL, method="sparge", plan=gradio_client.handle_file(path), api_name="/compare")
+        assert defaults["method"] == "sparge" and defaults["calibration"] is not None  # preset by --calibration
+        result = client.predict(**SMALL, method="sparge", calibration=gradio_client.handle_file(path), api_name="/compare")
         metrics = result[8]
-        assert metrics["plan"] == "plan.json" and metrics["options"]["layer_settings"]["0_1"] is None
+        assert metrics["calibration"] == "plan.json" and metrics["options"]["layer_settings"]["0_1"] is None
         assert metrics["effective_density"] == pytest.approx(expected_density(), abs=1e-6)
         other = write(tmp_path, "other.json", model={"family": "wan", "transformer": "WanTransformer3DModel",
                                                      "layers": 4, "heads": 3, "grids": []})
-        with pytest.raises(gradio_client.exceptions.AppError, match="number of attention heads is 2 but the plan"):
-            client.predict(**SMALL, method="sparge", plan=gradio_client.handle_file(other), api_name="/compare")
+        with pytest.raises(gradio_client.exceptions.AppError, match="number of attention heads is 2 but the calibration"):
+            client.predict(**SMALL, method="sparge", calibration=gradio_client.handle_file(other), api_name="/compare")
         assert_unpatched(demo.runner)
     finally:
         demo.close()

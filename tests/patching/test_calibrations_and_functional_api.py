@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastdit
-import fastdit.calibration.plan_file
+import fastdit.calibration.calibration_file
 from fastdit.methods.base import OptionError
 
 from helpers import nothing_installed, one_line_error  # the fixture no_model: conftest.py
@@ -76,7 +76,7 @@ def test_sta_strategy_for_a_missing_layer_is_refused():
     from tiny_transformers import tiny_wan
 
     model = tiny_wan()
-    layers = fastdit.calibration.plan_file.model_facts(model)[2]
+    layers = fastdit.calibration.calibration_file.model_facts(model)[2]
     for key in (f"0_{layers}_0", "0_50_0"):
         with pytest.raises(ValueError, match=rf"strategy entry '{key}' names layer {key.split('_')[1]} but the model "
                                              rf"has {layers} patched attention layers"):
@@ -85,7 +85,7 @@ def test_sta_strategy_for_a_missing_layer_is_refused():
     fastdit.patch(model, "sta", tile=(1, 2, 2), window=(1, 3, 3), strategy={f"0_{layers - 1}_0": (1, 1, 1)}).remove()
 
 
-# -- item 5: options beside plan= ----------------------------------------------------------------------
+# -- item 5: options beside calibration= ----------------------------------------------------------------------
 def tiny_wan_plan(method="sta", grids=None, **changes):
     """A hand-made plan for ``tiny_wan`` (2 patched layers of 2 heads)."""
     plan = {"format": "fastdit-plan", "version": 1, "method": method,
@@ -111,12 +111,12 @@ def tiny_wan_plan(method="sta", grids=None, **changes):
     ("sparge", {"layer_settings": {"0_1": {"topk": 0.2}}}, "layer_settings"),
 ])
 def test_options_the_plan_sets_cannot_be_passed_beside_it(method, given, named):
-    from fastdit.calibration.plan_file import PlanError
+    from fastdit.calibration.calibration_file import CalibrationError
     from tiny_transformers import tiny_wan
 
     model = tiny_wan()
-    with pytest.raises(PlanError, match=rf"sets option\(s\) \[.*'{named}'.*\]: they cannot be passed beside plan="):
-        fastdit.patch(model, method, plan=tiny_wan_plan(method), **given)
+    with pytest.raises(CalibrationError, match=rf"sets option\(s\) \[.*'{named}'.*\]: they cannot be passed beside calibration="):
+        fastdit.patch(model, method, calibration=tiny_wan_plan(method), **given)
     assert getattr(model, "_fastdit_patch", None) is None
 
 
@@ -124,10 +124,10 @@ def test_options_the_plan_does_not_set_apply_on_top():
     from tiny_transformers import tiny_wan
 
     model = tiny_wan()
-    with fastdit.patch(model, "sta", plan=tiny_wan_plan("sta"), skip_threshold=4.0) as p:
+    with fastdit.patch(model, "sta", calibration=tiny_wan_plan("sta"), skip_threshold=4.0) as p:
         assert p.config.skip_threshold == 4.0 and p.config.tile == (1, 2, 2)
         assert p.config.strategy["0_1_1"] == (1, 1, 3)
-    with fastdit.patch(model, "sparge", plan=tiny_wan_plan("sparge"), cdf=0.5) as p:
+    with fastdit.patch(model, "sparge", calibration=tiny_wan_plan("sparge"), cdf=0.5) as p:
         assert p.config.cdf == 0.5 and p.config.layer_settings == {"0_0": {"topk": 0.5}, "0_1": None}
 
 
@@ -141,7 +141,7 @@ def _grid_of(model, inputs):
 @pytest.mark.parametrize("method, options", [("sparge", {}), ("sta", {"tile": [4, 4, 8], "fit_tile": True,
                                                                      "dense_steps": 0, "dense_layers": 0})])
 def test_plan_on_another_grid_is_refused_at_the_first_call(method, options):
-    from fastdit.calibration.plan_file import PlanError
+    from fastdit.calibration.calibration_file import CalibrationError
     from tiny_transformers import tiny_wan, wan_inputs
 
     model = tiny_wan()
@@ -153,10 +153,10 @@ def test_plan_on_another_grid_is_refused_at_the_first_call(method, options):
         plan["options"] = options
     with torch.no_grad():
         reference = model(**other).sample
-        p = fastdit.patch(model, method, plan=plan)
+        p = fastdit.patch(model, method, calibration=plan)
         model(**planned)  # its own grid runs
         for _ in range(2):  # refused at every call on that grid, not only the first
-            with pytest.raises(PlanError) as error:
+            with pytest.raises(CalibrationError) as error:
                 model(**other)
             assert str(grid) in str(error.value) and str(other_grid) in str(error.value)
         model(**planned)  # and the patch still works on its own grid
@@ -170,7 +170,7 @@ def test_fixed_tile_sta_plan_runs_on_another_grid():
 
     model = tiny_wan()
     plan = tiny_wan_plan("sta", grids=[[3, 4, 8]])  # tile (1, 2, 2), fit_tile False: windows in fixed tiles
-    with torch.no_grad(), fastdit.patch(model, "sta", plan=plan) as p:
+    with torch.no_grad(), fastdit.patch(model, "sta", calibration=plan) as p:
         model(**wan_inputs(frames=3, height=16, width=16))
         assert p.stats.sparse_calls > 0
 
@@ -188,13 +188,13 @@ def test_compare_with_a_plan_on_another_grid_is_one_line_error(tmp_path, capsys)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     argv = ["compare", "--model", "tiny-wan", "--frames", str(size["num_frames"]), "--height", "96", "--width", str(size["width"]),
-            "--steps", "1", "--methods", "dense,sparge", "--plan", str(path),
+            "--steps", "1", "--methods", "dense,sparge", "--calibration", str(path),
             "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip().splitlines()[-1]  # the dense run's progress bars come first
-    assert err.startswith("fastdit: error: PlanError") and "(3, 5, 7)" in err and "(3, 6, 7)" in err, err
+    assert err.startswith("fastdit: error: CalibrationError") and "(3, 5, 7)" in err and "(3, 6, 7)" in err, err
 
 
 # -- item 2: a bare transformer called repeatedly at one timestep ----------------------------------------
@@ -286,14 +286,14 @@ def test_compare_with_no_methods_is_a_one_line_error(tmp_path, capsys, no_model)
 
 
 def test_hand_edited_sta_plan_without_options_or_a_head_is_refused():
-    from fastdit.calibration.plan_file import PlanError, check_plan
+    from fastdit.calibration.calibration_file import CalibrationError, check_calibration
 
-    check_plan(tiny_wan_plan("sta"))
+    check_calibration(tiny_wan_plan("sta"))
     no_options = tiny_wan_plan("sta")
     del no_options["options"]
-    with pytest.raises(PlanError, match="'options' must give the 'tile'"):
-        check_plan(no_options)
+    with pytest.raises(CalibrationError, match="'options' must give the 'tile'"):
+        check_calibration(no_options)
     no_head = tiny_wan_plan("sta")
     del no_head["strategy"]["0_1_1"]
-    with pytest.raises(PlanError, match=r"no entry for head\(s\) \[1\] of step bucket 0, layer 1"):
-        check_plan(no_head)
+    with pytest.raises(CalibrationError, match=r"no entry for head\(s\) \[1\] of step bucket 0, layer 1"):
+        check_calibration(no_head)

@@ -89,12 +89,12 @@ def test_item6_dense_is_kept_on_a_rounding_tie():
 ])
 def test_item6_hand_edited_candidates_are_refused(candidate, message):
     """A candidate's ``dense_steps`` / ``dense_layers`` were silently forced to 0, and ``prune`` /
-    ``window`` accepted though docs/auto.md leaves them out: a PlanError names the candidate."""
-    from fastdit.calibration.plan_file import PlanError, load_plan
+    ``window`` accepted though docs/auto.md leaves them out: a CalibrationError names the candidate."""
+    from fastdit.calibration.calibration_file import CalibrationError, load_calibration
 
-    with pytest.raises(PlanError, match=message):
-        load_plan(_auto_plan([AUTO_CANDIDATES[0], candidate]))
-    load_plan(_auto_plan())  # the plain plan loads
+    with pytest.raises(CalibrationError, match=message):
+        load_calibration(_auto_plan([AUTO_CANDIDATES[0], candidate]))
+    load_calibration(_auto_plan())  # the plain plan loads
 
 
 def test_item6_a_plan_starting_after_the_run_warns():
@@ -102,11 +102,11 @@ def test_item6_a_plan_starting_after_the_run_warns():
     import fastdit
 
     pipe = _pipe()
-    with fastdit.patch(pipe, "auto", plan=_auto_plan(buckets=(5,))) as patch:
+    with fastdit.patch(pipe, "auto", calibration=_auto_plan(buckets=(5,))) as patch:
         with pytest.warns(UserWarning, match=r"first step bucket \(5\).*whole run is dense"):
             pipe("a cat", **CALL)
         assert patch.stats.effective_density == 1.0
-    with fastdit.patch(pipe, "auto", plan=_auto_plan()):
+    with fastdit.patch(pipe, "auto", calibration=_auto_plan()):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             pipe("a cat", **CALL)  # a plan from step 0: no warning

@@ -7,7 +7,7 @@ import torch
 
 from fastdit.layout import TokenLayout
 from fastdit.methods.sta import SlidingTile
-from fastdit.calibration.plan_file import PlanError, load_plan, plan_options, write_plan
+from fastdit.calibration.calibration_file import CalibrationError, load_calibration, calibration_options, write_calibration
 
 
 def make_plan(**changes):
@@ -39,17 +39,17 @@ def masks(options, layout, heads=3):
 
 def test_round_trip_same_masks(tmp_path):
     plan = make_plan()
-    path = write_plan(plan, tmp_path / "plan.json")
-    loaded = load_plan(path)
+    path = write_calibration(plan, tmp_path / "plan.json")
+    loaded = load_calibration(path)
     assert loaded == plan
     layout = TokenLayout((5, 6, 10))
-    before = masks(plan_options(plan, "sta"), layout)
-    after = masks(plan_options(path, "sta", family="wan", transformer="WanTransformer3DModel", layers=2, heads=3), layout)
+    before = masks(calibration_options(plan, "sta"), layout)
+    after = masks(calibration_options(path, "sta", family="wan", transformer="WanTransformer3DModel", layers=2, heads=3), layout)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     # the settings really differ per head and step (the round trip is not trivially all-equal)
     assert not torch.equal(after[0, 0, 0], after[0, 0, 2]) and not torch.equal(after[0, 0, 0], after[2, 0, 0])
     assert after[0, 0, 1].all()  # 0,0,0: the whole grid
-    assert plan_options(plan, "sta")["strategy"]["0_0_0"] == (1, 3, 3)
+    assert calibration_options(plan, "sta")["strategy"]["0_0_0"] == (1, 3, 3)
 
 
 @pytest.mark.parametrize("fact, value, reason", [
@@ -59,25 +59,25 @@ def test_round_trip_same_masks(tmp_path):
     ("heads", 2, "number of attention heads is 2"),
 ])
 def test_mismatched_model_is_refused_with_the_reason(tmp_path, fact, value, reason):
-    path = write_plan(make_plan(), tmp_path / "plan.json")
-    with pytest.raises(PlanError) as error:
-        plan_options(path, "sta", **{fact: value})
+    path = write_calibration(make_plan(), tmp_path / "plan.json")
+    with pytest.raises(CalibrationError) as error:
+        calibration_options(path, "sta", **{fact: value})
     assert reason in str(error.value) and str(path) in str(error.value)
 
 
 def test_other_method_is_refused():
-    with pytest.raises(PlanError, match="for method 'sta', not 'radial'"):
-        plan_options(make_plan(), "radial")
+    with pytest.raises(CalibrationError, match="for method 'sta', not 'radial'"):
+        calibration_options(make_plan(), "radial")
 
 
 def test_other_grid_applies_with_a_fixed_tile_and_is_refused_with_a_fitted_one():
-    options = plan_options(make_plan(), "sta", grids=[(9, 12, 20)])
+    options = calibration_options(make_plan(), "sta", grids=[(9, 12, 20)])
     assert options["tile"] == (1, 2, 2)  # windows in tiles of a fixed size: the same token extents
     fitted = make_plan(options={"tile": [4, 4, 8], "fit_tile": True, "dense_steps": 0})
     fitted["model"]["grids"] = [[8, 32, 48]]
-    assert plan_options(fitted, "sta", grids=[(8, 32, 48)])["fit_tile"] is True  # its own grid
-    with pytest.raises(PlanError, match="cannot be applied to grid.*tile is fitted per grid"):
-        plan_options(fitted, "sta", grids=[(3, 5, 7)])
+    assert calibration_options(fitted, "sta", grids=[(8, 32, 48)])["fit_tile"] is True  # its own grid
+    with pytest.raises(CalibrationError, match="cannot be applied to grid.*tile is fitted per grid"):
+        calibration_options(fitted, "sta", grids=[(3, 5, 7)])
 
 
 @pytest.mark.parametrize("mutate, needle", [
@@ -97,31 +97,31 @@ def test_malformed_plans_name_file_and_entry(tmp_path, mutate, needle):
     mutate(plan)
     path = tmp_path / "bad_plan.json"
     path.write_text(json.dumps(plan))
-    with pytest.raises(PlanError) as error:
-        load_plan(path)
+    with pytest.raises(CalibrationError) as error:
+        load_calibration(path)
     assert str(path) in str(error.value) and needle in str(error.value)
 
 
 def test_truncated_and_missing_files(tmp_path):
-    path = write_plan(make_plan(), tmp_path / "plan.json")
+    path = write_calibration(make_plan(), tmp_path / "plan.json")
     text = open(path).read()
     truncated = tmp_path / "truncated.json"
     truncated.write_text(text[: len(text) // 2])
-    with pytest.raises(PlanError, match=f"{truncated}.*truncated or malformed"):
-        load_plan(truncated)
-    with pytest.raises(PlanError, match="cannot read it"):
-        load_plan(tmp_path / "missing.json")
+    with pytest.raises(CalibrationError, match=f"{truncated}.*truncated or malformed"):
+        load_calibration(truncated)
+    with pytest.raises(CalibrationError, match="cannot read it"):
+        load_calibration(tmp_path / "missing.json")
 
 
 def test_other_methods_take_settings_per_layer():
     plan = make_plan(method="radial", options={"dense_steps": 0}, settings={"0_0": {"decay": 0.5}, "0_1": {"decay": 0.8}})
     del plan["strategy"]
     plan["step_buckets"] = [0]
-    assert plan_options(plan, "radial")["layer_settings"] == {"0_0": {"decay": 0.5}, "0_1": {"decay": 0.8}}
+    assert calibration_options(plan, "radial")["layer_settings"] == {"0_0": {"decay": 0.5}, "0_1": {"decay": 0.8}}
     plan["settings"]["0_1"] = None  # dense
-    assert plan_options(plan, "radial")["layer_settings"]["0_1"] is None
+    assert calibration_options(plan, "radial")["layer_settings"]["0_1"] is None
     plan["settings"]["0_1"] = {"decay": -1.0}
-    with pytest.raises(PlanError, match="entry 'settings': layer_settings entry '0_1': decay"):
-        plan_options(plan, "radial")
-    with pytest.raises(PlanError, match="cannot be applied to grid"):
-        plan_options(dict(plan, settings={"0_0": {"decay": 0.5}}), "radial", grids=[(1, 2, 3)])
+    with pytest.raises(CalibrationError, match="entry 'settings': layer_settings entry '0_1': decay"):
+        calibration_options(plan, "radial")
+    with pytest.raises(CalibrationError, match="cannot be applied to grid"):
+        calibration_options(dict(plan, settings={"0_0": {"decay": 0.5}}), "radial", grids=[(1, 2, 3)])
