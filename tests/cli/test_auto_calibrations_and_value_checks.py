@@ -1,10 +1,12 @@
-"""Hardening, third round (issue 45), items 6 to 9: each test names the finding it covers.
+"""``auto`` calibrations and values checked before any work, by subject:
 
-6. ``auto`` and plans (the user's options over the candidates, ties with dense, hand-edited plans);
-7. values checked before the work (cache-dit settings, the cost-model predictor, the app);
-8. quiet wrong turns (tiny-shapes' prompts, ``optimize_noise``'s inputs, the tiny pipelines' native
-   call); 9. engines and several GPUs (the vllm-omni plugin's head-dim message, Ulysses' heads).
-Items 1 to 5 and the first parts of 6 to 9: tests/train/test_training_copies_and_int8.py.
+* ``auto`` calibrations: the user's options over the candidates, ties with dense, hand-edited
+  candidates, step buckets past the run;
+* values checked before the work: cache-dit settings, the cost-model predictor, the app's port and
+  concurrency;
+* quiet wrong turns: tiny-shapes' prompts, ``optimize_noise``'s inputs, the tiny pipelines' native call;
+* engines and several GPUs: the vllm-omni plugin's head-dim message, Ulysses' heads, ``--cp`` help.
+Training, copies, INT8 and the other value checks: tests/train/test_training_copies_and_int8.py.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def _pipe():
     return pipe
 
 
-# -- 6. auto and plans -----------------------------------------------------------------------------
+# -- auto calibrations ---------------------------------------------------------------------------------
 AUTO_CANDIDATES = [{"method": "sta", "tile": [1, 2, 2], "window": [1, 1, 1]}, {"method": "todo", "factor": 2}]
 
 
@@ -36,7 +38,7 @@ def _auto_plan(candidates=None, buckets=(0,), layers=2, heads=2):
             "candidates": candidates or AUTO_CANDIDATES, "choices": choices}
 
 
-def test_item6_calibrate_auto_set_value_wins_over_the_candidates():
+def test_calibrate_auto_set_value_wins_over_the_candidates():
     """``fastdit calibrate --method auto --set todo.factor=1`` succeeded but the candidates' factors
     (2, 3, 4) overrode the user's value silently: now the user's value is the one scored."""
     from fastdit.calibration.candidates import auto_candidates
@@ -47,7 +49,7 @@ def test_item6_calibrate_auto_set_value_wins_over_the_candidates():
         auto_candidates(None, {"todo": {"dense_steps": 1}})
 
 
-def test_item6_cli_calibrate_auto_set_reaches_the_candidates(tmp_path, monkeypatch):
+def test_cli_calibrate_auto_set_reaches_the_candidates(tmp_path, monkeypatch):
     """The command line passes ``--set todo.factor=1`` to the search with that value kept."""
     from fastdit.calibration import search
     from fastdit.calibration.candidates import auto_candidates
@@ -66,7 +68,7 @@ def test_item6_cli_calibrate_auto_set_reaches_the_candidates(tmp_path, monkeypat
     assert [c for c in seen["candidates"] if c["method"] == "todo"] == [{"method": "todo", "factor": 1}]
 
 
-def test_item6_dense_is_kept_on_a_rounding_tie():
+def test_dense_is_kept_on_a_rounding_tie():
     """Every head chose radial at density 1.000 over dense by a float-rounding difference of the
     predicted time (strict ``<``); docs/auto.md says dense is kept where predicted as fast."""
     from fastdit.calibration.candidates import select_auto
@@ -87,7 +89,7 @@ def test_item6_dense_is_kept_on_a_rounding_tie():
     ({"method": "window", "window": [1, 1, 1]}, "method 'window' is not one auto chooses from"),
     ({"method": "dense"}, "method 'dense' is not one auto chooses from"),
 ])
-def test_item6_hand_edited_candidates_are_refused(candidate, message):
+def test_hand_edited_candidates_are_refused(candidate, message):
     """A candidate's ``dense_steps`` / ``dense_layers`` were silently forced to 0, and ``prune`` /
     ``window`` accepted though docs/auto.md leaves them out: a CalibrationError names the candidate."""
     from fastdit.calibration.calibration_file import CalibrationError, load_calibration
@@ -97,7 +99,7 @@ def test_item6_hand_edited_candidates_are_refused(candidate, message):
     load_calibration(_auto_plan())  # the plain plan loads
 
 
-def test_item6_a_plan_starting_after_the_run_warns():
+def test_a_plan_starting_after_the_run_warns():
     """``step_buckets: [5]`` on a 2-step run made every call dense with no warning."""
     import fastdit
 
@@ -112,7 +114,7 @@ def test_item6_a_plan_starting_after_the_run_warns():
             pipe("a cat", **CALL)  # a plan from step 0: no warning
 
 
-# -- 7. values checked before the work ------------------------------------------------------------
+# -- values checked before the work ---------------------------------------------------------------
 @pytest.mark.parametrize("setting, message", [
     ("residual_diff_threshold=abc", "residual_diff_threshold: must be a finite number >= 0, got 'abc'"),
     ("residual_diff_threshold=nan", "residual_diff_threshold: must be a finite number >= 0"),
@@ -121,7 +123,7 @@ def test_item6_a_plan_starting_after_the_run_warns():
     ("max_warmup_steps=1000000000", "max_warmup_steps: must be at most the run's 2 steps"),
     ("bogus=1", "unknown DBCacheConfig field"),
 ])
-def test_item7_cache_values_are_checked_before_any_model_loads(setting, message, monkeypatch, capsys):
+def test_cache_values_are_checked_before_any_model_loads(setting, message, monkeypatch, capsys):
     """``--cache-set residual_diff_threshold=abc`` (``nan``, ``Fn_compute_blocks=-1``,
     ``max_warmup_steps=1e9``) failed with a TypeError / AssertionError after the dense run had
     finished; now a one-line error naming the flag before the model loads."""
@@ -137,7 +139,7 @@ def test_item7_cache_values_are_checked_before_any_model_loads(setting, message,
     assert len(err) == 1 and "argument --cache-set" in err[0] and message in err[0], err
 
 
-def test_item7_cache_warmup_past_the_models_default_steps_is_refused_before_the_run():
+def test_cache_warmup_past_the_models_default_steps_is_refused_before_the_run():
     """Without ``--steps`` the run's steps are known once the model is: ``cache_settings`` (called
     before any generation) refuses more warm-up steps than the run has."""
     pytest.importorskip("cache_dit")
@@ -155,7 +157,7 @@ def test_item7_cache_warmup_past_the_models_default_steps_is_refused_before_the_
     (["--hy-frames", "100000"], "argument --hy-frames: expects a frame count from 1 to 513"),
     (["--models", "wan,bogus"], "unknown model(s) ['bogus']"),
 ])
-def test_item7_predict_checks_its_values(argv, message, monkeypatch, capsys):
+def test_predict_checks_its_values(argv, message, monkeypatch, capsys):
     """``python -m fastdit.eval.predict --dynamic-density 2`` (-1, 0) printed 296x speedups, ``nan``
     a traceback, ``--hy-frames 100000`` tried to allocate 250 GB."""
     from fastdit.eval import predict
@@ -173,7 +175,7 @@ def test_item7_predict_checks_its_values(argv, message, monkeypatch, capsys):
     (["--concurrency", "0"], "argument --concurrency: expects an integer >= 1, got 0"),
     (["--max-tokens", "0"], "argument --max-tokens"),
 ])
-def test_item7_app_checks_port_and_concurrency(argv, message, monkeypatch, capsys):
+def test_app_checks_port_and_concurrency(argv, message, monkeypatch, capsys):
     """``fastdit app --port -1`` gave a raw OverflowError at launch; ``--concurrency 0`` was accepted."""
     from fastdit.app import launch
     from fastdit.cli import main
@@ -186,14 +188,14 @@ def test_item7_app_checks_port_and_concurrency(argv, message, monkeypatch, capsy
     assert message in err[-1], err
 
 
-# -- 8. quiet wrong turns ---------------------------------------------------------------------------
+# -- quiet wrong turns ------------------------------------------------------------------------------
 def _eval_config(argv):
     from fastdit.cli.eval import build_parser, config_from_args
 
     return config_from_args(build_parser().parse_args(argv))
 
 
-def test_item8_eval_tiny_shapes_defaults_to_its_held_out_captions():
+def test_eval_tiny_shapes_defaults_to_its_held_out_captions():
     """``fastdit eval --model tiny-shapes --metrics adherence`` with the default prompts (COCO) gave
     ``adherence: None`` for every sample with no note: its default is now the shipped ``shapes`` set
     (32 held-out captions of its grammar), and other text is refused as ``fastdit compare`` does."""
@@ -206,7 +208,7 @@ def test_item8_eval_tiny_shapes_defaults_to_its_held_out_captions():
     assert _eval_config(["--model", "tiny-wan", "--out", "unused"]).prompts_file == "coco"
 
 
-def test_item8_eval_says_why_adherence_is_none(capsys):
+def test_eval_says_why_adherence_is_none(capsys):
     """Adherence scores only captions of the shapes grammar: with other prompts the run says so
     instead of leaving ``None`` unexplained."""
     _eval_config(["--model", "tiny-wan", "--metrics", "psnr,adherence", "--out", "unused"])
@@ -216,7 +218,7 @@ def test_item8_eval_says_why_adherence_is_none(capsys):
     assert "adherence is scored only" not in capsys.readouterr().out
 
 
-def test_item8_calibrate_tiny_shapes_uses_its_own_captions(tmp_path, monkeypatch, capsys):
+def test_calibrate_tiny_shapes_uses_its_own_captions(tmp_path, monkeypatch, capsys):
     """``fastdit calibrate --model tiny-shapes`` calibrated on COCO captions (which ``compare``
     refuses for this model): the default is now the training captions shipped beside its weights,
     and prompts outside its grammar are refused before the model loads."""
@@ -245,7 +247,7 @@ def test_item8_calibrate_tiny_shapes_uses_its_own_captions(tmp_path, monkeypatch
     assert "argument --prompts: tiny-shapes takes captions like" in capsys.readouterr().err
 
 
-def test_item8_optimize_noise_refuses_constant_latents_and_prompt_lists():
+def test_optimize_noise_refuses_constant_latents_and_prompt_lists():
     """``optimize_noise(latents=torch.zeros(...))`` returned all-NaN latents; ``prompt=[...]`` raised
     an AttributeError: both are ValueErrors naming the argument."""
     import torch
@@ -262,7 +264,7 @@ def test_item8_optimize_noise_refuses_constant_latents_and_prompt_lists():
         fastdit.optimize_noise(pipe, ["a red circle moving left"], latents=torch.randn(shape), steps=1)
 
 
-def test_item8_tiny_pipelines_carry_their_native_call():
+def test_tiny_pipelines_carry_their_native_call():
     """A bare embedded tiny pipeline (``load_pipeline("tiny-wan")``, or ``optimize_noise`` without
     latents) ran at diffusers' defaults (50 steps, 81 frames of 480 x 832). The pipeline now
     carries its native call; ``optimize_noise``, ``calibrate`` and ``compare`` fill what the caller
@@ -281,8 +283,8 @@ def test_item8_tiny_pipelines_carry_their_native_call():
     assert "image" not in load_pipeline("tiny-wan-i2v", "cpu")._fastdit_call_defaults
 
 
-# -- 9. engines and several GPUs --------------------------------------------------------------------
-def test_item9_plugin_head_dim_mismatch_names_the_callers_shapes():
+# -- engines and several GPUs -----------------------------------------------------------------------
+def test_plugin_head_dim_mismatch_names_the_callers_shapes():
     """The head-dim mismatch message showed the internal (BHSD) layout and the sequence padded to
     whole tiles (116 for 80 tokens); it now names the caller's BSND shapes. A value head_dim other
     than the key's (which SDPA takes) runs dense with the reason."""
@@ -304,7 +306,7 @@ def test_item9_plugin_head_dim_mismatch_names_the_callers_shapes():
     assert out.shape == (1, 80, 2, 24) and plugin.stats.fallback_calls == 1
 
 
-def test_item9_ulysses_degree_that_does_not_divide_the_heads_is_refused_before_any_run(monkeypatch, capsys):
+def test_ulysses_degree_that_does_not_divide_the_heads_is_refused_before_any_run(monkeypatch, capsys):
     """``torchrun --nproc_per_node 3 -m fastdit.cli compare --cp 3`` on a 2-head model failed with a
     raw reshape error inside diffusers during the dense run; the heads are now checked when the
     pipeline is put under context parallelism, before any run (a one-line error naming --cp)."""
@@ -330,7 +332,7 @@ def test_item9_ulysses_degree_that_does_not_divide_the_heads_is_refused_before_a
         parallel.enable(pipe, setup)  # refused before anything changes
 
 
-def test_item9_cp_ring_help_names_every_ring_method():
+def test_cp_ring_help_names_every_ring_method():
     """``--cp-ring`` help omitted svg2, which works under ring: both commands now print the one list."""
     from fastdit.cli.eval import build_parser
     from fastdit.methods.parallel.ring import ring_methods

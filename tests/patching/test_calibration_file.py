@@ -1,4 +1,4 @@
-"""Plan files: round trip, refusals that name the mismatch, malformed files that name the file and entry."""
+"""Calibration files: round trip, refusals that name the mismatch, malformed files that name the file and entry."""
 import copy
 import json
 

@@ -1,6 +1,6 @@
-"""Hardening, second round (issue 31): plans only where they mean what they were calibrated for,
-bounded state on bare transformers, a functional API that never silently drops keys or goes dense,
-one rule for options beside a plan, and CLI details."""
+"""Calibration files only where they mean what they were calibrated for (grids, layers, options
+beside ``calibration=``), bounded state on bare transformers, a functional API that never silently
+drops keys or goes dense, and small command-line checks."""
 import gc
 import os
 
@@ -16,7 +16,7 @@ from helpers import nothing_installed, one_line_error  # the fixture no_model: c
 SPARSE_METHODS = [m for m in fastdit.method_names() if m != "dense"]
 
 
-# -- item 3: the functional API runs sparse by default ------------------------------------------------
+# -- the functional API runs sparse by default ---------------------------------------------------
 @pytest.mark.parametrize("method", SPARSE_METHODS)
 def test_functional_attention_runs_sparse_by_default(method):
     layout = fastdit.TokenLayout((3, 8, 8))
@@ -40,7 +40,7 @@ def test_functional_attention_fraction_needs_num_steps():
     assert info["dense"]
 
 
-# -- item 4: keys of another length than the queries ---------------------------------------------------
+# -- keys of another length than the queries ------------------------------------------------------
 def _reference(q, k, v, key_mask=None):
     """Float64 softmax(q k^T / sqrt(D)) v over the valid keys."""
     scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
@@ -71,7 +71,7 @@ def test_functional_attention_other_key_length(method, extra):
         torch.testing.assert_close(out, _reference(q, k, v, key_mask), atol=2e-5, rtol=1e-4)
 
 
-# -- item 6: sta strategy entries for layers that do not exist ----------------------------------------
+# -- sta strategy entries for layers that do not exist -------------------------------------------
 def test_sta_strategy_for_a_missing_layer_is_refused():
     from tiny_transformers import tiny_wan
 
@@ -85,7 +85,7 @@ def test_sta_strategy_for_a_missing_layer_is_refused():
     fastdit.patch(model, "sta", tile=(1, 2, 2), window=(1, 3, 3), strategy={f"0_{layers - 1}_0": (1, 1, 1)}).remove()
 
 
-# -- item 5: options beside calibration= ----------------------------------------------------------------------
+# -- options beside calibration= -------------------------------------------------------------------
 def tiny_wan_plan(method="sta", grids=None, **changes):
     """A hand-made plan for ``tiny_wan`` (2 patched layers of 2 heads)."""
     plan = {"format": "fastdit-plan", "version": 1, "method": method,
@@ -110,7 +110,7 @@ def tiny_wan_plan(method="sta", grids=None, **changes):
     ("sparge", {"topk": 0.9}, "topk"),
     ("sparge", {"layer_settings": {"0_1": {"topk": 0.2}}}, "layer_settings"),
 ])
-def test_options_the_plan_sets_cannot_be_passed_beside_it(method, given, named):
+def test_options_the_calibration_sets_cannot_be_passed_beside_it(method, given, named):
     from fastdit.calibration.calibration_file import CalibrationError
     from tiny_transformers import tiny_wan
 
@@ -120,7 +120,7 @@ def test_options_the_plan_sets_cannot_be_passed_beside_it(method, given, named):
     assert getattr(model, "_fastdit_patch", None) is None
 
 
-def test_options_the_plan_does_not_set_apply_on_top():
+def test_options_the_calibration_does_not_set_apply_on_top():
     from tiny_transformers import tiny_wan
 
     model = tiny_wan()
@@ -131,7 +131,7 @@ def test_options_the_plan_does_not_set_apply_on_top():
         assert p.config.cdf == 0.5 and p.config.layer_settings == {"0_0": {"topk": 0.5}, "0_1": None}
 
 
-# -- item 1: a plan on a grid it was not calibrated for --------------------------------------------------
+# -- a calibration on a grid it was not made for -----------------------------------------------------
 def _grid_of(model, inputs):
     from fastdit.pipelines import find_adapter
 
@@ -140,7 +140,7 @@ def _grid_of(model, inputs):
 
 @pytest.mark.parametrize("method, options", [("sparge", {}), ("sta", {"tile": [4, 4, 8], "fit_tile": True,
                                                                      "dense_steps": 0, "dense_layers": 0})])
-def test_plan_on_another_grid_is_refused_at_the_first_call(method, options):
+def test_calibration_on_another_grid_is_refused_at_the_first_call(method, options):
     from fastdit.calibration.calibration_file import CalibrationError
     from tiny_transformers import tiny_wan, wan_inputs
 
@@ -165,7 +165,7 @@ def test_plan_on_another_grid_is_refused_at_the_first_call(method, options):
         assert torch.equal(model(**other).sample, reference)
 
 
-def test_fixed_tile_sta_plan_runs_on_another_grid():
+def test_fixed_tile_sta_calibration_runs_on_another_grid():
     from tiny_transformers import tiny_wan, wan_inputs
 
     model = tiny_wan()
@@ -175,7 +175,7 @@ def test_fixed_tile_sta_plan_runs_on_another_grid():
         assert p.stats.sparse_calls > 0
 
 
-def test_compare_with_a_plan_on_another_grid_is_one_line_error(tmp_path, capsys):
+def test_compare_with_a_calibration_on_another_grid_is_one_line_error(tmp_path, capsys):
     import json
 
     from fastdit.cli import main
@@ -197,7 +197,7 @@ def test_compare_with_a_plan_on_another_grid_is_one_line_error(tmp_path, capsys)
     assert err.startswith("fastdit: error: CalibrationError") and "(3, 5, 7)" in err and "(3, 6, 7)" in err, err
 
 
-# -- item 2: a bare transformer called repeatedly at one timestep ----------------------------------------
+# -- a bare transformer called repeatedly at one timestep -------------------------------------------
 def _state_size(store):
     """(tensors, bytes) held by a CallState's method store (nested dicts / lists / tuples)."""
     seen, count, size = set(), 0, 0
@@ -265,7 +265,7 @@ def test_repeated_timestep_starts_a_new_call_after_two_branches():
     assert branches == [(0, 1), (0, 2), (0, 1), (0, 2), (0, 1), (1, 1), (1, 2), (0, 1), (0, 2), (0, 3), (0, 1)]
 
 
-# -- item 7: smaller CLI items ---------------------------------------------------------------------------
+# -- smaller command-line checks ------------------------------------------------------------------------------
 
 def test_calibrate_radial_without_candidates_is_refused_before_loading(tmp_path, capsys, no_model):
     from fastdit.cli import main
@@ -285,7 +285,7 @@ def test_compare_with_no_methods_is_a_one_line_error(tmp_path, capsys, no_model)
         assert "--methods" in one_line_error(capsys, info)
 
 
-def test_hand_edited_sta_plan_without_options_or_a_head_is_refused():
+def test_hand_edited_sta_calibration_without_options_or_a_head_is_refused():
     from fastdit.calibration.calibration_file import CalibrationError, check_calibration
 
     check_calibration(tiny_wan_plan("sta"))

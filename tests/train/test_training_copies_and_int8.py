@@ -1,9 +1,8 @@
-"""Hardening, third round (issue 45): each test names the finding it covers.
-
-1. the README's training command and docs/training.md's config (fractional dense_steps, options
-   that fit the tiny grid); 2. dense_steps after a scheduler swap; 3. copies of a patched model;
-4. INT8 with non-finite values; 5. training that diverges, resume, atomic checkpoints; and the
-later findings (values checked before any work).
+"""Training through sparse attention and what surrounds it, by subject: the README's training
+command and docs/training.md's config (fractional dense_steps, options that fit the tiny grid);
+dense_steps after a scheduler swap; copies of a patched model (unpatched copies and checkpoints);
+INT8 with non-finite values; training that diverges, resume, atomic checkpoints; ``auto``
+calibration keys and encodings; values checked before any work.
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ def _train_config(**overrides):
     return LoraTrainConfig(**{**fields, **overrides})
 
 
-# -- 1. the README's training command ---------------------------------------------------------------
-def test_item1_readme_training_command_learns(tmp_path, capsys):
+# -- the README's training command ------------------------------------------------------------------
+def test_readme_training_command_learns(tmp_path, capsys):
     """``python -m fastdit.train --tiny wan --method sta --steps 2 --out tr`` as in the README: it
     crashed at the first step on sta's fractional dense_steps; now it trains sparse, with options
     that fit the tiny grid, and says why the options differ from the method's defaults."""
@@ -52,7 +51,7 @@ def test_item1_readme_training_command_learns(tmp_path, capsys):
     assert "dense_steps=0.25" in err and "--tiny" in err
 
 
-def test_item1_docs_config_with_the_default_fraction_trains(tmp_path):
+def test_docs_config_with_the_default_fraction_trains(tmp_path):
     """docs/training.md's ``LoraTrainConfig(method="sta", options={"tile": ..., "window": ...})``
     (sta's default dense_steps is a fraction) trains, and the result says dense_steps was 0."""
     pytest.importorskip("peft")
@@ -64,7 +63,7 @@ def test_item1_docs_config_with_the_default_fraction_trains(tmp_path):
     assert any("dense_steps" in note for note in result["notes"])
 
 
-def test_item1_a_mask_covering_the_grid_is_reported(tmp_path):
+def test_a_mask_covering_the_grid_is_reported(tmp_path):
     """sta's default window on a 3 x 4 x 4 grid covers every token: the run says the adapter
     learns nothing instead of reporting zero losses silently."""
     pytest.importorskip("peft")
@@ -76,7 +75,7 @@ def test_item1_a_mask_covering_the_grid_is_reported(tmp_path):
     assert any("learns nothing" in note for note in result["notes"])
 
 
-# -- 2. dense_steps after a scheduler swap -------------------------------------------------------
+# -- dense_steps after a scheduler swap ----------------------------------------------------------
 def _run_counts(pipe, patch):
     patch.reset_stats()
     pipe("a cat", **{**CALL, "num_inference_steps": 4}, output_type="latent", generator=torch.Generator().manual_seed(0))
@@ -84,7 +83,7 @@ def _run_counts(pipe, patch):
 
 
 @pytest.mark.parametrize("dense_steps", [0.5, 2])
-def test_item2_dense_steps_survive_a_scheduler_swap(dense_steps):
+def test_dense_steps_survive_a_scheduler_swap(dense_steps):
     """``pipe.scheduler = type(s).from_config(s.config)`` after patching (diffusers' idiom): the
     dense steps are honoured on the first run after the swap (in a fresh context, where a fraction
     used to raise 'a bare transformer was patched') and on later runs (where the previous run's
@@ -113,7 +112,7 @@ def test_item2_dense_steps_survive_a_scheduler_swap(dense_steps):
     assert "step" not in swapped.__dict__ and "set_timesteps" not in swapped.__dict__  # untracked on remove
 
 
-# -- 3. copies of a patched model --------------------------------------------------------------
+# -- copies of a patched model -----------------------------------------------------------------
 def _transformer_output(transformer):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, transformer.config.in_channels, 3, 8, 8, generator=gen)
@@ -124,7 +123,7 @@ def _transformer_output(transformer):
 
 
 @pytest.mark.parametrize("trainable", [False, True])
-def test_item3_a_patched_transformer_copies_and_saves_unpatched(tmp_path, trainable):
+def test_a_patched_transformer_copies_and_saves_unpatched(tmp_path, trainable):
     """``copy.deepcopy`` and ``torch.save`` of a patched transformer (an EMA copy during training)
     used to fail on the patch's lock / bound hook; the copy (and the saved model) is now the
     unpatched model, the original stays patched, and the copy can be patched on its own."""
@@ -157,7 +156,7 @@ def test_item3_a_patched_transformer_copies_and_saves_unpatched(tmp_path, traina
     torch.testing.assert_close(_transformer_output(transformer), dense)
 
 
-# -- 4. INT8 with non-finite values ----------------------------------------------------------
+# -- INT8 with non-finite values -------------------------------------------------------------
 def _quant_inputs(mode):
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(1, 2, 128, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
@@ -184,7 +183,7 @@ def _affected(out, clean, tol):
 
 @pytest.mark.parametrize("mode", ["k_inf", "k_nan", "v_nan", "v_inf"])
 @pytest.mark.parametrize("quant", ["int8", "int8-fp8"])
-def test_item4_a_nonfinite_input_affects_the_same_rows_under_quant(mode, quant):
+def test_a_nonfinite_input_affects_the_same_rows_under_quant(mode, quant):
     """One inf in K used to turn the whole head NaN under ``quant`` (the key mean used for smoothing
     became inf); one NaN in V every row of the emulation. Now the rows affected (for V: the rows
     and channels) are exactly those the unquantised engine changes, they are non-finite (an inf
@@ -213,7 +212,7 @@ def test_item4_a_nonfinite_input_affects_the_same_rows_under_quant(mode, quant):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_item4_inf_key_under_the_engine_op_leaves_the_other_heads_and_rows(backend):
+def test_inf_key_under_the_engine_op_leaves_the_other_heads_and_rows(backend):
     """Through ``block_sparse_attention(..., quant="int8")`` (Triton: in the interpreter on a CPU):
     only head 0's rows that attend the inf key's block are NaN (it was the whole head); their lse
     is NaN too (a merge through the lse cannot hide them), the others are finite."""
@@ -230,8 +229,8 @@ def test_item4_inf_key_under_the_engine_op_leaves_the_other_heads_and_rows(backe
     assert torch.isnan(lse[expected]).all() and torch.isfinite(lse[~expected]).all()
 
 
-# -- 5. training that diverges, resume, checkpoints ------------------------------------------------
-def test_item5_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+# -- training that diverges, resume, checkpoints ---------------------------------------------------
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     """``lr=1e8``: the losses went ``[0.0008, nan, nan, ...]`` with NaN adapters and checkpoints
     saved. Now the run stops at the first non-finite loss or gradient, before the optimizer step,
     naming the step and lr; every checkpoint left holds finite weights, and no adapter is saved."""
@@ -249,7 +248,7 @@ def test_item5_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path
         assert all(math.isfinite(x) for x in state["losses"]), path
 
 
-def test_item5_resume_refuses_another_configuration_and_skips_a_truncated_checkpoint(tmp_path):
+def test_resume_refuses_another_configuration_and_skips_a_truncated_checkpoint(tmp_path):
     """``resume`` with another method or lr silently mixed two runs; a truncated latest
     ``step-*.pt`` failed with a raw ``PytorchStreamReader`` error although an earlier one was
     intact. Now the differing settings are named (before any work), the truncated file is skipped
@@ -273,7 +272,7 @@ def test_item5_resume_refuses_another_configuration_and_skips_a_truncated_checkp
     json.loads((out / "losses.json").read_text(), parse_constant=lambda name: pytest.fail(f"non-standard {name}"))
 
 
-# -- 7. values checked before any work ------------------------------------------------------------
+# -- values checked before any work ---------------------------------------------------------------
 @pytest.mark.parametrize("argv, flag", [
     (["--options", "{bad"], "--options: not valid JSON"),
     (["--options", "[1, 2]"], "--options must be a JSON object"),
@@ -288,7 +287,7 @@ def test_item5_resume_refuses_another_configuration_and_skips_a_truncated_checkp
     (["--lr", "-1"], "--lr: lr must be a number > 0"),
     (["--time-dense", "-2"], "--time-dense must be >= 0"),
 ])
-def test_item7_train_command_checks_every_value_before_loading(argv, flag, tmp_path, monkeypatch, capsys):
+def test_train_command_checks_every_value_before_loading(argv, flag, tmp_path, monkeypatch, capsys):
     """Every ``python -m fastdit.train`` input error was a raw traceback (some only after training);
     now a one-line error naming the flag, before any model loads."""
     import fastdit.train.__main__ as train_main
@@ -301,7 +300,7 @@ def test_item7_train_command_checks_every_value_before_loading(argv, flag, tmp_p
     assert flag in err[-1], err
 
 
-def test_item7_train_out_that_is_a_file_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+def test_train_out_that_is_a_file_is_refused_before_loading(tmp_path, monkeypatch, capsys):
     import fastdit.train.__main__ as train_main
 
     monkeypatch.setattr(train_main, "_pipeline", lambda args: pytest.fail("a model was loaded"))
@@ -319,7 +318,7 @@ def test_item7_train_out_that_is_a_file_is_refused_before_loading(tmp_path, monk
     (["--table", "/nonexistent.json"], "--table '/nonexistent.json': no such file"),
     (["--dtypes", "int8"], "--dtypes: unknown ['int8']"),
 ])
-def test_item7_offline_compile_checks_its_values(argv, flag, capsys):
+def test_offline_compile_checks_its_values(argv, flag, capsys):
     """``python -m fastdit.kernels.offline --kernels bogus`` (``--head-dims 0``, ``--targets ""``,
     ``--table /nonexistent.json``) exited 0 with 0 cases, ``--dtypes int8`` a KeyError."""
     from fastdit.kernels import offline
@@ -330,7 +329,7 @@ def test_item7_offline_compile_checks_its_values(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
-# -- 6. auto plans: keys and encodings ------------------------------------------------------------
+# -- auto calibrations: keys and encodings ------------------------------------------------------------
 AUTO_CANDIDATES = [{"method": "sta", "tile": (1, 2, 2), "window": (1, 1, 1)}, {"method": "todo", "factor": 2}]
 
 
@@ -341,7 +340,7 @@ def _auto_plan(choices):
 
 
 @pytest.mark.parametrize("key", ["\u00b2_0_0", "\u0660_0_0", "00_0_0"])
-def test_item6_plan_keys_are_ascii_decimal(key):
+def test_calibration_keys_are_ascii_decimal(key):
     """A choices key ``"²_0_0"`` gave a raw ``int()`` error; ``"٠_0_0"`` (Arabic-Indic zero) was
     accepted as a second ``0_0_0``. Both, and leading zeros, are refused naming the entry."""
     from fastdit.calibration.calibration_file import CalibrationError, load_calibration
@@ -353,7 +352,7 @@ def test_item6_plan_keys_are_ascii_decimal(key):
         get_method("auto").make_config(candidates=AUTO_CANDIDATES, choices={key: 0})
 
 
-def test_item6_a_non_utf8_plan_file_is_a_plan_error(tmp_path):
+def test_a_non_utf8_calibration_file_is_a_calibration_error(tmp_path):
     """A non-UTF-8 plan file gave a raw ``UnicodeDecodeError``; docs promise a CalibrationError naming the file."""
     from fastdit.calibration.calibration_file import CalibrationError, load_calibration
 
@@ -363,7 +362,7 @@ def test_item6_a_non_utf8_plan_file_is_a_plan_error(tmp_path):
         load_calibration(path)
 
 
-def test_item6_set_applies_on_top_of_an_auto_plan(tmp_path):
+def test_set_applies_on_top_of_an_auto_calibration(tmp_path):
     """``fastdit compare --methods dense,auto --plan auto.json --set auto.dense_steps=1`` was refused
     with "method 'auto' needs a calibration" although --calibration was given (docs/calibration.md: --set applies
     on top); the options are now checked with the plan's under them."""
@@ -379,8 +378,8 @@ def test_item6_set_applies_on_top_of_an_auto_plan(tmp_path):
         parse_options(["auto.dense_steps=1"], ["dense", "auto"], str(tmp_path / "bad.json"))
 
 
-# -- 8. quiet wrong turns ---------------------------------------------------------------------------
-def test_item8_an_empty_set_value_means_none():
+# -- quiet wrong turns ------------------------------------------------------------------------------
+def test_an_empty_set_value_means_none():
     """``--set sparge.topk=`` was refused though the option table says "empty: use cdf"."""
     from fastdit.cli.common import CLIError, parse_options
 
@@ -390,7 +389,7 @@ def test_item8_an_empty_set_value_means_none():
 
 
 @pytest.mark.parametrize("method, beside", [("sta", "plan.json.partial.json"), ("auto", "plan.png")])
-def test_item7_calibrate_refuses_a_folder_where_it_writes_beside_out(method, beside, tmp_path, capsys, monkeypatch):
+def test_calibrate_refuses_a_folder_where_it_writes_beside_out(method, beside, tmp_path, capsys, monkeypatch):
     """``OUT.partial.json`` or (auto) ``OUT.png`` existing as a folder failed late, left temp files
     or exited 1 after writing the plan; now refused before any model loads."""
     from fastdit.cli import main
