@@ -193,11 +193,14 @@ def run_plan(q, k, v, plan, key_mask=None, scale=None, backend="auto", query_mas
 ENGINE_BLOCK = 128
 
 
-def dense_plan(n_q, n_k, device):
+def dense_plan(n_q, n_k, device, single_block=None):
     """Every query attending every key. On the CPU one block pair of all rows and all keys (the CPU
     engine then runs a single fused attention call instead of a loop over query blocks); elsewhere
-    ``ENGINE_BLOCK`` blocks, each query block listing every key block."""
-    return _dense_plan(n_q, n_k, device, torch.device(device).type == "cpu")
+    ``ENGINE_BLOCK`` blocks, each query block listing every key block. ``single_block``: force one
+    layout or the other (None: by the device, as above)."""
+    if single_block is None:
+        single_block = torch.device(device).type == "cpu"
+    return _dense_plan(n_q, n_k, device, bool(single_block))
 
 
 @functools.lru_cache(maxsize=64)

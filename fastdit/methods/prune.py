@@ -41,8 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdit.kernels import block_sparse_attention
-from fastdit.plan import (  # noqa: F401 (ENGINE_BLOCK, _dense_plan: re-exported)
-    ENGINE_BLOCK, BlockPlan, _dense_plan, dense_plan)
+from fastdit.plan import ENGINE_BLOCK, BlockPlan, dense_plan  # noqa: F401 (ENGINE_BLOCK: re-exported)
 
 from . import base
 from .base import Method, MethodConfig, check_int, check_number, option, register_method

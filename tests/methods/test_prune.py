@@ -175,11 +175,11 @@ def test_pipeline_second_call_equals_first():
 
 
 def test_gpu_plan_shape_and_triton_interpreter_equal_the_cpu_path():
-    from fastdit.methods.prune import ENGINE_BLOCK, _dense_plan
-    from fastdit.plan import run_plan
+    from fastdit.methods.prune import ENGINE_BLOCK
+    from fastdit.plan import dense_plan, run_plan
 
     q, k, v = seeded_qkv(1, 2, 2 * ENGINE_BLOCK + 37, 8, seed=50)  # not a multiple of the GPU block
-    multi = _dense_plan(q.shape[2], k.shape[2], torch.device("cpu"), False).validate()
+    multi = dense_plan(q.shape[2], k.shape[2], torch.device("cpu"), single_block=False).validate()
     assert multi.kv_indices.shape[-2:] == (3, 3) and multi.block_m == ENGINE_BLOCK
     assert torch.allclose(run_plan(q, k, v, multi, backend="torch").double(), dense64(q, k, v), atol=1e-5)
     layout = TokenLayout((1, 5, 7), 3, "suffix")

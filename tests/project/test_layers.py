@@ -5,7 +5,8 @@ Layers, bottom to top (docs/architecture.md draws them):
   0 kernels                       fastdit.kernels.*
   1 data types and utilities      layout, plan, context, stats, masks, jsonutil, cpu_load, costmodel
   2 methods                       fastdit.methods.*
-  3 patch and model adapters      patching, apply, intercept, steps, functional, calibration.plan_file, pipelines.*
+  3 patch and model adapters      patching, apply, intercept, steps, functional, calibration.calibration_file,
+                                  calibration.method_params, pipelines.*
   4 libraries with entry points   compare, parallel, support, options, media.*, calibration.* (search,
                                   candidates), eval.* (bench, metrics, runner), app.*, caches,
                                   integrations.* (vllm-omni plugins), train.* (the LoRA recipe)
@@ -213,3 +214,41 @@ def test_every_package_folder_is_installed():
     assert not packages - listed, f"package folders missing from pyproject's packages: {sorted(packages - listed)}"
     assert not listed - packages, f"pyproject lists packages without a folder: {sorted(listed - packages)}"
 
+
+
+def private_imports_across_packages(modules):
+    """``(importer, module, name)`` for each ``from module import _name`` (a private name, not a
+    dunder) where ``module`` is a fastdit module outside the importer's own package."""
+    found = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if not base.startswith("fastdit"):
+                continue
+            source = base if base in modules and Path(modules[base]).name == "__init__.py" else base.rsplit(".", 1)[0]
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and source != package:
+                    found.append((name, base, alias.name))
+    return found
+
+
+def test_no_private_name_crosses_a_package():
+    """Issue 41: a helper another package needs gets a public name where it belongs."""
+    crossing = private_imports_across_packages(MODULES)
+    assert not crossing, f"private names imported from another package (give them public names): {crossing}"
+
+
+def test_the_private_import_scan_finds_one(tmp_path):
+    importer = tmp_path / "user.py"
+    importer.write_text("from fastdit.kernels.triton_tuning import _hidden\nfrom .sibling import _fine\n")
+    sibling = tmp_path / "sibling.py"
+    sibling.write_text("")
+    found = private_imports_across_packages({"fastdit.eval.user": importer, "fastdit.eval.sibling": sibling})
+    assert found == [("fastdit.eval.user", "fastdit.kernels.triton_tuning", "_hidden")]

@@ -136,7 +136,7 @@ def head_sets(args):
 
 def model_calls(args):
     """Every self-attention call (q, k, v, layout) of one dense tiny-shapes run (CFG branch 0)."""
-    from fastdit.methods.base import _REGISTRY, register_method
+    from fastdit.methods.base import register_method, unregister_method
     from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
     from fastdit.pipelines.shapes_data import DEMO_CAPTION
 
@@ -150,7 +150,7 @@ def model_calls(args):
             pipe(prompt=DEMO_CAPTION, generator=torch.Generator().manual_seed(0), **call)
     finally:
         patch.remove()
-        _REGISTRY.pop(_Capture.name, None)
+        unregister_method(_Capture.name)
     return _Capture.store
 
 
