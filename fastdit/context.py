@@ -266,3 +266,23 @@ class AttentionContext:
         if performed is not None:
             self.info["performed"] = performed
             self.info["total"] = total
+
+
+def new_context(*, layout, num_heads, layer=0, layer_name=None, step=0, num_steps=None, branch=0, call=None,
+                local_layer=None, total_heads=None, **fields):
+    """The one builder of an ``AttentionContext``: the patched path (``Patch.call_context``, also
+    under ring attention), ``fastdit.attention`` / ``run_call`` and the benchmarks all call it.
+
+    Outside a pipeline (``call`` None) a fresh ``CallState`` of ``num_steps`` steps stands at
+    ``step``; ``layer_name`` defaults to ``"layer<layer>"``, ``local_layer`` to ``layer`` and
+    ``total_heads`` to ``num_heads``. Every other field (``key_mask``, ``query_mask``,
+    ``head_offset``, ``scale``, ``cfg``, ``state``, ``backend``, ``dense_fn``, ``timestep``,
+    ``params``) passes through under its ``AttentionContext`` name."""
+    if call is None:
+        call = CallState(num_steps)
+        call.rounds = int(step)
+    return AttentionContext(
+        layer=layer, layer_name=f"layer{layer}" if layer_name is None else layer_name, step=int(step),
+        num_steps=num_steps, branch=branch, layout=layout, call=call,
+        local_layer=layer if local_layer is None else local_layer, num_heads=num_heads,
+        total_heads=num_heads if total_heads is None else total_heads, **fields)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdit.context import AttentionContext, CallState
+from fastdit.context import new_context
 from fastdit.intercept import plain_sdpa
 from fastdit.methods.base import OptionError, get_method, method_names, step_inputs_needed
 
@@ -146,15 +146,12 @@ def run_call(q, k, v, method, config=None, *, layout, key_mask=None, step=0, num
     config = method_cls.resolve(config, None, options=options, where="call")
     instance = _instance(method_cls, config)
     instance.check_heads(heads)
-    call = CallState(num_steps)
-    call.rounds = int(step)
     if key_mask is not None and bool(key_mask.all()):
         key_mask = None
     attn_mask = None if key_mask is None else key_mask[:, None, None, :]
-    ctx = AttentionContext(
-        layer=layer, layer_name=f"layer{layer}", step=int(step), num_steps=num_steps, branch=0, layout=layout,
-        call=call, local_layer=layer, key_mask=key_mask, query_mask=None, head_offset=0, num_heads=heads,
-        total_heads=heads, scale=scale, state={} if state is None else state, backend=backend,
+    ctx = new_context(
+        layer=layer, step=step, num_steps=num_steps, layout=layout, key_mask=key_mask, num_heads=heads,
+        scale=scale, state={} if state is None else state, backend=backend,
         dense_fn=dense_fn or (lambda: plain_sdpa(q, k, v, attn_mask=attn_mask, scale=scale)), timestep=timestep,
     )
     return instance(ctx, q, k, v), ctx

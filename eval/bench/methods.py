@@ -74,7 +74,7 @@ import sys
 
 import torch
 
-from fastdit.context import AttentionContext, CallState
+from fastdit.context import new_context
 from fastdit.cpu_load import LoadWatch
 from fastdit.eval.bench import common
 from fastdit.eval.bench import methods_claims as claims_module
@@ -122,14 +122,8 @@ def parse_methods(text):
 def make_call(method, layout, q, k, v, state=None, step=0, num_steps=8, backend="auto"):
     """``(ctx, run)``: an ``AttentionContext`` as ``fastdit.attention`` builds it, and a function
     running the method on it (a fresh ``ctx.info`` each call)."""
-    heads = q.shape[1]
-    ctx = AttentionContext(
-        layer=0, layer_name="layer0", step=step, num_steps=num_steps, branch=0, layout=layout,
-        call=CallState(num_steps), local_layer=0, head_offset=0, num_heads=heads, total_heads=heads,
-        state={} if state is None else state, backend=backend,
-        dense_fn=lambda: plain_sdpa(q, k, v),
-    )
-    ctx.call.rounds = step
+    ctx = new_context(layout=layout, num_heads=q.shape[1], step=step, num_steps=num_steps,
+                      state={} if state is None else state, backend=backend, dense_fn=lambda: plain_sdpa(q, k, v))
 
     def run():
         ctx.info = {}

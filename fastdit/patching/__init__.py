@@ -29,11 +29,11 @@ import torch
 
 from fastdit import costmodel
 from fastdit.context import (
-    AttentionContext,
     TransformerCall,
     active_call,
     bare_call_state,
     begin_pipeline_call,
+    new_context,
     release_bare_call_state,
     reset_bare_call_state,
     set_transformer_call,
@@ -388,7 +388,7 @@ class Patch:
                      dense_fn):
         """The ``AttentionContext`` of one call of layer ``layer`` (masks and heads as the caller runs
         them; ``dense_fn``: the exact attention of those tensors)."""
-        return AttentionContext(
+        return new_context(
             layer=layer, layer_name=self.layers[layer], step=info.call.step, num_steps=info.call.num_steps,
             branch=info.branch, layout=layout, call=info.call, local_layer=self._layers[layer].local_index,
             key_mask=key_mask, query_mask=query_mask, head_offset=head_offset, num_heads=num_heads,

@@ -252,3 +252,18 @@ def test_the_private_import_scan_finds_one(tmp_path):
     sibling.write_text("")
     found = private_imports_across_packages({"fastdit.eval.user": importer, "fastdit.eval.sibling": sibling})
     assert found == [("fastdit.eval.user", "fastdit.kernels.triton_tuning", "_hidden")]
+
+
+def test_attention_context_is_built_in_one_function():
+    """Issue 41: ``fastdit.context.new_context`` is the one place that makes an ``AttentionContext``
+    (the patched path, the ring path, ``fastdit.attention`` and the benchmarks call it)."""
+    builders = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    func = getattr(inner, "func", None) if isinstance(inner, ast.Call) else None
+                    called = getattr(func, "id", None) or getattr(func, "attr", None)
+                    if called == "AttentionContext":
+                        builders.append(f"{name}.{node.name}")
+    assert sorted(set(builders)) == ["fastdit.context.new_context"], builders
