@@ -94,13 +94,13 @@ def trained_presets(name, folder=None, grid=None, calibrations=True):
             data = json.load(f)
     except ValueError as error:
         raise CalibrationError(f"preset file {path} is not valid JSON ({error}); "
-                        f"restore it with git checkout -- {path}") from None
+                               f"restore it with git checkout -- {path}") from None
     if data.get("model") != name:
         raise CalibrationError(f"preset file {path} was made for model {data.get('model')!r}, not {name!r}")
     native = trained_grid(name) if name in TRAINED_DEFAULTS else None
     if native is not None and "grid" in data and list(data["grid"] or []) != list(native):
         raise CalibrationError(f"preset file {path} was made for the latent grid {data['grid']} of {name}; {name}'s "
-                        f"native grid is {list(native)}: re-calibrate it (see its model card)")
+                               f"native grid is {list(native)}: re-calibrate it (see its model card)")
     presets = {method: dict(options) for method, options in (data.get("methods") or {}).items()}
     files = data.get("calibrations", data.get("plans")) or {}
     for method, rel in files.items() if calibrations else ():

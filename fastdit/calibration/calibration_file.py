@@ -141,7 +141,7 @@ def check_calibration(calibration, source=""):
     well_formed = isinstance(buckets, list) and bool(buckets) and all(_int(b) for b in buckets)
     if not well_formed or buckets != sorted(set(buckets)):
         raise CalibrationError(f"{where}: entry 'step_buckets' must be a non-empty increasing list of step indices, "
-                        f"got {buckets!r}")
+                               f"got {buckets!r}")
     if method_cls.name == "auto":
         _check_auto(calibration, where, buckets, model)
     elif method_cls.name == "sta":
@@ -181,7 +181,7 @@ def check_calibration(calibration, source=""):
             parts = index_key(key, 2)
             if parts is None or not (value is None or isinstance(value, dict)):
                 raise CalibrationError(f"{where}: settings entry {key!r}: keys are 'step_layer' (two ints) and values "
-                                f"objects of options, or null (dense)")
+                                       f"objects of options, or null (dense)")
             if int(parts[0]) not in buckets or int(parts[1]) >= model["layers"]:
                 raise CalibrationError(f"{where}: settings entry {key!r} is outside the calibration's step buckets "
                                        f"or layers")

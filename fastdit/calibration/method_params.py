@@ -78,7 +78,7 @@ def read_method_params(source):
         return source[0], source[1], "(given record)"
     if not isinstance(source, (str, os.PathLike)):
         raise CalibrationError(f"method_params must be a {FILE} path, its folder or a (record, state) pair, got "
-                        f"{type(source).__name__}")
+                               f"{type(source).__name__}")
     path = Path(source)
     if path.is_dir():
         path = path / FILE

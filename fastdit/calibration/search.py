@@ -423,7 +423,7 @@ def calibrate(pipe, method, prompts, *, budget, steps=None, candidates=None, out
     if prompt_bar is not None:
         prompt_bar.close()
     calibration = _build_calibration(name, base_options, state, [finished[p] for p in prompts], budget, prompts,
-                       (family, transformer, layers, heads), steps, gpu)
+                                     (family, transformer, layers, heads), steps, gpu)
     write_calibration(calibration, out)
     if os.path.exists(partial_path):
         os.remove(partial_path)
@@ -459,14 +459,16 @@ def _build_calibration(name, base_options, state, results, budget, prompts, fact
         options = {k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()
                    if k not in ("window", "strategy", "tile", "fit_tile")}
         calibration["options"] = {**options, "tile": state["tile"], "fit_tile": False, **dense}
+        in_order = sorted(choice.items(), key=lambda kv: tuple(map(int, kv[0].split("_"))))
         calibration["strategy"] = {key: (list(candidates[c]["window"]) if c is not None else [0, 0, 0])
-                            for key, c in sorted(choice.items(), key=lambda kv: tuple(map(int, kv[0].split("_"))))}
+                                   for key, c in in_order}
     else:  # per (bucket, layer): the sparsest candidate within budget, null (dense) where none is
         calibration["options"] = {**{k: list(v) if isinstance(v, tuple) else v for k, v in base_options.items()},
-                           **dense}
-        calibration["settings"] = {key: None if choice[key] is None else
-                            {k: list(v) if isinstance(v, tuple) else v for k, v in candidates[choice[key]].items()}
-                            for key in keys}
+                                  **dense}
+        calibration["settings"] = {
+            key: None if choice[key] is None
+            else {k: list(v) if isinstance(v, tuple) else v for k, v in candidates[choice[key]].items()}
+            for key in keys}
     calibration["measured"] = {
         "layers": [{"bucket": int(k.split("_")[0]), "layer": int(k.split("_")[1]), **measured[k]} for k in keys],
         "error": max(m["error"] for m in measured.values()),

@@ -269,8 +269,9 @@ class Patch:
             from fastdit.calibration.calibration_file import CalibrationError
 
             raise CalibrationError(f"the method parameters {self._param_grids_source} were trained on grid(s) "
-                            f"{sorted(self._param_grids)}, this call's latent grid is {tuple(grid)}; train them on "
-                            "this grid (python -m fastdit.train) or call at the grid they were trained on")
+                                   f"{sorted(self._param_grids)}, this call's latent grid is {tuple(grid)}; "
+                                   "train them on this grid (python -m fastdit.train) or call at the grid they "
+                                   "were trained on")
         if grid is not None:
             self.grids_seen.add(tuple(int(g) for g in grid))
         cfg = None
