@@ -167,10 +167,15 @@ def build_samples(cfg, settings):
 
 def fingerprint(cfg, sample):
     """What a stored sample must match to be reused on resume: model, requested sizes, dtype,
-    backend, method and options, prompt text and seed."""
+    backend, method and options, prompt text and seed; for a calibration file its content too (a
+    file re-calibrated in place must not reuse the samples of its earlier settings)."""
     data = {"model": cfg.model, "call": cfg.call, "dtype": cfg.dtype, "backend": cfg.backend,
             "method": sample.setting.method, "options": sample.setting.options,
             "prompt": sample.prompt.text, "seed": sample.seed}
+    calibration = split_calibration(sample.setting.options)[0]
+    if isinstance(calibration, (str, os.PathLike)) and os.path.isfile(calibration):
+        with open(calibration, "rb") as handle:
+            data["calibration_sha1"] = hashlib.sha1(handle.read()).hexdigest()
     if sample.setting.cache is not None:  # (absent otherwise: fingerprints of uncached runs are unchanged)
         data["cache"] = {"name": sample.setting.cache, "options": cfg.cache_options}
     return hashlib.sha1(json.dumps(to_json(data), sort_keys=True).encode()).hexdigest()[:16]

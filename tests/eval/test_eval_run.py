@@ -406,3 +406,25 @@ def test_run_draws_a_contact_sheet_per_prompt(first_run):
     for row, setting in enumerate(("dense", "sta")):
         first = sheet[row * height + 2: row * height + 2 + tile_h, LABEL_WIDTH: LABEL_WIDTH + tile_w]
         assert np.abs(first.mean((0, 1)) - rows[setting]).max() < 3.0, setting
+
+
+def test_a_calibration_re_made_in_place_is_not_reused_on_resume(tmp_path):
+    """The stored-sample fingerprint covers a calibration file's content, not only its path (a file
+    re-calibrated under the same name must regenerate its samples); the old option name too."""
+    from types import SimpleNamespace
+
+    from fastdit.eval.runner.prompts import Prompt
+    from fastdit.eval.runner.settings import Sample, Setting, fingerprint
+
+    cfg = SimpleNamespace(model="tiny-shapes", call={}, dtype=None, backend="auto", cache_options={})
+    path = tmp_path / "sparge.json"
+
+    def print_of(key="calibration"):
+        setting = Setting("sparge", "sparge", {key: str(path)})
+        return fingerprint(cfg, Sample(setting, 0, Prompt("a red circle moving up"), 0))
+
+    path.write_text('{"settings": {"0_0": {"cdf": 0.9}}}')
+    first, first_alias = print_of(), print_of("plan")
+    assert print_of() == first  # stable
+    path.write_text('{"settings": {"0_0": {"cdf": 0.95}}}')
+    assert print_of() != first and print_of("plan") != first_alias
