@@ -37,7 +37,7 @@ def test_widgets_come_from_option_metadata():
     generic = NODE.INPUT_TYPES()
     assert list(generic["required"]) == ["model", "method", "dense_steps", "dense_blocks"]
     assert generic["required"]["method"][0] == list(fastdit.method_names())
-    assert set(generic["optional"]) == {"plan_file", "options"}
+    assert set(generic["optional"]) == {"calibration_file", "options"}
     for key, cls in NODE_CLASS_MAPPINGS.items():
         if cls.METHOD is None:
             continue
