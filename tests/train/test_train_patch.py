@@ -34,12 +34,13 @@ OPTIONS = {
     "todo": {},
     "window": {"tile": (2, 4, 4), "window": (1, 1, 1), "refresh_every": 4},
     "tome": {},
+    "optiprune": {},
 }
 
 
 #: selection (blocks, clusters, matchings) computed from q and k: a perturbation of the weights
 #: that produce q and k may change it (a jump the finite difference would see)
-DYNAMIC = ("sparge", "svg", "svg2", "tome", "sla")
+DYNAMIC = ("sparge", "svg", "svg2", "tome", "sla", "optiprune")
 
 
 def _model_and_inputs(seed=0, grid=GRID):
