@@ -5,7 +5,8 @@
 
 JSON has no infinities or NaN (``json.dump`` would write the non-standard ``Infinity``), no
 tuples, sets or numpy numbers; ``to_json`` maps them to what JSON has, recursively, so the
-result can be written with ``allow_nan=False``. ``dump_json`` writes a file (atomically).
+result can be written with ``allow_nan=False``. ``dump_json`` writes a file (atomically);
+``read_json`` reads one, with an error that names the file and what is wrong with it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,25 @@ from pathlib import PurePath
 
 import numpy as np
 
-__all__ = ["dump_json", "dumps", "json_default", "to_json"]
+__all__ = ["dump_json", "dumps", "json_default", "read_json", "to_json"]
+
+
+def read_json(path, error, what, hint=""):
+    """The JSON value of the file at ``path``. A file that cannot be read, is not UTF-8 text or is
+    not valid JSON raises ``error`` (an exception class) with one line naming ``what`` and the path
+    (``"<what> <path>: not valid JSON (truncated or malformed): ..."``); ``hint`` is added to the
+    not-UTF-8 message (what such a file should be)."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as problem:
+        raise error(f"{what} {path}: not valid JSON (truncated or malformed): {problem}") from None
+    except UnicodeDecodeError as problem:
+        raise error(f"{what} {path}: not UTF-8 text ({problem.reason} at byte {problem.start})"
+                    + (f"; {hint}" if hint else "")) from None
+    except OSError as problem:
+        raise error(f"{what} {path}: cannot read it: {problem.strerror or problem}") from None
 
 
 def to_json(value, nonfinite_as_text=False):

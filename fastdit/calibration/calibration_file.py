@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 
+from fastdit.jsonutil import read_json
 from fastdit.methods.base import (  # noqa: F401 (index_key: the calibration-key rule, re-exported)
     get_method, index_key)
 from fastdit.methods.sta import (CALIBRATION_FORMAT, CALIBRATION_VERSION, READABLE_FORMATS, choose_tile,
@@ -85,16 +86,8 @@ def load_calibration(path):
     if isinstance(path, dict):
         return check_calibration(path, "")
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            calibration = json.load(handle)
-    except json.JSONDecodeError as error:
-        raise CalibrationError(f"calibration file {path}: not valid JSON (truncated or malformed): {error}") from None
-    except UnicodeDecodeError as error:
-        raise CalibrationError(f"calibration file {path}: not UTF-8 text ({error.reason} at byte {error.start}); "
-                               "a calibration is a JSON file written by fastdit calibrate") from None
-    except OSError as error:
-        raise CalibrationError(f"calibration file {path}: cannot read it: {error.strerror or error}") from None
+    calibration = read_json(path, CalibrationError, "calibration file",
+                            hint="a calibration is a JSON file written by fastdit calibrate")
     return check_calibration(calibration, path)
 
 

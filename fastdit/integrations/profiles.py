@@ -58,8 +58,9 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fastdit.calibration.calibration_file import (CalibrationError, load_calibration, model_facts,
-                                                  calibration_options_for)
+from fastdit.calibration.calibration_file import (CalibrationError, calibration_options_for, load_calibration,
+                                                  model_facts)
+from fastdit.jsonutil import read_json
 
 __all__ = ["ALGORITHMS", "FLAT_B", "FORMULA", "Profile", "ProfileError", "ProfileGroup", "SoftmaxAttention",
            "apply_profile", "profile_options", "read_profile", "sparse_attention_config", "write_profile"]
@@ -153,13 +154,7 @@ def _load(source):
     elif isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
         path = os.path.join(name, "config.json") if os.path.isdir(name) else name
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise ProfileError(f"profile {path}: not valid JSON: {error}") from None
-        except OSError as error:
-            raise ProfileError(f"profile {path}: cannot read it: {error.strerror or error}") from None
+        data = read_json(path, ProfileError, "profile", hint="a profile is a component's config.json")
         name = path
     else:
         config = getattr(source, "config", source)
@@ -440,11 +435,7 @@ def write_profile(calibration, path, target, **kwargs):
         path = os.path.join(path, "config.json")
     data = {}
     if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
-            raise ProfileError(f"{path}: cannot merge into it: {error}") from None
+        data = read_json(path, ProfileError, "the component config to merge the profile into")
         if not isinstance(data, dict):
             raise ProfileError(f"{path}: a config.json holds a JSON object, got {type(data).__name__}")
     data["sparse_attention_config"] = config

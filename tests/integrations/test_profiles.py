@@ -351,6 +351,9 @@ def test_bad_profiles_and_plans(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ProfileError, match="not valid JSON"):
         read_profile(tmp_path)
+    (tmp_path / "config.json").write_bytes(b'{"a": "\xff"}')  # not UTF-8: named, not a bare UnicodeDecodeError
+    with pytest.raises(ProfileError, match=r"profile .*config\.json: not UTF-8 text"):
+        read_profile(tmp_path)
     with pytest.raises(ProfileError, match="initial_disabled_steps"):
         read_profile(_profile(initial_disabled_steps=-1))
     with pytest.raises(ProfileError, match="a must be a finite"):
