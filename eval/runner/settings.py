@@ -93,20 +93,22 @@ def tiny_method_presets(model, methods, options, grid=None):
         for method, preset in presets.items():
             if method in methods:
                 given = options.get(method, {})
-                if split_calibration(preset)[0] is not None:  # the user's own calibration replaces it
-                    preset = (_unless_calibrated_options_given(model, method, preset, given)
-                              if split_calibration(given)[0] is None else split_calibration(preset)[1])
+                calibrated, rest = split_calibration(preset)
+                if calibrated is not None and split_calibration(given)[0] is not None:
+                    preset = rest  # the user's own calibration replaces the preset's
+                elif calibrated is not None:
+                    preset = _unless_calibrated_options_given(model, method, preset, calibrated, given)
                 options[method] = {**preset, **given}
     return options
 
 
-def _unless_calibrated_options_given(model, method, preset, given):
-    """The preset calibration, or the preset file's options for ``method`` when ``given`` sets an
-    option the calibration sets (the user chose those options; the calibration would refuse them)."""
+def _unless_calibrated_options_given(model, method, preset, path, given):
+    """``preset`` (its calibration file at ``path``), or the preset file's options for ``method``
+    when ``given`` sets an option the calibration sets (the user chose those options; the
+    calibration would refuse them)."""
     from fastdit.calibration.calibration_file import calibration_options, options_set_by
     from fastdit.pipelines.loading import trained_name, trained_presets
 
-    path = split_calibration(preset)[0]
     clash = sorted(set(given) & options_set_by(calibration_options(path, method)))
     if not clash or not trained_name(model):
         return preset

@@ -13,6 +13,7 @@ Layers, bottom to top (docs/architecture.md draws them):
   5 command line                  cli.*, python -m fastdit.eval
 """
 import ast
+import functools
 import importlib.util
 import pkgutil
 from pathlib import Path
@@ -59,9 +60,15 @@ def all_modules():
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def tree_of(path):
+    """The parsed source of ``path`` (every scan below walks the same trees)."""
+    return ast.parse(Path(path).read_text())
+
+
 def imports_of(name, path, modules):
     """fastdit modules imported anywhere in ``path`` (resolved to the deepest known module)."""
-    tree = ast.parse(path.read_text())
+    tree = tree_of(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     targets = set()
     for node in ast.walk(tree):
@@ -222,7 +229,7 @@ def private_imports_across_packages(modules):
     found = []
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree_of(path)):
             if not isinstance(node, ast.ImportFrom):
                 continue
             base = node.module or ""
@@ -259,7 +266,7 @@ def test_attention_context_is_built_in_one_function():
     (the patched path, the ring path, ``fastdit.attention`` and the benchmarks call it)."""
     builders = []
     for name, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree_of(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for inner in ast.walk(node):
                     func = getattr(inner, "func", None) if isinstance(inner, ast.Call) else None
