@@ -93,12 +93,22 @@ def static_plan(method, shape):
     return instance.prepare(layout, shape.heads, "cpu")
 
 
-def predict_model(shape, gpus, methods, dynamic_density=None):
-    """Rows ``{model, gpu, method, density, attention_ms, ...}`` for one model."""
+def density_method_call(gpu, shape, method, density, options=None, dynamic=True):
+    """``CallPrediction`` of one of ``shape``'s attention calls by ``method`` at block ``density``
+    (``costmodel.density_call``: selection cost when ``dynamic``), plus the work the method does
+    besides the engine (sla's linear branch: its ``outside_work`` with ``options``, every head)."""
     import dataclasses
 
     from fastdit.methods.base import get_method
 
+    n = shape.tokens
+    call = costmodel.density_call(gpu, density, 1, shape.heads, n, shape.head_dim, dynamic=dynamic, label=method)
+    extra = shape.heads * costmodel.token_outside_ms(gpu, get_method(method), options or {}, 1, n, shape.head_dim)
+    return dataclasses.replace(call, outside_ms=call.outside_ms + extra) if extra else call
+
+
+def predict_model(shape, gpus, methods, dynamic_density=None):
+    """Rows ``{model, gpu, method, density, attention_ms, ...}`` for one model."""
     plans = {m: static_plan(m, shape) for m in methods if is_static(m)}
     if dynamic_density is None and any(not is_static(m) for m in methods):
         sta = plans.get("sta") or static_plan("sta", shape)
@@ -114,12 +124,8 @@ def predict_model(shape, gpus, methods, dynamic_density=None):
                 calls.append((m, costmodel.plan_call(gpu, plans[m], 1, shape.heads, shape.head_dim, label=m),
                               plans[m].name))
             else:
-                call = costmodel.density_call(gpu, dynamic_density, 1, shape.heads, n, shape.head_dim, label=m)
-                # work besides the engine (sla's linear branch): the method's own outside_work, every head
-                extra = shape.heads * costmodel.token_outside_ms(gpu, get_method(m), {}, 1, n, shape.head_dim)
-                if extra:
-                    call = dataclasses.replace(call, outside_ms=call.outside_ms + extra)
-                calls.append((m, call, f"density {dynamic_density:.3f} (assumed)"))
+                calls.append((m, density_method_call(gpu, shape, m, dynamic_density),
+                              f"density {dynamic_density:.3f} (assumed)"))
         for method, call, plan_name in calls:
             fwd = costmodel.model_forward(gpu, shape, call.total_ms, method)
             rows.append({
