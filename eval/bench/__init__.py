@@ -6,6 +6,7 @@
     python -m fastdit.eval.bench.varlen         variable-size blocks vs fixed-size blocks at equal density
     python -m fastdit.eval.bench.calibration    a calibrated plan against every single global setting
     python -m fastdit.eval.bench.radial_report  radial attention's densities and mask picture
+    python -m fastdit.eval.bench.equal_density  every method at one density on tiny-shapes, training-free and trained
 
 Their parts: ``attention_kernel``, ``attention_check`` and ``attention_patched`` (the attention benchmark's
 paths), ``methods_claims``, ``transformer_models`` and ``transformer_run``; ``common`` (timing, memory, the
