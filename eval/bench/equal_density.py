@@ -7,8 +7,9 @@ the GPU cost model's prediction, in one table (issue 42).
 
 ``--rows``: a JSON list of rows ``{"label": str, "method": str, "options": {...}, "trained": folder or
 null}``. ``trained`` is a ``python -m fastdit.train`` output folder (relative to ``--trained-root``):
-its LoRA (``pytorch_lora_weights.safetensors``) is loaded into the pipeline for the row and unloaded
-after it, and its method parameters (``fastdit_method_params.safetensors``: VSA's gates, SLA's
+its LoRA (``pytorch_lora_weights.safetensors``) is loaded into the pipeline for the row, fused into the
+weights as one deploys it (``--unfused``: kept as a side branch, its matrix products timed too), and
+removed after it (the original tensors put back), and its method parameters (``fastdit_method_params.safetensors``: VSA's gates, SLA's
 projection), when it has some, go to the patch (``fastdit.patch(..., method_params=)``).
 
 Per row, over the first ``--captions`` held-out captions of tiny-shapes' grammar
@@ -101,23 +102,38 @@ def load_rows(path, trained_root=None):
 
 
 @contextlib.contextmanager
-def trained_weights(pipe, folder):
+def trained_weights(pipe, folder, fuse=True):
     """The row's adapter loaded for the block (nothing for a training-free row); yields the
-    ``method_params`` source for the patch (None when the folder has no method parameters)."""
+    ``method_params`` source for the patch (None when the folder has no method parameters).
+
+    ``fuse``: the LoRA is merged into the weights (``pipe.fuse_lora()``), as one deploys a trained
+    adapter: unfused, its extra matrix products per linear layer are timed too (at tiny-shapes'
+    1.2 M parameters they cost as much as a sparse method saves). Afterwards the transformer's
+    original tensors are put back exactly (a copy taken before; unfusing alone subtracts in
+    floating point and is not bit-exact)."""
     if folder is None:
         yield None
         return
     from fastdit.calibration.method_params import FILE
     from fastdit.train.recipe import load_lora
 
+    saved = {name: t.detach().clone() for name, t in pipe.transformer.state_dict().items()} if fuse else None
     load_lora(pipe, folder)
     try:
+        if fuse:
+            pipe.fuse_lora()
         yield folder if os.path.isfile(os.path.join(folder, FILE)) else None
     finally:
+        if fuse:
+            pipe.unfuse_lora()
         pipe.unload_lora_weights()
+        if saved is not None:
+            with torch.no_grad():
+                for name, tensor in pipe.transformer.state_dict().items():
+                    tensor.copy_(saved[name])
 
 
-def run_row(pipe, row, prompts, seeds, call, backend, reference=None):
+def run_row(pipe, row, prompts, seeds, call, backend, reference=None, fuse=True):
     """Every (prompt, seed) video of one row: ``(videos, record)``; ``record`` holds the sums and
     means of the module docstring (fidelity only when ``reference`` videos are given)."""
     from fastdit.compare import generate, warm_up_options
@@ -125,7 +141,7 @@ def run_row(pipe, row, prompts, seeds, call, backend, reference=None):
     from fastdit.eval.metrics.fidelity import psnr, ssim
 
     method = row["method"]
-    with trained_weights(pipe, row["trained"]) as method_params:
+    with trained_weights(pipe, row["trained"], fuse) as method_params:
         options = dict(row["options"])
         if method_params is not None:
             options["method_params"] = method_params
@@ -143,6 +159,7 @@ def run_row(pipe, row, prompts, seeds, call, backend, reference=None):
                     sparse.append(result.extra.get("sparse_density"))
                     scores.append(adherence(result.frames, prompt).score)
     record = {"label": row["label"], "method": method, "options": row["options"], "trained": row["trained"],
+              "lora": None if row["trained"] is None else ("fused" if fuse else "unfused"),
               "seconds": float(sum(times)), "videos": len(videos),
               "peak_memory_mb": peak.peak_mib if pipe.device.type == "cpu" else None,
               "effective_density": _mean(effective), "sparse_density": _mean(sparse),
@@ -227,6 +244,8 @@ def build_parser():
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--unfused", action="store_true", help="keep trained rows' LoRA unfused (its matrix "
+                        "products timed too; default: fused into the weights, as deployed)")
     parser.add_argument("--json", default=None)
     return parser
 
@@ -265,7 +284,7 @@ def main(argv=None):
     report.log(f"dense: {first['seconds']:.2f} s for {first['videos']} videos, adherence {first['adherence']:.3f}")
     measured = []
     for index, row in enumerate(rows):
-        _, record = run_row(pipe, row, prompts, seeds, call, args.backend, reference)
+        _, record = run_row(pipe, row, prompts, seeds, call, args.backend, reference, fuse=not args.unfused)
         record["predicted"] = gpu_prediction(row["method"], row["options"], record["sparse_density"], args.gpu)
         measured.append(report.add(record))  # stamped with the machine's load while it ran
         report.log(f"[{index + 1}/{len(rows)}] {row['label']}: {record['seconds']:.2f} s, PSNR "

@@ -78,6 +78,9 @@ def test_rows_measure_what_plain_calls_give_and_the_trained_row_uses_its_adapter
     assert not all(np.array_equal(a, b) for a, b in zip(free, trained))  # the adapter changes the videos
     assert by_label["vsa trained"]["psnr_db"] != pytest.approx(by_label["vsa"]["psnr_db"], abs=1e-6)
     assert by_label["vsa trained"]["trained"].endswith("vsa") and by_label["vsa"]["trained"] is None
+    # the LoRA was fused for the row (as deployed) and the original weights were put back exactly: the
+    # dense videos after every row are bit-equal to the first ones (report["dense"]["bit_equal"] above)
+    assert by_label["vsa trained"]["lora"] == "fused" and by_label["vsa"]["lora"] is None
 
 
 def test_prediction_is_the_cost_models_at_the_row_density():
