@@ -29,10 +29,11 @@ video against the dense video (the base model: no adapter, no patch) of the same
 * **GPU prediction** (``fastdit.costmodel``, ``--gpu``): one attention call at the row's sparse density
   on Wan2.1-T2V-1.3B 480p (32760 tokens) and HunyuanVideo 720p (119056 tokens), its speedup over
   dense SDPA and the end-to-end speedup of a transformer forward with every attention call sparse.
-  Block methods: ``costmodel.density_call`` (selection cost for the dynamic ones; the static ones
-  with ``dynamic=False``). Token methods (``cost_model`` None: ToMe, ToDo, OptiPrune, prune) are
-  approximated as a dense kernel over the kept pairs (``dense_call`` with ``density * n`` keys) plus
-  their own ``outside_work`` (marked ``~`` in the table). A trained row costs what its training-free
+  Methods the cost model covers (``Method.cost_model``): ``costmodel.density_call`` (selection cost
+  for the dynamic ones; the static ones with ``dynamic=False``). Approximations (marked ``~``): svg2,
+  a block-sparse method outside the cost model, as a dynamic one (its k-means priced as block
+  scoring); token methods, window and prune as a dense kernel over the kept pairs (``dense_call``
+  with ``density * n`` keys) plus their own ``outside_work``. A trained row costs what its training-free
   row costs on the GPU (a LoRA adds no attention work), so both get the same prediction.
 """
 from __future__ import annotations
@@ -182,6 +183,7 @@ def gpu_prediction(method, options, density, gpu_name):
     from fastdit import costmodel
     from fastdit.eval.predict import density_method_call, model_shape
     from fastdit.methods.base import get_method
+    from fastdit.methods.block_sparse import BlockSparseMethod
 
     if method == "dense" or density is None:
         return None
@@ -192,9 +194,10 @@ def gpu_prediction(method, options, density, gpu_name):
         shape = model_shape(name)
         n = shape.tokens
         dense = costmodel.dense_call(gpu, 1, shape.heads, n, n, shape.head_dim)
-        if cls.cost_model is not None:
-            call = density_method_call(gpu, shape, method, density, options, dynamic=cls.cost_model == "density")
-        else:  # a token method: a dense kernel over the kept pairs, plus its matching / pooling
+        if cls.cost_model is not None or issubclass(cls, BlockSparseMethod):  # svg2: k-means priced as scoring
+            dynamic = cls.cost_model != "plan"
+            call = density_method_call(gpu, shape, method, density, options, dynamic=dynamic)
+        else:  # a token method, window, prune: a dense kernel over the kept pairs, plus its matching / pooling
             import dataclasses
 
             call = costmodel.dense_call(gpu, 1, shape.heads, n, max(1, round(density * n)), shape.head_dim)

@@ -96,6 +96,9 @@ def test_prediction_is_the_cost_models_at_the_row_density():
         assert not got["wan"]["approximate"]
     sparse, denser = (equal_density.gpu_prediction("todo", {}, d, "H100")["hunyuan"] for d in (0.25, 0.5))
     assert sparse["approximate"] and sparse["attention_speedup"] > denser["attention_speedup"] > 1
+    svg2 = equal_density.gpu_prediction("svg2", {}, 0.2, "H100")["wan"]  # block-sparse, outside the cost model
+    assert svg2["approximate"] and svg2["attention_speedup"] == pytest.approx(
+        equal_density.gpu_prediction("svg", {}, 0.2, "H100")["wan"]["attention_speedup"])  # priced as a dynamic one
     assert equal_density.gpu_prediction("dense", {}, 1.0, "H100") is None
 
 
