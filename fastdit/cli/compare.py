@@ -31,7 +31,9 @@ DEFAULT_MODEL = "tiny-shapes"
 #: ``--methods`` when it is not given: on tiny-shapes sta (the static default), sparge (dynamic, under
 #: its quality guard) and prune (the one that paid on a 2-core CPU at this size), each at the presets
 #: calibrated for the model (BENCHMARKS.md, "Trained tiny model"); elsewhere dense and sta.
-DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,prune"}
+#: ``auto`` in a default list runs the calibration shipped with the model's weights; at a size whose
+#: latent grid it was not made for it is left out of the default run (with a note), not an error.
+DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,prune,auto"}
 FALLBACK_METHODS = "dense,sta"
 
 
@@ -42,7 +44,8 @@ def cmd_compare(args):
     from fastdit.eval.runner.settings import tiny_method_presets
     from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline, trained_name
 
-    if args.methods is None:
+    defaulted = args.methods is None
+    if defaulted:
         args.methods = DEFAULT_METHODS.get(args.model, FALLBACK_METHODS)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
@@ -53,13 +56,15 @@ def cmd_compare(args):
     if unknown:
         raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
                        f"{', '.join(fastdit.method_names() + ['auto'])}")
-    if "auto" in methods and args.calibration is None:  # auto runs only a calibration's choices
+    shapes = trained_name(args.model) == "tiny-shapes"
+    # auto runs only a calibration's choices: given, or (tiny-shapes) shipped with the weights, checked
+    # below once the call's grid is known; any other model fails here, before it is loaded
+    if "auto" in methods and args.calibration is None and not shapes:
         from fastdit.methods.auto import NEEDS_CALIBRATION
 
         raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json")
     options = parse_options(args.set, methods, args.calibration)
     check_generation_arguments(args)
-    shapes = trained_name(args.model) == "tiny-shapes"
     if args.prompt is None:
         args.prompt = SHAPES_PROMPT if shapes else DEFAULT_PROMPT
     if shapes:  # adherence needs a caption of the shapes grammar
@@ -103,6 +108,19 @@ def cmd_compare(args):
     grid = latent_grid(pipe, call_kwargs) if shapes else None  # a trained model's calibrations fit its native grid
     options = apply_calibration_argument(args.calibration, methods,
                                          tiny_method_presets(args.model, methods, options, grid), options)
+    if "auto" in methods and defaulted and not (options.get("auto") or {}).get("calibration"):
+        from fastdit.pipelines.loading import trained_grid
+
+        methods = [m for m in methods if m != "auto"]
+        print(f"note: auto left out of the default methods: the auto calibration shipped with {args.model} is for "
+              f"its native latent grid {list(trained_grid('tiny-shapes'))}, this call's is {list(grid)}")
+    if "auto" in methods and not (options.get("auto") or {}).get("calibration"):
+        from fastdit.methods.auto import NEEDS_CALIBRATION
+        from fastdit.pipelines.loading import trained_grid
+
+        raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json (the "
+                       f"auto calibration shipped with {args.model} is for its native latent grid "
+                       f"{list(trained_grid('tiny-shapes'))}, this call's is {list(grid)})")
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     if cache is not None:  # the fitted settings, checked before any run

@@ -227,6 +227,8 @@ def test_compare_without_a_model_runs_tiny_shapes_with_its_presets_and_a_contact
     assert report["model"] == "tiny-shapes"
     assert report["call"]["num_frames"] == 5 and report["call"]["height"] == 64
     methods = DEFAULT_METHODS["tiny-shapes"].split(",")
+    assert "auto" in methods and "note: auto left out of the default methods" in printed  # not the native grid
+    methods = [m for m in methods if m != "auto"]
     assert [run["method"] for run in report["runs"]] == methods and len(methods) >= 4
     presets = trained_presets("tiny-shapes")
     for run in report["runs"]:
@@ -346,3 +348,33 @@ def test_eval_settings_take_the_shipped_plans():
     clash = {"sta": {"calibration": options["sta"]["calibration"], "window": (1, 1, 1)}}
     with pytest.raises(EvalError, match="window"):
         build_settings(EvalConfig(out="unused", methods=["sta"], options=clash))
+
+
+def test_shipped_auto_calibration_runs_its_choices_and_other_grids_are_told_why_not(capsys):
+    """tiny-shapes ships an ``auto`` calibration (issue 40 item 2): on the native grid the presets hand it to
+    the patch, whose per-head choices are the file's (checked head by head against the JSON read here); at
+    another size ``fastdit compare --methods dense,auto`` stops before any run, naming both grids."""
+    import json
+
+    import fastdit
+    from fastdit.cli import main as cli_main
+    from fastdit.eval.runner.settings import tiny_method_presets
+    from fastdit.pipelines.loading import trained_grid
+
+    native = trained_grid("tiny-shapes")
+    chosen = tiny_method_presets("tiny-shapes", ["auto"], {}, native)["auto"]
+    path = chosen["calibration"]
+    assert path.endswith(os.path.join("calibrations", "auto.json"))
+    data = json.load(open(path))
+    assert data["method"] == "auto" and data["model"]["grids"] == [list(native)] and data["budget"] == 0.05
+    names = {c["method"] for c in data["candidates"]}
+    assert len(names) > 1  # a real choice across methods, not one method in disguise
+    pipe = load_pipeline("tiny-shapes", "cpu")
+    with fastdit.patch(pipe, "auto", **chosen) as p:
+        as_json = json.loads(json.dumps({"candidates": p.config.candidates, "choices": p.config.choices}))
+        assert as_json["candidates"] == data["candidates"] and as_json["choices"] == data["choices"]
+    with pytest.raises(SystemExit):
+        cli_main(["compare", "--methods", "dense,auto", "--height", "64", "--width", "64", "--steps", "1",
+                  "--no-warmup"])
+    err = capsys.readouterr().err
+    assert "needs a calibration" in err and "[9, 32, 32]" in err and "[9, 16, 16]" in err
