@@ -9,8 +9,9 @@ the GPU cost model's prediction, in one table (issue 42).
 null}``. ``trained`` is a ``python -m fastdit.train`` output folder (relative to ``--trained-root``):
 its LoRA (``pytorch_lora_weights.safetensors``) is loaded into the pipeline for the row, fused into the
 weights as one deploys it (``--unfused``: kept as a side branch, its matrix products timed too), and
-removed after it (the original tensors put back), and its method parameters (``fastdit_method_params.safetensors``: VSA's gates, SLA's
-projection), when it has some, go to the patch (``fastdit.patch(..., method_params=)``).
+removed after it (the original tensors put back), and its method parameters
+(``fastdit_method_params.safetensors``: VSA's gates, SLA's projection), when it has some, go to the
+patch (``fastdit.patch(..., method_params=)``).
 
 Per row, over the first ``--captions`` held-out captions of tiny-shapes' grammar
 (``load_prompts("shapes")``: none of them is a training or distillation caption) x ``--seeds``, each
@@ -221,7 +222,8 @@ def table_lines(rows, dense_adherence, gpu_name):
         for name in PREDICTED_MODELS:
             p = (r.get("predicted") or {}).get(name)
             mark = "~" if p and p["approximate"] else ""
-            cells.append("-" if p is None else f"{mark}{p['attention_speedup']:.2f}x / {mark}{p['forward_speedup']:.2f}x")
+            cells.append("-" if p is None
+                         else f"{mark}{p['attention_speedup']:.2f}x / {mark}{p['forward_speedup']:.2f}x")
         lines.append(f"| {r['label']} | {'yes' if r['trained'] else 'no'} | "
                      f"{fmt(r['effective_density'], '.3f')} / {fmt(r['sparse_density'], '.3f')} | "
                      f"{r['speed']:.2f}x | {fmt(r.get('psnr_db'), '.2f')} / {fmt(r.get('psnr_min_db'), '.2f')} | "
