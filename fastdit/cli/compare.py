@@ -59,10 +59,17 @@ def cmd_compare(args):
     shapes = trained_name(args.model) == "tiny-shapes"
     # auto runs only a calibration's choices: given, or (tiny-shapes) shipped with the weights, checked
     # below once the call's grid is known; any other model fails here, before it is loaded
-    if "auto" in methods and args.calibration is None and not shapes:
+    if "auto" in methods and args.calibration is None and not defaulted:
         from fastdit.methods.auto import NEEDS_CALIBRATION
+        from fastdit.pipelines.loading import trained_grid
 
-        raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json")
+        if not shapes:
+            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json")
+        asked = trained_grid("tiny-shapes", {"num_frames": args.frames, "height": args.height, "width": args.width})
+        if asked != trained_grid("tiny-shapes"):  # the shipped calibration cannot serve this call: say so now
+            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json (the "
+                           f"auto calibration shipped with {args.model} is for its native latent grid "
+                           f"{list(trained_grid('tiny-shapes'))}, this call's is {list(asked)})")
     options = parse_options(args.set, methods, args.calibration)
     check_generation_arguments(args)
     if args.prompt is None:

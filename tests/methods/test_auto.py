@@ -165,7 +165,10 @@ def test_bad_input_is_refused_before_model_work(pipe, tmp_path):
     (["calibrate", "--method", "auto", "--budget", "0.1", "--gpu", "X9"], "unknown gpu 'X9'"),
     (["calibrate", "--method", "sta", "--budget", "0.1", "--gpu", "H100"], "only --method auto"),
     (["calibrate", "--method", "auto", "--budget", "0.1", "--set", "prune.ratio=0.3"], "does not choose from"),
-    (["compare", "--methods", "dense,auto"], "fastdit calibrate --model MODEL --method auto"),
+    (["compare", "--model", "tiny-wan", "--methods", "dense,auto"], "fastdit calibrate --model MODEL --method auto"),
+    # tiny-shapes ships an auto calibration for its native size only: another size is refused, naming both grids
+    (["compare", "--methods", "dense,auto", "--height", "64", "--width", "64"],
+     "shipped with tiny-shapes is for its native latent grid [9, 32, 32], this call's is [9, 16, 16]"),
 ])
 def test_cli_refuses_bad_auto_input_before_loading_a_model(argv, needle, capsys, monkeypatch):
     from fastdit.cli import main
