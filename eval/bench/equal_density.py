@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -63,13 +62,10 @@ def load_rows(path, trained_root=None):
     """The rows of ``path`` (module docstring), checked: registered methods, options a dict, trained
     folders that hold a LoRA. ``trained`` comes back resolved against ``trained_root`` (default: the
     rows file's folder)."""
+    from fastdit.jsonutil import read_json
     from fastdit.methods.base import get_method
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
-    except (OSError, ValueError) as error:
-        raise RowsError(f"rows file {path}: {error}") from error
+    rows = read_json(path, RowsError, "rows file", "a JSON list of rows")
     if not isinstance(rows, list) or not rows:
         raise RowsError(f"rows file {path}: expected a non-empty JSON list of rows, got {type(rows).__name__}")
     root = trained_root or os.path.dirname(os.path.abspath(path))
@@ -138,9 +134,8 @@ def trained_weights(pipe, folder, fuse=True):
 def run_row(pipe, row, prompts, seeds, call, backend, reference=None, fuse=True):
     """Every (prompt, seed) video of one row: ``(videos, record)``; ``record`` holds the sums and
     means of the module docstring (fidelity only when ``reference`` videos are given)."""
-    from fastdit.compare import generate, warm_up_options
+    from fastdit.compare import fidelity, generate, warm_up_options
     from fastdit.eval.metrics.adherence import adherence
-    from fastdit.eval.metrics.fidelity import psnr, ssim
 
     method = row["method"]
     with trained_weights(pipe, row["trained"], fuse) as method_params:
@@ -167,9 +162,9 @@ def run_row(pipe, row, prompts, seeds, call, backend, reference=None, fuse=True)
               "effective_density": _mean(effective), "sparse_density": _mean(sparse),
               "adherence": float(np.mean(scores))}
     if reference is not None:
-        values = [psnr(a, b) for a, b in zip(videos, reference)]
+        values, similarity = zip(*(fidelity(a, b) for a, b in zip(videos, reference)))
         record.update(psnr_db=float(np.mean(values)), psnr_min_db=float(np.min(values)),
-                      ssim=float(np.mean([ssim(a, b) for a, b in zip(videos, reference)])))
+                      ssim=float(np.mean(similarity)))
     return videos, record
 
 

@@ -29,12 +29,21 @@ SHAPES_PROMPT = DEMO_CAPTION
 #: The model ``fastdit compare`` runs without ``--model``: trained here, so its videos can be judged by eye.
 DEFAULT_MODEL = "tiny-shapes"
 #: ``--methods`` when it is not given: on tiny-shapes sta (the static default), sparge (dynamic, under
-#: its quality guard) and prune (the one that paid on a 2-core CPU at this size), each at the presets
-#: calibrated for the model (BENCHMARKS.md, "Trained tiny model"); elsewhere dense and sta.
+#: its quality guard), prune (the one that paid on a 2-core CPU at this size) and auto, each at the
+#: presets and calibrations shipped with the model (BENCHMARKS.md, "Trained tiny model"); elsewhere
+#: dense and sta.
 #: ``auto`` in a default list runs the calibration shipped with the model's weights; at a size whose
 #: latent grid it was not made for it is left out of the default run (with a note), not an error.
 DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,prune,auto"}
 FALLBACK_METHODS = "dense,sta"
+
+
+def _shipped_auto_elsewhere(model, grid):
+    """Why the auto calibration shipped with the trained ``model`` cannot serve a call on ``grid``."""
+    from fastdit.pipelines.loading import trained_grid, trained_name
+
+    return (f"the auto calibration shipped with {model} is for its native latent grid "
+            f"{list(trained_grid(trained_name(model)))}, this call's is {list(grid)}")
 
 
 def cmd_compare(args):
@@ -67,9 +76,8 @@ def cmd_compare(args):
             raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json")
         asked = trained_grid("tiny-shapes", {"num_frames": args.frames, "height": args.height, "width": args.width})
         if asked != trained_grid("tiny-shapes"):  # the shipped calibration cannot serve this call: say so now
-            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json (the "
-                           f"auto calibration shipped with {args.model} is for its native latent grid "
-                           f"{list(trained_grid('tiny-shapes'))}, this call's is {list(asked)})")
+            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json "
+                           f"({_shipped_auto_elsewhere(args.model, asked)})")
     options = parse_options(args.set, methods, args.calibration)
     check_generation_arguments(args)
     if args.prompt is None:
@@ -115,19 +123,14 @@ def cmd_compare(args):
     grid = latent_grid(pipe, call_kwargs) if shapes else None  # a trained model's calibrations fit its native grid
     options = apply_calibration_argument(args.calibration, methods,
                                          tiny_method_presets(args.model, methods, options, grid), options)
-    if "auto" in methods and defaulted and not (options.get("auto") or {}).get("calibration"):
-        from fastdit.pipelines.loading import trained_grid
+    if "auto" in methods and not (options.get("auto") or {}).get("calibration"):  # the shipped one does not fit
+        if not defaulted:
+            from fastdit.methods.auto import NEEDS_CALIBRATION
 
+            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json "
+                           f"({_shipped_auto_elsewhere(args.model, grid)})")
         methods = [m for m in methods if m != "auto"]
-        print(f"note: auto left out of the default methods: the auto calibration shipped with {args.model} is for "
-              f"its native latent grid {list(trained_grid('tiny-shapes'))}, this call's is {list(grid)}")
-    if "auto" in methods and not (options.get("auto") or {}).get("calibration"):
-        from fastdit.methods.auto import NEEDS_CALIBRATION
-        from fastdit.pipelines.loading import trained_grid
-
-        raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json (the "
-                       f"auto calibration shipped with {args.model} is for its native latent grid "
-                       f"{list(trained_grid('tiny-shapes'))}, this call's is {list(grid)})")
+        print(f"note: auto left out of the default methods: {_shipped_auto_elsewhere(args.model, grid)}")
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     if cache is not None:  # the fitted settings, checked before any run
