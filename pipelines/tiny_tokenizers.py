@@ -105,12 +105,18 @@ def _vocab_words() -> list[str]:
     return list(seen)
 
 
-def tiny_tokenizer(kind: str = "llama"):
+def tiny_tokenizer(kind: str = "llama", extra_words: tuple[str, ...] = ()):
     """A small offline ``PreTrainedTokenizerFast`` (kind: "llama", "t5" or "clip").
 
     WordPiece over a built-in English vocabulary, lowercasing, single-character
     fallback (``##x`` pieces) so any ASCII text maps to distinct ids, newlines
     kept as tokens ("\\n\\n" is one token, as in Llama 3).
+
+    ``extra_words``: whole-word tokens appended after the built-in vocabulary (the ids of every
+    other token stay as they are, so a text encoder trained on the plain vocabulary keeps its
+    embedding rows and only grows new ones). tiny-shapes uses it for the caption words the
+    built-in vocabulary lacks ("circle", "square", "triangle" would otherwise be spelt letter by
+    letter).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -122,6 +128,7 @@ def tiny_tokenizer(kind: str = "llama"):
         spec["bos"], spec["eos"], spec["unk"], spec["pad"]]
     specials = specials + list(spec["extra"])
     tokens = specials + [w for w in _vocab_words() if w not in specials]
+    tokens += [w for w in dict.fromkeys(w.lower() for w in extra_words) if w not in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
 
     tok = Tokenizer(models.WordPiece(vocab, unk_token=spec["unk"], max_input_chars_per_word=64))

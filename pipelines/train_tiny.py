@@ -43,9 +43,13 @@ import torch
 
 from . import shapes_data
 from .train_card import card_text, plot_losses
+from .warm_start import load_weights
 
 #: Config fields a resumed run may change (more or fewer steps, bookkeeping).
 RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every", "vae_colour_weight"}
+
+#: Every word of the shapes caption grammar (``shapes_data.caption``), for ``caption_vocab``.
+CAPTION_WORDS = ("a", "moving", "and", *shapes_data.COLORS, *shapes_data.SHAPES, *shapes_data.DIRECTIONS)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "tiny-shapes")
 
@@ -76,6 +80,9 @@ class TrainConfig:
     layers: int = 4
     ffn_dim: int = 512
     max_sequence_length: int = 48
+    # whole-word tokens for every word of the caption grammar the tiny WordPiece vocabulary lacks
+    # ("circle", "square", "triangle": spelt letter by letter without them), appended after it
+    caption_vocab: bool = False
     steps: int = 4000
     batch: int = 2
     lr: float = 4e-4
@@ -129,7 +136,7 @@ def build_pipeline(cfg: TrainConfig, latents_mean=None, latents_std=None):
     from .tiny import _UMT5, _seeded, tiny_tokenizer
 
     z = cfg.vae_z_dim
-    tokenizer = tiny_tokenizer("t5")
+    tokenizer = tiny_tokenizer("t5", extra_words=CAPTION_WORDS if cfg.caption_vocab else ())
     with _seeded(cfg.seed + 1):
         # Wan 2.2-style VAE: 2x2 patchify (12 input channels) and residual average-pool /
         # duplicate shortcuts (is_residual): colour passes through from the first step. The
@@ -152,39 +159,6 @@ def build_pipeline(cfg: TrainConfig, latents_mean=None, latents_std=None):
                                         num_train_timesteps=1000, flow_shift=cfg.flow_shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=scheduler)
-
-
-def load_weights(pipe, folder: str) -> None:
-    """Copy the VAE, text encoder and transformer weights of a saved pipeline folder into ``pipe``.
-
-    Raises ``FileNotFoundError`` naming the missing file and ``ValueError`` naming the component
-    whose shapes differ (a folder of another model size)."""
-    from safetensors.torch import load_file
-
-    files = {"vae": "vae/diffusion_pytorch_model.safetensors", "text_encoder": "text_encoder/model.safetensors",
-             "transformer": "transformer/diffusion_pytorch_model.safetensors"}
-    for name, rel in files.items():
-        path = os.path.join(folder, rel)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"init_from={folder!r}: {path} is missing "
-                                    "(a pipeline saved by train_tiny holds it)")
-        state = load_file(path)
-        module = getattr(pipe, name)
-        own = module.state_dict()
-        wrong = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
-        if wrong:
-            raise ValueError(f"init_from={folder!r}: {name} has other shapes ({wrong[0]}: "
-                             f"{tuple(state[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}); "
-                             "same model sizes needed")
-        # tied / shared weights may be stored once: non-strict, then check nothing of ours is left out
-        missing, _ = module.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k not in ("shared.weight",) and not k.endswith("embed_tokens.weight")]
-        if missing:
-            raise ValueError(f"init_from={folder!r}: {name} lacks {missing[:3]}")
-    if os.path.exists(os.path.join(folder, "vae", "config.json")):
-        with open(os.path.join(folder, "vae", "config.json")) as f:
-            vae_cfg = json.load(f)
-        pipe.vae.register_to_config(latents_mean=vae_cfg.get("latents_mean"), latents_std=vae_cfg.get("latents_std"))
 
 
 def _video_tensor(video: np.ndarray) -> torch.Tensor:
@@ -413,7 +387,8 @@ def train(cfg: TrainConfig, work: str, out: str = DEFAULT_OUT, preset: str = "cu
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             saved = json.load(f)
-        changed = {k for k, v in dataclasses.asdict(cfg).items() if saved["config"].get(k) != v}
+        defaults = dataclasses.asdict(TrainConfig())  # a field added since that run had its default then
+        changed = {k for k, v in dataclasses.asdict(cfg).items() if saved["config"].get(k, defaults[k]) != v}
         if changed - RESUME_CHANGEABLE:
             raise ValueError(f"{work} holds a run with a different config ({', '.join(sorted(changed))} differ; "
                              f"{meta_path}); pass another --work or delete that folder to start over")
@@ -468,7 +443,12 @@ def main(argv=None):
         if key not in fields or not _:
             parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}")
         default = getattr(TrainConfig(), key)
-        values[key] = type(default)(value)
+        if isinstance(default, bool):  # bool("False") is True
+            if value.lower() not in ("true", "false", "1", "0"):
+                parser.error(f"--set {item!r}: {key} takes true or false")
+            values[key] = value.lower() in ("true", "1")
+        else:
+            values[key] = type(default)(value)
     cfg = TrainConfig(**values)
     state = train(cfg, args.work, args.out, args.preset, progress=not args.no_progress)
     print(f"trained {state['step']} transformer steps in {state['seconds'] / 60:.1f} min; pipeline in {args.out}")

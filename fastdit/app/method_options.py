@@ -26,8 +26,8 @@ from fastdit.options import format_value, parse_value
 
 from .errors import AppError
 
-__all__ = ["DEFAULT_CHOICE", "KINDS", "WIDGET_KINDS", "OptionSpec", "attribute_docs", "method_choices", "option_specs",
-           "options_text", "parse_option", "parse_options"]
+__all__ = ["DEFAULT_CHOICE", "KINDS", "WIDGET_KINDS", "OptionSpec", "attribute_docs", "calibration_only",
+           "method_choices", "option_specs", "options_text", "parse_option", "parse_options"]
 
 KINDS = ("int", "float", "number", "tuple", "bool", "choice", "text")
 #: ``field.metadata["widget"]`` -> kind (None: the kind follows the type; ``slider`` draws a
@@ -81,10 +81,21 @@ class OptionSpec:
 
 
 def method_choices():
-    """The methods the app compares against dense (every registered method but ``dense``)."""
+    """The methods the app compares against dense: every registered method but ``dense``, those
+    that run only from a calibration (``auto``; see :func:`calibration_only`) last."""
     import fastdit
 
-    return [name for name in fastdit.method_names() if name != "dense"]
+    listed = [name for name in fastdit.method_names() if name != "dense"]
+    return listed + [name for name in fastdit.methods.methods_with("calibration_only", listed=False)
+                     if name not in listed]
+
+
+def calibration_only(method):
+    """Whether ``method`` takes its settings from a calibration file only (``auto``: a per-head plan
+    made by ``fastdit calibrate``): the one shipped with a trained model, or one the user gives."""
+    import fastdit
+
+    return bool(fastdit.methods.get_method(method).calibration_only)
 
 
 def option_specs(method):

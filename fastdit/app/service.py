@@ -29,7 +29,7 @@ from fastdit.pipelines.shapes_data import DEMO_CAPTION
 
 from .errors import AppError, RunCancelled
 from .masks import draw_patch_mask
-from .method_options import method_choices, options_text, parse_options
+from .method_options import calibration_only, method_choices, options_text, parse_options
 from .models import PipelineCache, plan_call
 
 __all__ = ["DEFAULT_NEGATIVE", "DEFAULT_PROMPT", "DENSE_CACHE_SIZE", "FPS", "MAX_SEED", "RunRequest",
@@ -165,6 +165,24 @@ def model_presets(model, grid=None):
     return method_presets(model, grid)[0]
 
 
+def _no_calibration_text(model, method, pipe, call):
+    """Why ``method`` (calibration-only) cannot run here, and what to do about it."""
+    from fastdit.eval.runner.settings import method_presets
+    from fastdit.pipelines.loading import builtin_model, latent_grid
+
+    grid = latent_grid(pipe, call)
+    note = ""
+    if builtin_model(model):
+        try:
+            note = method_presets(model, grid)[1] or ""
+        except ValueError:
+            pass
+    return (f"{method} runs from a calibration, and none is shipped with {model} for the latent grid {tuple(grid)}"
+            f"{f' ({note})' if note else ''}. Give one in Advanced > calibration file (made by `fastdit calibrate "
+            f"--model {model} --method {method} --budget 0.05 --out {method}.json`), or choose tiny-shapes at its "
+            "native size, which ships one.")
+
+
 def _calibration_path(calibration):
     """The calibration file of a request: a path, or what Gradio's file input gives (a path or a
     dict with ``path``); None when none is given."""
@@ -252,6 +270,8 @@ class Runner:
             except CalibrationError as error:
                 raise AppError(str(error)) from None
         options = parse_options(request.method, dict(request.options or {}))
+        if calibration_only(request.method):  # its settings come from the model's shipped calibration (run time)
+            return seed, options
         try:
             fastdit.methods.get_method(request.method).make_config(**options)
         except (ValueError, TypeError) as error:
@@ -331,6 +351,8 @@ class Runner:
                 notes.append(f"{method}: the calibration made for {request.model} ({os.path.basename(calibration)}) "
                              "applied")
             options = {**preset, **{k: v for k, v in options.items() if v is not None}}
+        if calibration is None and calibration_only(method):
+            raise AppError(_no_calibration_text(request.model, method, pipe, call))
         n_steps = int(call.get("num_inference_steps", request.steps))
         size = f"{call.get('num_frames', 1)}x{call.get('height', '?')}x{call.get('width', '?')}"
         dense_key = (request.model, request.prompt, call.get("negative_prompt"), seed, repr(sorted(

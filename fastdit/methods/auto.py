@@ -121,6 +121,7 @@ class Auto(Method):
     name = "auto"
     config_cls = AutoConfig
     listed = False  # not in fastdit.method_names(): it runs only from a calibration
+    calibration_only = True
     untrainable = "auto mixes methods per head from a calibration; train with one method"
 
     def __init__(self, config=None, **options):

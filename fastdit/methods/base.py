@@ -133,6 +133,9 @@ class Method(GuardHooks):
     #: ``fastdit_<name>``), and the geometry it needs: ``"grid"`` (a frame's ``(H, W)`` split) or
     #: ``"frames"`` (frame counts do); None: not offered (it keeps per-layer state across steps).
     engine_geometry = None
+    #: It takes its settings from a calibration file only (``auto``: per-head choices made by
+    #: ``fastdit calibrate``); the app offers it where a calibration is shipped or given.
+    calibration_only = False
     #: How ``python -m fastdit.eval.predict`` models it: ``"plan"`` (the plan ``prepare`` builds),
     #: ``"density"`` (a dynamic plan at an assumed block density) or None (not modelled).
     cost_model = None

@@ -115,3 +115,45 @@ def test_page_plan_input_and_plan_argument(tmp_path):
         assert_unpatched(demo.runner)
     finally:
         demo.close()
+
+
+def test_auto_is_offered_and_runs_from_a_calibration_only(tmp_path):
+    """``auto`` is in the method list; without a calibration (none shipped with tiny-wan, none given)
+    the run is refused with what to do, before any work and leaving the model unpatched; with one
+    given, the method frames equal those of ``fastdit.patch(pipe, "auto", calibration=...)`` run by hand."""
+    import numpy as np
+    import torch
+
+    import fastdit
+    from fastdit.app import AppError, Runner, method_choices
+    from fastdit.calibration.search import calibrate
+    from fastdit.pipelines.tiny import tiny
+
+    assert method_choices()[-1] == "auto" and "dense" not in method_choices()
+    runner = Runner()
+    with pytest.raises(AppError, match=r"auto runs from a calibration.*grid \(3, 5, 7\).*fastdit calibrate"):
+        runner.compare(request(method="auto", options={}))
+    assert_unpatched(runner)
+    pipe = tiny("wan")
+    call = dict(TINY_TEST_DEFAULTS["wan"])
+    out = tmp_path / "auto.json"
+    plan = calibrate(pipe, "auto", ["a fox"], budget=1e9, out=out, call_kwargs=call, rows=32, progress=False,
+                     candidates=[{"method": "sta", "tile": (1, 2, 2), "window": (1, 1, 1)},
+                                 {"method": "todo", "factor": 2}])
+    # on a CPU the calibration may keep every head dense (sparse is slower there): a mix by hand
+    plan["choices"] = {f"0_{layer}_{head}": [0, 1, None][(layer + head) % 3] for layer in range(4) for head in range(2)}
+    out.write_text(json.dumps(plan))
+    result = runner.compare(request(method="auto", options={}, calibration=str(out)))
+    assert result.metrics["sparse_calls"] > 0 and any("calibration auto.json applied" in n for n in result.notes)
+    assert result.metrics["method_digest"] != result.metrics["dense_digest"]  # the mix really changed the video
+    assert_unpatched(runner)
+    patch = fastdit.patch(pipe, "auto", calibration=out)
+    try:
+        by_hand = pipe(prompt="a fox", generator=torch.Generator().manual_seed(5), output_type="np", **call).frames[0]
+    finally:
+        patch.remove()
+    got = np.asarray(result.method_frames, dtype=np.float64)
+    want = np.asarray(by_hand, dtype=np.float64)
+    if got.max() > 1.5:  # the app keeps uint8 frames
+        want = (np.clip(want, 0, 1) * 255).round()
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1.0

@@ -152,6 +152,37 @@ def test_warm_start_at_a_larger_frame_continues_from_a_saved_pipeline(tmp_path):
         load_weights(build_pipeline(TrainConfig()), str(small))  # the test preset is a smaller model
 
 
+def test_caption_vocabulary_spells_shape_words_whole_and_grows_a_saved_text_encoder(tmp_path):
+    """``caption_vocab``: every caption word is one token, the plain vocabulary's ids are unchanged
+    (appended after it), and a text encoder saved without the words keeps its rows for the old ids
+    (a warm start grows new rows only); ``--set caption_vocab=false`` means false."""
+    from safetensors.torch import load_file
+
+    from fastdit.pipelines.shapes_data import SHAPES
+    from fastdit.pipelines.tiny_tokenizers import tiny_tokenizer
+    from fastdit.pipelines.train_tiny import CAPTION_WORDS, PRESETS, TrainConfig, build_pipeline, load_weights, main
+
+    plain, grown = tiny_tokenizer("t5"), tiny_tokenizer("t5", extra_words=CAPTION_WORDS)
+    text = "a red circle moving left and a green triangle moving up and a blue square moving down"
+    assert len(plain.tokenize(text)) > len(text.split())  # the plain vocabulary spells shapes letter by letter
+    assert grown.tokenize(text) == text.split() and len(grown) == len(plain) + len(SHAPES)
+    assert all(grown.convert_tokens_to_ids(t) == i for t, i in plain.get_vocab().items())
+    small = tmp_path / "plain"
+    assert main(["--preset", "test", "--work", str(tmp_path / "w1"), "--out", str(small), "--no-progress",
+                 "--set", "caption_vocab=false"]) == 0
+    cfg = TrainConfig(**{**PRESETS["test"], "caption_vocab": True})
+    pipe = build_pipeline(cfg)
+    fresh_rows = pipe.text_encoder.shared.weight[len(plain):].detach().clone()
+    load_weights(pipe, str(small))
+    saved = load_file(str(small / "text_encoder/model.safetensors"))
+    old = next(v for k, v in saved.items() if k.endswith(("shared.weight", "embed_tokens.weight")))
+    assert old.shape[0] == len(plain) and pipe.text_encoder.shared.weight.shape[0] == len(grown)
+    assert torch.equal(pipe.text_encoder.shared.weight[:len(plain)], old)
+    assert torch.equal(pipe.text_encoder.shared.weight[len(plain):], fresh_rows)
+    with pytest.raises(SystemExit):
+        main(["--preset", "test", "--work", str(tmp_path / "w2"), "--set", "caption_vocab=maybe"])
+
+
 # -- the shipped weights -----------------------------------------------------------------------
 
 def test_shipped_weights_load_offline_and_generate_one_step(monkeypatch):
