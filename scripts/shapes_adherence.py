@@ -42,6 +42,8 @@ def run(args):
     call = dict(TRAINED_DEFAULTS.get(args.model, TRAINED_DEFAULTS["tiny-shapes"]))
     if args.size:  # e.g. a quick read at 64 x 64 during training (shapes and speeds scale with the frame)
         call.update(height=args.size, width=args.size)
+    if args.guidance is not None:
+        call.update(guidance_scale=args.guidance)
     torch.set_num_threads(args.threads)
     pipe.set_progress_bar_config(disable=True)
     for index, text, seed in _samples(prompts, seeds, shard):
@@ -99,6 +101,7 @@ def main(argv=None):
     parser.add_argument("--shard", default="0/1", help="I/N: this process runs every N-th sample from the I-th")
     parser.add_argument("--out", required=True)
     parser.add_argument("--size", type=int, default=None, help="frame side in pixels (default: the native call's)")
+    parser.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the native call's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this process")
     parser.add_argument("--merge", action="store_true", help="summarise the samples under --out")
     args = parser.parse_args(argv)
