@@ -348,20 +348,25 @@ def test_the_app_opens_on_tiny_shapes_and_its_run_shows_the_contact_sheet():
 
 
 def test_user_options_a_preset_plan_sets_replace_the_plan(capsys):
-    """``--set sta.tile=... --set sta.window=...`` on tiny-shapes: the shipped sta plan sets both, so
-    the preset file's options run under the user's (with a note) instead of a CalibrationError; options the
-    plan does not set keep the plan; ``--plan`` still wins."""
+    """``--set sparge.topk=...`` on tiny-shapes: the shipped sparge calibration sets ``topk`` per layer,
+    so the preset file's options run under the user's (with a note) instead of a CalibrationError;
+    options the calibration does not set keep it; ``--calibration`` still wins. sta's preset is plain
+    options, the user's on top."""
     from fastdit.eval.runner.settings import tiny_method_presets
 
-    chosen = tiny_method_presets("tiny-shapes", ["sta", "sparge"], {"sta": {"tile": (3, 4, 4), "window": (1, 3, 3)},
-                                                                    "sparge": {"guard": False}})
-    assert "calibration" not in chosen["sta"] and chosen["sta"]["tile"] == (3, 4, 4) and chosen["sta"]["window"] == (1, 3, 3)
-    assert "tile and window given" in capsys.readouterr().out.replace(", ", " and ")
-    assert chosen["sparge"]["calibration"].endswith("sparge.json") and chosen["sparge"]["guard"] is False
-    kept = tiny_method_presets("tiny-shapes", ["sta"], {"sta": {"calibration": "mine.json"}})
-    assert kept["sta"] == {"calibration": "mine.json"}
-    kept = tiny_method_presets("tiny-shapes", ["sta"], {"sta": {"plan": "mine.json"}})  # the earlier name
-    assert kept["sta"] == {"plan": "mine.json"}
+    chosen = tiny_method_presets("tiny-shapes", ["sta", "sparge", "svg2"], {"sparge": {"topk": 0.3},
+                                                                            "svg2": {"guard": False},
+                                                                            "sta": {"window": (1, 3, 3)}})
+    assert "calibration" not in chosen["sparge"] and chosen["sparge"]["topk"] == 0.3
+    assert chosen["sparge"]["tile"] == [3, 8, 8]  # the preset file's options for sparge
+    assert "topk given" in capsys.readouterr().out
+    assert chosen["svg2"]["calibration"].endswith("svg2.json") and chosen["svg2"]["guard"] is False
+    assert chosen["sta"]["window"] == (1, 3, 3) and chosen["sta"]["tile"] == [3, 4, 4]
+    assert chosen["sta"]["dense_steps"] == 6
+    kept = tiny_method_presets("tiny-shapes", ["sparge"], {"sparge": {"calibration": "mine.json"}})
+    assert kept["sparge"]["calibration"] == "mine.json"
+    kept = tiny_method_presets("tiny-shapes", ["sparge"], {"sparge": {"plan": "mine.json"}})  # the earlier name
+    assert kept["sparge"]["plan"] == "mine.json" and "calibration" not in kept["sparge"]
 
 
 def test_eval_settings_take_the_shipped_plans():
@@ -371,14 +376,14 @@ def test_eval_settings_take_the_shipped_plans():
     from fastdit.eval.runner.config import EvalConfig
     from fastdit.eval.runner.settings import EvalError, build_settings, tiny_method_presets
 
-    options = tiny_method_presets("tiny-shapes", ["sta", "sparge"], {"sta": {"guard": 0.1}})
-    settings = build_settings(EvalConfig(out="unused", methods=["sta", "sparge"], options=options))
+    options = tiny_method_presets("tiny-shapes", ["svg2", "sparge"], {"svg2": {"guard": 0.1}})
+    settings = build_settings(EvalConfig(out="unused", methods=["svg2", "sparge"], options=options))
     by_name = {s.name: s.options for s in settings}
-    assert by_name["sta"]["calibration"].endswith("sta.json") and by_name["sta"]["guard"] == 0.1
+    assert by_name["svg2"]["calibration"].endswith("svg2.json") and by_name["svg2"]["guard"] == 0.1
     assert by_name["sparge"]["calibration"].endswith("sparge.json")
-    clash = {"sta": {"calibration": options["sta"]["calibration"], "window": (1, 1, 1)}}
-    with pytest.raises(EvalError, match="window"):
-        build_settings(EvalConfig(out="unused", methods=["sta"], options=clash))
+    clash = {"sparge": {"calibration": options["sparge"]["calibration"], "layer_settings": {"0_0": None}}}
+    with pytest.raises(EvalError, match="layer_settings"):
+        build_settings(EvalConfig(out="unused", methods=["sparge"], options=clash))
 
 
 def test_shipped_auto_calibration_runs_its_choices_and_other_grids_are_told_why_not(capsys):
