@@ -447,8 +447,11 @@ def main(argv=None):
             if value.lower() not in ("true", "false", "1", "0"):
                 parser.error(f"--set {item!r}: {key} takes true or false")
             values[key] = value.lower() in ("true", "1")
-        else:
+            continue
+        try:
             values[key] = type(default)(value)
+        except ValueError:
+            parser.error(f"--set {item!r}: {key} takes {type(default).__name__} values")
     cfg = TrainConfig(**values)
     state = train(cfg, args.work, args.out, args.preset, progress=not args.no_progress)
     print(f"trained {state['step']} transformer steps in {state['seconds'] / 60:.1f} min; pipeline in {args.out}")

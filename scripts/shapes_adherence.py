@@ -105,6 +105,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this process")
     parser.add_argument("--merge", action="store_true", help="summarise the samples under --out")
     args = parser.parse_args(argv)
+    if args.size is not None and (args.size < 16 or args.size % 16):
+        parser.error(f"argument --size: {args.size} is not a positive multiple of 16 (e.g. 64 or 128)")
+    if args.threads < 1:
+        parser.error(f"argument --threads: {args.threads} is not a positive count")
+    if args.guidance is not None and args.guidance < 0:
+        parser.error(f"argument --guidance: {args.guidance} is negative (at most 1 turns guidance off)")
     return merge(args) if args.merge else run(args)
 
 

@@ -81,8 +81,8 @@ class OptionSpec:
 
 
 def method_choices():
-    """The methods the app compares against dense: every registered method but ``dense``, those
-    that run only from a calibration (``auto``; see :func:`calibration_only`) last."""
+    """The methods the app compares against dense: every method ``fastdit.method_names()`` lists but
+    ``dense``, then those that run only from a calibration (``auto``; see :func:`calibration_only`)."""
     import fastdit
 
     listed = [name for name in fastdit.method_names() if name != "dense"]
