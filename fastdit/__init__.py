@@ -7,7 +7,11 @@
 
 ``fastdit.method_names()`` lists the methods; each has a config dataclass (``fastdit.STAConfig``, ...).
 """
-from . import methods
+from .import_guard import import_installed_kernels
+
+import_installed_kernels()  # before diffusers is imported: the repository's kernels/ folder must not shadow it
+
+from . import methods  # noqa: E402
 from . import pipelines  # noqa: F401 - registers the model families' method defaults
 from .context import AttentionContext
 from .calibration.search import calibrate

@@ -27,6 +27,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# python -m pytest runs from the repository root, whose kernels/ folder would shadow the installed `kernels`
+# package that diffusers imports (fastdit.import_guard); importing fastdit imports the real one first
+import fastdit  # noqa: E402,F401
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "guard_defaults: run with the methods' own quality-guard defaults")
