@@ -135,9 +135,10 @@ def build_settings(cfg):
     import fastdit
 
     methods = ["dense"] + [m for m in cfg.methods if m != "dense"]
-    unknown = [m for m in methods if m not in fastdit.method_names()]
+    runnable = fastdit.methods.runnable_method_names()
+    unknown = [m for m in methods if m not in runnable]
     if unknown:
-        raise EvalError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(fastdit.method_names())}")
+        raise EvalError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(runnable)}")
     for method in list(cfg.options) + list(cfg.grid):
         if method not in methods:
             raise EvalError(f"options given for method {method!r}, which is not in --methods {','.join(methods)}")

@@ -85,9 +85,7 @@ def method_choices():
     ``dense``, then those that run only from a calibration (``auto``; see :func:`calibration_only`)."""
     import fastdit
 
-    listed = [name for name in fastdit.method_names() if name != "dense"]
-    return listed + [name for name in fastdit.methods.methods_with("calibration_only", listed=False)
-                     if name not in listed]
+    return [name for name in fastdit.methods.runnable_method_names() if name != "dense"]
 
 
 def calibration_only(method):

@@ -106,6 +106,24 @@ def apply_calibration_argument(path, methods, options, user_options):
     return {**options, method: {"calibration": path, **user_options.get(method, {})}}
 
 
+def shipped_auto_elsewhere(model, grid):
+    """Why the auto calibration shipped with the trained ``model`` cannot serve a call on ``grid``."""
+    from fastdit.pipelines.loading import trained_grid, trained_name
+
+    return (f"the auto calibration shipped with {model} is for its native latent grid "
+            f"{list(trained_grid(trained_name(model)))}, this call's is {list(grid)}")
+
+
+def auto_calibration_missing(model, grid=None):
+    """The ``--methods`` error for ``auto`` with no calibration to run: how to make one and pass it, and
+    for a trained model called on another latent ``grid``, why its shipped calibration does not serve."""
+    from fastdit.methods.auto import NEEDS_CALIBRATION
+    from fastdit.pipelines.loading import trained_name
+
+    why = f" ({shipped_auto_elsewhere(model, grid)})" if grid is not None and trained_name(model) else ""
+    return f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json{why}"
+
+
 def add_calibration_argument(parser, help_text):
     """``--calibration FILE``, with ``--plan`` (its earlier name) as an alias of the same argument."""
     parser.add_argument("--calibration", "--plan", dest="calibration", default=None, metavar="FILE", help=help_text)

@@ -13,12 +13,14 @@ from fastdit.cli.common import (
     add_calibration_argument,
     apply_calibration_argument,
     add_generation_arguments,
+    auto_calibration_missing,
     cache_arguments,
     call_arguments,
     check_generation_arguments,
     parse_options,
     positive_int,
     seed_int,
+    shipped_auto_elsewhere,
 )
 from fastdit.cpu_load import load_warning
 from fastdit.pipelines.shapes_data import DEMO_CAPTION
@@ -38,14 +40,6 @@ DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,prune,auto"}
 FALLBACK_METHODS = "dense,sta"
 
 
-def _shipped_auto_elsewhere(model, grid):
-    """Why the auto calibration shipped with the trained ``model`` cannot serve a call on ``grid``."""
-    from fastdit.pipelines.loading import trained_grid, trained_name
-
-    return (f"the auto calibration shipped with {model} is for its native latent grid "
-            f"{list(trained_grid(trained_name(model)))}, this call's is {list(grid)}")
-
-
 def cmd_compare(args):
     import torch
 
@@ -61,23 +55,21 @@ def cmd_compare(args):
         raise CLIError(f"argument --methods: no method given in {args.methods!r}; e.g. --methods dense,sta")
     import fastdit
 
-    unknown = [m for m in methods if m not in fastdit.method_names() + ["auto"]]
+    runnable = fastdit.methods.runnable_method_names()
+    unknown = [m for m in methods if m not in runnable]
     if unknown:
-        raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
-                       f"{', '.join(fastdit.method_names() + ['auto'])}")
+        raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: {', '.join(runnable)}")
     shapes = trained_name(args.model) == "tiny-shapes"
     # auto runs only a calibration's choices: given, or (tiny-shapes) shipped with the weights, checked
     # below once the call's grid is known; any other model fails here, before it is loaded
     if "auto" in methods and args.calibration is None and not defaulted:
-        from fastdit.methods.auto import NEEDS_CALIBRATION
         from fastdit.pipelines.loading import trained_grid
 
         if not shapes:
-            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json")
+            raise CLIError(auto_calibration_missing(args.model))
         asked = trained_grid("tiny-shapes", {"num_frames": args.frames, "height": args.height, "width": args.width})
         if asked != trained_grid("tiny-shapes"):  # the shipped calibration cannot serve this call: say so now
-            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json "
-                           f"({_shipped_auto_elsewhere(args.model, asked)})")
+            raise CLIError(auto_calibration_missing(args.model, asked))
     options = parse_options(args.set, methods, args.calibration)
     check_generation_arguments(args)
     if args.prompt is None:
@@ -125,12 +117,9 @@ def cmd_compare(args):
                                          tiny_method_presets(args.model, methods, options, grid), options)
     if "auto" in methods and not (options.get("auto") or {}).get("calibration"):  # the shipped one does not fit
         if not defaulted:
-            from fastdit.methods.auto import NEEDS_CALIBRATION
-
-            raise CLIError(f"argument --methods: {NEEDS_CALIBRATION}; pass it here with --calibration auto.json "
-                           f"({_shipped_auto_elsewhere(args.model, grid)})")
+            raise CLIError(auto_calibration_missing(args.model, grid))
         methods = [m for m in methods if m != "auto"]
-        print(f"note: auto left out of the default methods: {_shipped_auto_elsewhere(args.model, grid)}")
+        print(f"note: auto left out of the default methods: {shipped_auto_elsewhere(args.model, grid)}")
     if args.negative_prompt is not None:
         call_kwargs["negative_prompt"] = args.negative_prompt
     if cache is not None:  # the fitted settings, checked before any run

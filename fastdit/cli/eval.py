@@ -133,19 +133,21 @@ def config_from_args(args):
     import os
 
     import fastdit
-    from fastdit.cli.common import (CLIError, apply_calibration_argument, cache_arguments, check_generation_arguments,
-                                    check_method_options, check_shapes_prompts, default_prompts, parse_options)
+    from fastdit.cli.common import (CLIError, apply_calibration_argument, auto_calibration_missing, cache_arguments,
+                                    check_generation_arguments, check_method_options, check_shapes_prompts,
+                                    default_prompts, parse_options)
     from fastdit.eval.runner.config import EvalConfig, EvalError
     from fastdit.eval.runner.prompts import load_prompts
+    from fastdit.calibration.calibration_file import split_calibration
     from fastdit.eval.runner.settings import tiny_method_presets
     from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = ["dense"] + [m for m in methods if m != "dense"]
-    unknown = [m for m in methods if m not in fastdit.method_names()]
+    runnable = fastdit.methods.runnable_method_names()
+    unknown = [m for m in methods if m not in runnable]
     if unknown:
-        raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: "
-                       f"{', '.join(fastdit.method_names())}")
+        raise CLIError(f"argument --methods: unknown method(s) {', '.join(unknown)}; available: {', '.join(runnable)}")
     options = parse_options(args.set, methods, args.calibration)
     grid = parse_grid(args.grid, methods)
     for method, values in grid.items():
@@ -185,10 +187,14 @@ def config_from_args(args):
         vbench_dimensions = [d.strip() for d in args.vbench_dimensions.split(",") if d.strip()]
     call = {"steps": args.steps, "frames": args.frames, "height": args.height, "width": args.width,
             "guidance": args.guidance, "negative_prompt": args.negative_prompt}
+    run_grid = _trained_call_grid(args)
+    options = apply_calibration_argument(args.calibration, methods,
+                                         tiny_method_presets(args.model, methods, options, run_grid), options)
+    # auto runs a calibration's choices only: --calibration, or the one shipped with a trained model at its grid
+    if "auto" in methods and split_calibration(options.get("auto", {}))[0] is None:
+        raise CLIError(auto_calibration_missing(args.model, run_grid))
     return EvalConfig(
-        out=args.out, model=args.model, methods=methods,
-        options=apply_calibration_argument(args.calibration, methods, tiny_method_presets(
-            args.model, methods, options, _trained_call_grid(args)), options),
+        out=args.out, model=args.model, methods=methods, options=options,
         grid=grid, prompts=prompts, prompts_file=args.prompts, seeds=parse_seeds(args.seeds),
         metrics=metric_names,
         call={k: v for k, v in call.items() if v is not None}, device=args.device, dtype=args.dtype,

@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 
 from .base import (Method, MethodConfig, OptionError, get_method, method_names, methods_taking, methods_with, option,
-                   register_method, tiny_presets, unregister_method)
+                   register_method, runnable_method_names, tiny_presets, unregister_method)
 from .block_sparse import BlockSparseConfig, BlockSparseMethod
 from .dense import DenseConfig
 from .prune import PruneConfig
@@ -30,4 +30,5 @@ del _module
 __all__ = ["BlockSparseConfig", "BlockSparseMethod", "DenseConfig", "Method", "MethodConfig", "OptionError",
            "OptiPruneConfig", "PruneConfig", "RadialConfig", "SLAConfig", "STAConfig", "SVG2Config", "SVGConfig",
            "SpargeConfig", "ToDoConfig", "ToMeConfig", "VSAConfig", "WindowConfig", "get_method", "method_names",
-           "methods_taking", "methods_with", "option", "register_method", "tiny_presets", "unregister_method"]
+           "methods_taking", "methods_with", "option", "register_method", "runnable_method_names", "tiny_presets",
+           "unregister_method"]

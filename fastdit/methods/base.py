@@ -418,6 +418,14 @@ def method_names():
     return sorted(name for name, cls in _REGISTRY.items() if cls.listed)
 
 
+def runnable_method_names():
+    """What a command or the app runs by name: :func:`method_names`, then the methods that run only
+    from a calibration file (``calibration_only``: ``auto``), which the caller must supply or find shipped
+    with a trained model's weights."""
+    listed = method_names()
+    return listed + [name for name in methods_with("calibration_only", listed=False) if name not in listed]
+
+
 def tiny_presets():
     """``method name -> options`` for fastdit's tiny built-in models (each method's ``tiny_options``)."""
     return {name: dict(cls.tiny_options) for name, cls in sorted(_REGISTRY.items()) if cls.tiny_options}
