@@ -22,6 +22,10 @@ import os
 __all__ = ["add_calibrate_arguments", "add_calibrate_parser", "cmd_calibrate"]
 
 
+#: options that schedule a method over steps and layers: a candidate of auto takes them from auto itself
+SCHEDULE = ("dense_steps", "dense_layers")
+
+
 def _budget(text):
     try:
         value = float(text)
@@ -164,8 +168,8 @@ def cmd_calibrate(args):
     call_kwargs = call_arguments(pipe, args.model, args.height, args.width, args.frames, args.steps, args.guidance)
     # The built-in models' presets (block sizes, tiles) under each method's options; a preset that is
     # a calibration (a trained model's) is what this command re-makes, so it is left out.
-    if auto:
-        options = {method: split_calibration(values)[1]
+    if auto:  # a preset's schedule (tiny-shapes' sta: first 6 steps dense) is the method's alone, not a candidate's
+        options = {method: {k: v for k, v in split_calibration(values)[1].items() if k not in SCHEDULE}
                    for method, values in tiny_method_presets(args.model, auto_methods(), options).items()}
     else:
         options = split_calibration(

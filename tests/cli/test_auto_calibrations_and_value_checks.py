@@ -68,6 +68,31 @@ def test_cli_calibrate_auto_set_reaches_the_candidates(tmp_path, monkeypatch):
     assert [c for c in seen["candidates"] if c["method"] == "todo"] == [{"method": "todo", "factor": 1}]
 
 
+def test_cli_calibrate_auto_on_tiny_shapes_takes_its_presets_but_not_their_schedule(tmp_path, monkeypatch):
+    """tiny-shapes' sta preset runs its first 6 steps dense; under ``calibrate --method auto`` that preset was
+    handed to the candidates, which refuse a schedule, and the command failed before calibrating. The tile
+    carries over to sta's candidates; ``dense_steps`` stays with sta run alone (auto takes its own)."""
+    from fastdit.calibration import search
+    from fastdit.calibration.candidates import auto_candidates
+    from fastdit.cli import main
+    from fastdit.pipelines.loading import trained_presets
+
+    assert trained_presets("tiny-shapes")["sta"].get("dense_steps")  # the case: a preset with a schedule
+    seen = {}
+
+    def fake_calibrate(pipe, method, prompts, **kwargs):
+        seen["options"], seen["candidates"] = kwargs["options"], auto_candidates(None, kwargs["options"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(search, "calibrate", fake_calibrate)
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--model", "tiny-shapes", "--method", "auto", "--budget", "0.1", "--out",
+              str(tmp_path / "auto.json"), "--no-progress", "--max-prompts", "1"])
+    assert "dense_steps" not in seen["options"]["sta"]
+    assert list(seen["options"]["sta"]["tile"]) == list(trained_presets("tiny-shapes")["sta"]["tile"])
+    assert {c["method"] for c in seen["candidates"]} >= {"radial", "sparge"}  # (sta's windows need a layout)
+
+
 def test_dense_is_kept_on_a_rounding_tie():
     """Every head chose radial at density 1.000 over dense by a float-rounding difference of the
     predicted time (strict ``<``); docs/auto.md says dense is kept where predicted as fast."""
