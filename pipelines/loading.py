@@ -177,13 +177,24 @@ def check_trained_weights(name, folder=None):
     return folder
 
 
+def dtype_argument(dtype):
+    """``from_pretrained``'s dtype keyword: ``dtype`` where diffusers takes it (newer releases deprecate
+    ``torch_dtype``: 0.42 warns on every load), ``torch_dtype`` on the releases before it."""
+    try:
+        from diffusers.utils import deprecation_utils
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype} if hasattr(deprecation_utils, "_resolve_dtype") else {"torch_dtype": dtype}
+
+
 def load_trained(name, device=None, dtype=None):
     """Load the trained built-in ``name`` from the package's weights folder (offline)."""
     from diffusers import DiffusionPipeline
 
     folder = check_trained_weights(name)
     try:
-        pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype or torch.float32, local_files_only=True)
+        pipe = DiffusionPipeline.from_pretrained(folder, **dtype_argument(dtype or torch.float32),
+                                                 local_files_only=True)
     except Exception as error:  # noqa: BLE001 - any failure here is a broken weights folder
         raise ModelNotFoundError(
             f"{name}: could not load the pipeline in {folder} ({type(error).__name__}: "
@@ -221,7 +232,7 @@ def load_pipeline(model="tiny-wan", device=None, dtype=None):
             raise ModelNotFoundError(f"{model} is a folder but holds no model_index.json: "
                                      "not a diffusers pipeline folder")
         try:
-            pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, local_files_only=True)
+            pipe = DiffusionPipeline.from_pretrained(model, **dtype_argument(dtype), local_files_only=True)
         except (OSError, ValueError) as error:
             raise ModelNotFoundError(f"could not load the pipeline in {model}: {error}") from None
         return pipe.to(device)
@@ -229,7 +240,7 @@ def load_pipeline(model="tiny-wan", device=None, dtype=None):
     if looks_like_path:
         raise ModelNotFoundError(f"no such folder: {model} (a hub id looks like 'org/name')")
     try:
-        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, local_files_only=True)
+        pipe = DiffusionPipeline.from_pretrained(model, **dtype_argument(dtype), local_files_only=True)
     except Exception as cached_error:  # noqa: BLE001 - any failure here means "not in the cache"
         if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
             raise ModelNotFoundError(
@@ -237,7 +248,7 @@ def load_pipeline(model="tiny-wan", device=None, dtype=None):
                 f"(`huggingface-cli download {model}`) or pass a local folder. ({type(cached_error).__name__})"
             ) from None
         try:
-            pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+            pipe = DiffusionPipeline.from_pretrained(model, **dtype_argument(dtype))
         except Exception as error:  # noqa: BLE001
             raise ModelNotFoundError(
                 f"could not load {model!r}: not in the local cache and not downloadable here "

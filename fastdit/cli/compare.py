@@ -30,13 +30,13 @@ DEFAULT_PROMPT = "A red fox runs through fresh snow in a pine forest at sunrise"
 SHAPES_PROMPT = DEMO_CAPTION
 #: The model ``fastdit compare`` runs without ``--model``: trained here, so its videos can be judged by eye.
 DEFAULT_MODEL = "tiny-shapes"
-#: ``--methods`` when it is not given: on tiny-shapes sta (the static default), sparge (dynamic, under
-#: its quality guard), prune (the one that paid on a 2-core CPU at this size) and auto, each at the
-#: presets and calibrations shipped with the model (BENCHMARKS.md, "Trained tiny model"); elsewhere
-#: dense and sta.
+#: ``--methods`` when it is not given: on tiny-shapes sta (the static default), window (sta's tiles
+#: with a cached residual), prune (query blocks reused across steps), sparge (dynamic, under its quality
+#: guard) and auto, each at the presets and calibrations shipped with the model (BENCHMARKS.md,
+#: "Trained tiny model"); elsewhere dense and sta.
 #: ``auto`` in a default list runs the calibration shipped with the model's weights; at a size whose
 #: latent grid it was not made for it is left out of the default run (with a note), not an error.
-DEFAULT_METHODS = {"tiny-shapes": "dense,sta,sparge,prune,auto"}
+DEFAULT_METHODS = {"tiny-shapes": "dense,sta,window,prune,sparge,auto"}
 FALLBACK_METHODS = "dense,sta"
 
 
