@@ -25,7 +25,7 @@ import fastdit
 LAYERS = [
     ("fastdit.kernels",),
     ("fastdit.layout", "fastdit.plan", "fastdit.context", "fastdit.stats", "fastdit.jsonutil",
-     "fastdit.cpu_load", "fastdit.costmodel"),
+     "fastdit.cpu_load", "fastdit.costmodel", "fastdit.import_guard"),
     ("fastdit.methods",),
     ("fastdit.patching", "fastdit.apply", "fastdit.intercept", "fastdit.steps", "fastdit.functional", "fastdit.pipelines",
      "fastdit.calibration.calibration_file", "fastdit.calibration.method_params"),
@@ -138,14 +138,18 @@ def test_no_import_circle():
 def test_repository_folders_do_not_load_twice_under_top_level_names():
     """Run from the repository root, transformers probes for Hugging Face's ``kernels`` package and
     finds the ``kernels/`` folder (which installs as ``fastdit.kernels``); it must stay inert there,
-    or the engine's torch.library ops would be registered twice (seen as a crash in the app)."""
+    or the engine's torch.library ops would be registered twice (seen as a crash in the app). Where the
+    package is installed, importing fastdit binds the real one first (``fastdit.import_guard``)."""
     import subprocess
     import sys
 
     code = ("import threading, torch, fastdit\n"
             "t = threading.Thread(target=lambda: __import__('transformers.modeling_utils')); t.start(); t.join()\n"
             "from fastdit.kernels import block_sparse_attention\n"
-            "import kernels; assert kernels.__all__ == []\n"
+            "import os, kernels\n"
+            "folder = os.path.join(os.getcwd(), 'kernels')\n"
+            "inside = os.path.dirname(os.path.abspath(kernels.__file__ or '')) == folder\n"
+            "assert not inside or kernels.__all__ == []  # the installed package, or the folder kept inert\n"
             "q = torch.randn(1, 1, 8, 4); i = torch.zeros(1, 1, 1, 1, dtype=torch.int32)\n"
             "print(block_sparse_attention(q, q, q, i, torch.ones(1, 1, 1, dtype=torch.int32), 8, 8)[0].shape)\n")
     root = Path(__file__).resolve().parents[2]
