@@ -30,19 +30,26 @@ def _is_repository_root(entry):
 def import_installed_kernels():
     """Import the installed top-level ``kernels`` package if the repository's ``kernels/`` folder would
     shadow it; returns the module imported, else None (nothing shadowed, already imported, or not installed)."""
-    if "kernels" in sys.modules:
-        return None
+    folder = os.path.join(REPOSITORY_ROOT, "kernels")
+    bound = sys.modules.get("kernels")
+    if bound is not None:
+        if os.path.dirname(os.path.abspath(getattr(bound, "__file__", None) or "")) != folder:
+            return None  # already the installed package (or another): nothing to do
+        # the folder was bound first (transformers probes the name); it is inert there, exports nothing
+        # anyone could hold, so it gives way to the installed package below
     try:
         importlib.metadata.distribution("kernels")
     except importlib.metadata.PackageNotFoundError:
         return None  # not installed: diffusers does not look for it either
-    try:
-        spec = importlib.util.find_spec("kernels")
-    except (ImportError, ValueError):
-        return None
-    folder = os.path.join(REPOSITORY_ROOT, "kernels")
-    if spec is None or not spec.origin or os.path.dirname(os.path.abspath(spec.origin)) != folder:
-        return None  # the name is not the repository's folder here: nothing to guard against
+    if bound is None:
+        try:
+            spec = importlib.util.find_spec("kernels")
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.origin or os.path.dirname(os.path.abspath(spec.origin)) != folder:
+            return None  # the name is not the repository's folder here: nothing to guard against
+    else:
+        del sys.modules["kernels"]
     saved = list(sys.path)
     sys.path[:] = [entry for entry in saved if not _is_repository_root(entry)]
     try:

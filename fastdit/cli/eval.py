@@ -136,9 +136,9 @@ def config_from_args(args):
     from fastdit.cli.common import (CLIError, apply_calibration_argument, auto_calibration_missing, cache_arguments,
                                     check_generation_arguments, check_method_options, check_shapes_prompts,
                                     default_prompts, parse_options)
+    from fastdit.calibration.calibration_file import split_calibration
     from fastdit.eval.runner.config import EvalConfig, EvalError
     from fastdit.eval.runner.prompts import load_prompts
-    from fastdit.calibration.calibration_file import split_calibration
     from fastdit.eval.runner.settings import tiny_method_presets
     from fastdit.pipelines.loading import ModelNotFoundError, tiny_name
 

@@ -59,6 +59,23 @@ def test_the_installed_package_wins_over_the_repository_folder(tmp_path):
     assert guarded == {"returned": "installed package", "bound": "installed package"}
 
 
+def test_the_folder_bound_first_gives_way_to_the_installed_package(tmp_path):
+    """transformers probes the name before fastdit is imported: the folder, bound first, is replaced."""
+    root, site = _fake_layout(tmp_path)
+    out = _run(f"""
+        import json, sys
+        sys.path[:0] = ["", {str(site)!r}]
+        import kernels
+        first = kernels.WHO
+        import fastdit.import_guard as guard
+        guard.REPOSITORY_ROOT = {str(root)!r}
+        found = guard.import_installed_kernels()
+        import kernels
+        print(json.dumps({{"first": first, "returned": getattr(found, "WHO", None), "bound": kernels.WHO}}))
+    """, cwd=root)
+    assert out == {"first": "repository folder", "returned": "installed package", "bound": "installed package"}
+
+
 def test_nothing_is_bound_when_no_package_is_installed(tmp_path):
     root, site = _fake_layout(tmp_path)
     out = _run(f"""
