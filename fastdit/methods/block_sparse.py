@@ -80,6 +80,8 @@ class BlockSparseConfig(MethodConfig):
         if self.skip_threshold is not None:
             self.skip_threshold = check_number("skip_threshold", self.skip_threshold, 0,
                                                note="log units below the row maximum; or None")
+        if self.correction is None:  # `--set sta.correction=none` reads as None on the command line and in the app
+            self.correction = "none"
         if self.correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
         if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 1:

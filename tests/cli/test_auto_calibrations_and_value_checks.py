@@ -374,3 +374,22 @@ def test_cp_ring_help_names_every_ring_method():
     compare = add_compare_parser(parser.add_subparsers())
     ring = next(a for a in compare._actions if "--cp-ring" in a.option_strings)
     assert ", ".join(names) in ring.help
+
+
+def test_correction_none_is_accepted_on_the_command_line():
+    """``--set sta.correction=none`` / ``--grid sta.correction=none,pooled`` were refused ("correction must be
+    one of ('none', ...), got None": the command line reads ``none`` as None); None now means "none"."""
+    import fastdit
+    from fastdit.eval.runner.settings import build_settings
+
+    cfg = _eval_config(["--model", "tiny-wan", "--methods", "dense,sta", "--grid", "sta.correction=none,pooled",
+                        "--out", "unused"])
+    settings = build_settings(cfg)
+    assert len(settings) == 3 and settings[2].name == "sta[correction=pooled]"
+    assert fastdit.methods.get_method("sta").make_config(None, **settings[1].options).correction == "none"
+    cfg = _eval_config(["--model", "tiny-wan", "--methods", "dense,sta", "--set", "sta.correction=none",
+                        "--out", "unused"])
+    config = fastdit.methods.get_method("sta").make_config(None, **cfg.options["sta"])
+    assert config.correction == "none"
+    with pytest.raises(ValueError, match="correction must be one of"):
+        fastdit.methods.get_method("sta").make_config(None, correction="nothing")
