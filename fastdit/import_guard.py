@@ -27,29 +27,33 @@ def _is_repository_root(entry):
     return os.path.abspath(entry or os.getcwd()) == REPOSITORY_ROOT
 
 
+def _in_kernels_folder(path):
+    """Whether the module file ``path`` (None for a namespace folder) is not a real package outside the
+    repository's ``kernels/`` folder: the folder's own ``__init__.py``, or no file at all."""
+    return not path or os.path.dirname(os.path.abspath(path)) == os.path.join(REPOSITORY_ROOT, "kernels")
+
+
 def import_installed_kernels():
     """Import the installed top-level ``kernels`` package if the repository's ``kernels/`` folder would
-    shadow it; returns the module imported, else None (nothing shadowed, already imported, or not installed)."""
-    folder = os.path.join(REPOSITORY_ROOT, "kernels")
+    shadow it, or was bound to the name already (transformers probes it; the folder is inert there and
+    exports nothing anyone could hold); returns the module imported, else None (nothing shadowed, the
+    installed package already imported, or none installed)."""
     bound = sys.modules.get("kernels")
     if bound is not None:
-        if os.path.dirname(os.path.abspath(getattr(bound, "__file__", None) or "")) != folder:
+        if not _in_kernels_folder(getattr(bound, "__file__", None)):
             return None  # already the installed package (or another): nothing to do
-        # the folder was bound first (transformers probes the name); it is inert there, exports nothing
-        # anyone could hold, so it gives way to the installed package below
-    try:
-        importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return None  # not installed: diffusers does not look for it either
-    if bound is None:
+    else:
         try:
             spec = importlib.util.find_spec("kernels")
         except (ImportError, ValueError):
             return None
-        if spec is None or not spec.origin or os.path.dirname(os.path.abspath(spec.origin)) != folder:
+        if spec is None or not spec.origin or not _in_kernels_folder(spec.origin):
             return None  # the name is not the repository's folder here: nothing to guard against
-    else:
-        del sys.modules["kernels"]
+    try:  # only now the metadata scan: most imports of fastdit stop above
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # not installed: diffusers does not look for it either
+    sys.modules.pop("kernels", None)
     saved = list(sys.path)
     sys.path[:] = [entry for entry in saved if not _is_repository_root(entry)]
     try:
@@ -60,8 +64,7 @@ def import_installed_kernels():
     finally:
         sys.path[:] = saved
     module = sys.modules.get("kernels")
-    origin = getattr(module, "__file__", None)
-    if module is not None and (not origin or os.path.dirname(os.path.abspath(origin)) == folder):
+    if module is not None and _in_kernels_folder(getattr(module, "__file__", None)):
         del sys.modules["kernels"]  # the folder again, or a namespace folder: leave the name unbound
         return None
     return module

@@ -71,6 +71,10 @@ def auto_methods():
     return methods_with("auto_candidate")
 
 
+#: options that schedule a method over steps and layers: auto's candidates take them from auto itself
+SCHEDULE_OPTIONS = ("dense_steps", "dense_layers")
+
+
 def auto_candidates(layout=None, options=None, methods=None):
     """The candidates of ``method="auto"``: ``{"method": name, **options}`` for each method of
     ``methods`` (default ``auto_methods()``) and each of its candidates (``Method.auto_candidates``,
@@ -89,7 +93,7 @@ def auto_candidates(layout=None, options=None, methods=None):
         raise ValueError(f"auto: options given for {unknown}, which auto does not choose from; its methods: "
                          f"{choosable}")
     for name, values in options.items():
-        ignored = sorted({"dense_steps", "dense_layers"} & set(values or {}))
+        ignored = sorted(set(SCHEDULE_OPTIONS) & set(values or {}))
         if ignored:
             raise ValueError(f"auto: {name}.{ignored[0]}: a candidate runs on the steps and layers the calibration "
                              f"chooses it for; set {ignored[0]} on auto when patching (e.g. --set "

@@ -22,10 +22,6 @@ import os
 __all__ = ["add_calibrate_arguments", "add_calibrate_parser", "cmd_calibrate"]
 
 
-#: options that schedule a method over steps and layers: a candidate of auto takes them from auto itself
-SCHEDULE = ("dense_steps", "dense_layers")
-
-
 def _budget(text):
     try:
         value = float(text)
@@ -131,7 +127,7 @@ def cmd_calibrate(args):
         else:
             options[key.strip()] = parse_value(value)
     candidates = parse_candidates(args.candidates, args.method)
-    from fastdit.calibration.candidates import auto_candidates, auto_methods, has_candidates
+    from fastdit.calibration.candidates import SCHEDULE_OPTIONS, auto_candidates, auto_methods, has_candidates
 
     if auto:
         try:
@@ -169,7 +165,7 @@ def cmd_calibrate(args):
     # The built-in models' presets (block sizes, tiles) under each method's options; a preset that is
     # a calibration (a trained model's) is what this command re-makes, so it is left out.
     if auto:  # a preset's schedule (tiny-shapes' sta: first 6 steps dense) is the method's alone, not a candidate's
-        options = {method: {k: v for k, v in split_calibration(values)[1].items() if k not in SCHEDULE}
+        options = {method: {k: v for k, v in split_calibration(values)[1].items() if k not in SCHEDULE_OPTIONS}
                    for method, values in tiny_method_presets(args.model, auto_methods(), options).items()}
     else:
         options = split_calibration(

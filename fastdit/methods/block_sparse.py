@@ -80,7 +80,7 @@ class BlockSparseConfig(MethodConfig):
         if self.skip_threshold is not None:
             self.skip_threshold = check_number("skip_threshold", self.skip_threshold, 0,
                                                note="log units below the row maximum; or None")
-        if self.correction is None:  # `--set sta.correction=none` reads as None on the command line and in the app
+        if self.correction is None:  # the command line's parse_value reads `--set sta.correction=none` as None
             self.correction = "none"
         if self.correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
