@@ -13,7 +13,8 @@ Colours within one video are distinct (so a caption's objects can be told apart 
 every shape stays fully inside the frame for the whole clip.
 
 API: :data:`COLORS`, :data:`SHAPES`, :data:`DIRECTIONS`, :class:`ShapeSpec`, :class:`VideoSpec`,
-:func:`sample_spec`, :func:`render`, :func:`caption`, :func:`parse_caption`, :func:`sample_video`.
+:func:`sample_spec`, :func:`render`, :func:`caption`, :func:`parse_caption`, :func:`sample_video`,
+:func:`latent_object_mask`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "ShapeSpec", "VideoSpec", "sample_spec", "render",
-           "caption", "parse_caption", "sample_video", "random_caption", "distinct_captions"]
+           "caption", "parse_caption", "sample_video", "random_caption", "distinct_captions",
+           "latent_object_mask"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -199,3 +201,21 @@ def distinct_captions(count: int, seed: int, accept=None, **kwargs) -> tuple[str
         if text not in found and (accept is None or accept(text)):
             found.append(text)
     return tuple(found)
+
+
+def latent_object_mask(video: np.ndarray, latent_shape: tuple[int, int, int]) -> "torch.Tensor":
+    """Where a video's shapes are, on its latent grid: bool ``[T, h, w]`` for uint8 ``[F, H, W, 3]``.
+
+    A pixel belongs to a shape when its saturation (max - min over RGB) exceeds 0.3: the shapes'
+    colours are saturated (>= 0.8), the backgrounds grey-ish (<= 0.1, textures add grey). Latent frame
+    0 holds video frame 0 and latent frame t >= 1 frames 2t - 1 and 2t (the Wan VAE's causal 2x time
+    factor); a latent pixel counts when any pixel of its cell does, grown by one latent pixel so that
+    the outline's neighbourhood, where circle, square and triangle differ, is weighted too.
+    """
+    import torch
+
+    frames, height, width = latent_shape
+    sat = torch.from_numpy((video.max(-1).astype(np.int16) - video.min(-1)) > 0.3 * 255).float()  # [F, H, W]
+    groups = [sat[:1].amax(0)] + [sat[2 * t - 1:2 * t + 1].amax(0) for t in range(1, frames)]
+    cells = torch.nn.functional.adaptive_max_pool2d(torch.stack(groups)[:, None], (height, width))
+    return torch.nn.functional.max_pool2d(cells, 3, stride=1, padding=1)[:, 0] > 0

@@ -121,6 +121,41 @@ def test_training_script_runs_resumes_and_writes_a_loadable_pipeline(tmp_path):
     assert frames.shape == (5, 32, 32, 3) and np.isfinite(frames).all()
 
 
+def test_object_mask_marks_the_latent_cells_a_moving_square_covers():
+    # a square of half side 8 moving right 4 px per frame: its edges sit mid-cell (x = 22 + 4f .. 38 + 4f,
+    # y = 54 .. 70) for every frame, so the covered 4 x 4 cells are known exactly; a striped background
+    # (grey, unsaturated) must not count
+    square = shapes_data.ShapeSpec("yellow", "square", "right", x=30.0, y=62.0, size=8.0, speed=4.0)
+    spec = shapes_data.VideoSpec((square,), (120, 128, 110), "stripes", 5, frames=17, height=128, width=128)
+    mask = shapes_data.latent_object_mask(shapes_data.render(spec), (9, 32, 32))
+    expected = torch.zeros(9, 32, 32, dtype=torch.bool)
+    for t in range(9):
+        frames = [0] if t == 0 else [2 * t - 1, 2 * t]  # latent frame t: video frames of the causal 2x time factor
+        x_lo, x_hi = (22 + 4 * min(frames)) // 4, (38 + 4 * max(frames)) // 4
+        expected[t, 13 - 1:17 + 2, x_lo - 1:x_hi + 2] = True  # grown by one cell
+    assert mask.dtype == torch.bool and torch.equal(mask, expected)
+
+
+def test_foreground_weight_changes_the_loss_and_an_older_latents_file_gets_its_masks(tmp_path):
+    from fastdit.pipelines.train_tiny import main
+
+    argv = ["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=1"]
+    assert main(argv + ["--work", str(tmp_path / "plain")]) == 0
+    saved = torch.load(tmp_path / "plain" / "latents.pt", weights_only=False)
+    expected = torch.stack([shapes_data.latent_object_mask(shapes_data.sample_video(0, i, frames=5, height=32,
+                                                                                     width=32)[0], (3, 8, 8))
+                            for i in range(3)])
+    assert torch.equal(saved["masks"], expected) and expected.any() and not expected.all()
+    os.makedirs(tmp_path / "weighted")
+    del saved["masks"]  # a latents file written before the masks existed
+    torch.save(saved, tmp_path / "weighted" / "latents.pt")
+    assert main(argv + ["--work", str(tmp_path / "weighted"), "--set", "fg_weight=4"]) == 0
+    assert torch.equal(torch.load(tmp_path / "weighted" / "latents.pt", weights_only=False)["masks"], expected)
+    plain = torch.load(tmp_path / "plain" / "dit.pt", weights_only=False)["losses"][0]
+    weighted = torch.load(tmp_path / "weighted" / "dit.pt", weights_only=False)["losses"][0]
+    assert np.isfinite(weighted) and abs(weighted - plain) > 1e-4 * plain  # same weights, data and noise
+
+
 def test_warm_start_at_a_larger_frame_continues_from_a_saved_pipeline(tmp_path):
     """The ``large`` preset's code path: weights of a saved pipeline start a run at another frame
     size (the VAE kept: vae_steps=0); a folder of another model size or a missing file is refused."""
