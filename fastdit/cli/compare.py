@@ -43,6 +43,7 @@ FALLBACK_METHODS = "dense,sta"
 def cmd_compare(args):
     import torch
 
+    from fastdit.calibration.calibration_file import split_calibration
     from fastdit.compare import compare, format_table
     from fastdit.eval.runner.settings import tiny_method_presets
     from fastdit.pipelines.loading import ModelNotFoundError, load_pipeline, trained_name
@@ -115,7 +116,7 @@ def cmd_compare(args):
     grid = latent_grid(pipe, call_kwargs) if shapes else None  # a trained model's calibrations fit its native grid
     options = apply_calibration_argument(args.calibration, methods,
                                          tiny_method_presets(args.model, methods, options, grid), options)
-    if "auto" in methods and not (options.get("auto") or {}).get("calibration"):  # the shipped one does not fit
+    if "auto" in methods and split_calibration(options.get("auto") or {})[0] is None:  # the shipped one does not fit
         if not defaulted:
             raise CLIError(auto_calibration_missing(args.model, grid))
         methods = [m for m in methods if m != "auto"]
