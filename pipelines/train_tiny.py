@@ -16,8 +16,9 @@ procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    (``s' = k s / (1 + (k - 1) s)``, ``k = 3``), timestep ``1000 s'``.  Captions are dropped (replaced
    by ``""``, the pipeline's default negative prompt) with probability ``caption_dropout`` so that
    classifier-free guidance works.  Most steps train on a prefix of the latent video (fewer
-   frames: cheaper), the rest on the whole clip.  The exported weights are an EMA of the training
-   weights.
+   frames: cheaper), the rest on the whole clip.  ``fg_weight`` > 0 weights the squared error by
+   ``1 + fg_weight`` on the latent cells the shapes cover (``shapes_data.latent_object_mask``).
+   The exported weights are an EMA of the training weights.
 
 The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
 one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
@@ -273,8 +274,8 @@ def _masks(cfg, state, path):
     """The videos' :func:`shapes_data.latent_object_mask` (rendered again: cheap), kept in the latents file."""
     if "masks" not in state:
         grid = tuple(state["latents"].shape[2:])
-        state["masks"] = torch.stack([shapes_data.latent_object_mask(shapes_data.sample_video(cfg.seed, i, **_data_kwargs(cfg))[0], grid)
-                                      for i in range(len(state["captions"]))])
+        videos = (shapes_data.sample_video(cfg.seed, i, **_data_kwargs(cfg))[0] for i in range(len(state["captions"])))
+        state["masks"] = torch.stack([shapes_data.latent_object_mask(video, grid) for video in videos])
         _save(state, path)
     return state["masks"]
 

@@ -331,7 +331,8 @@ def test_shipped_presets_load_and_a_mismatched_file_is_refused(tmp_path):
                                                      "methods": {"sparge": {"cdf": 0.95}},
                                                      "plans": {"auto": "plans/auto.json"}}))
     presets = trained_presets("tiny-shapes", str(folder))
-    assert presets["sparge"] == {"cdf": 0.95} and presets["auto"] == {"calibration": str(folder / "plans" / "auto.json")}
+    assert presets["sparge"] == {"cdf": 0.95}
+    assert presets["auto"] == {"calibration": str(folder / "plans" / "auto.json")}
     (folder / "presets.json").write_text(json.dumps({"model": "tiny-wan", "methods": {}}))
     with pytest.raises(CalibrationError, match="tiny-wan"):
         trained_presets("tiny-shapes", str(folder))
