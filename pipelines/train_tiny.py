@@ -253,7 +253,10 @@ def encode_latents(cfg, pipe, work, progress=True):
     if os.path.exists(path):
         state = torch.load(path, weights_only=False)
         if "mean" in state:
-            return state["latents"], state["captions"], state["mean"], state["std"], _masks(cfg, state, path)
+            if "masks" not in state:  # a file written before the masks existed
+                state["masks"] = _object_masks(cfg, state)
+                _save(state, path)
+            return state["latents"], state["captions"], state["mean"], state["std"], state["masks"]
     bar = tqdm(range(len(state["latents"]), cfg.num_videos), initial=len(state["latents"]), total=cfg.num_videos,
                desc="latents", disable=not progress, mininterval=5)
     for i in bar:
@@ -267,17 +270,17 @@ def encode_latents(cfg, pipe, work, progress=True):
     std = lat.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
     lat = ((lat - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)).half()
     state = {"latents": lat, "captions": state["captions"], "mean": mean.tolist(), "std": std.tolist()}
-    return state["latents"], state["captions"], state["mean"], state["std"], _masks(cfg, state, path)
+    state["masks"] = _object_masks(cfg, state)
+    _save(state, path)
+    return state["latents"], state["captions"], state["mean"], state["std"], state["masks"]
 
 
-def _masks(cfg, state, path):
-    """The videos' :func:`shapes_data.latent_object_mask` (rendered again: cheap), kept in the latents file."""
-    if "masks" not in state:
-        grid = tuple(state["latents"].shape[2:])
-        videos = (shapes_data.sample_video(cfg.seed, i, **_data_kwargs(cfg))[0] for i in range(len(state["captions"])))
-        state["masks"] = torch.stack([shapes_data.latent_object_mask(video, grid) for video in videos])
-        _save(state, path)
-    return state["masks"]
+def _object_masks(cfg, state):
+    """The videos' :func:`shapes_data.latent_object_mask` ``[N, T, h, w]``: the videos are rendered again
+    (milliseconds each, against the VAE encode; a resumed encode no longer holds the earlier ones)."""
+    grid = tuple(state["latents"].shape[2:])
+    videos = (shapes_data.sample_video(cfg.seed, i, **_data_kwargs(cfg))[0] for i in range(len(state["captions"])))
+    return torch.stack([shapes_data.latent_object_mask(video, grid) for video in videos])
 
 
 def _ema_update(ema, model, decay):
@@ -472,6 +475,8 @@ def main(argv=None):
             values[key] = type(default)(value)
         except ValueError:
             parser.error(f"--set {item!r}: {key} takes {type(default).__name__} values")
+    if values.get("fg_weight", 0.0) < 0:  # 1 + fg_weight must stay a positive weight on the shapes
+        parser.error(f"--set fg_weight={values['fg_weight']}: takes a weight >= 0 (0: the unweighted loss)")
     cfg = TrainConfig(**values)
     state = train(cfg, args.work, args.out, args.preset, progress=not args.no_progress)
     print(f"trained {state['step']} transformer steps in {state['seconds'] / 60:.1f} min; pipeline in {args.out}")

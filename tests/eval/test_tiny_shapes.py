@@ -214,7 +214,7 @@ def test_caption_vocabulary_spells_shape_words_whole_and_grows_a_saved_text_enco
     assert old.shape[0] == len(plain) and pipe.text_encoder.shared.weight.shape[0] == len(grown)
     assert torch.equal(pipe.text_encoder.shared.weight[:len(plain)], old)
     assert torch.equal(pipe.text_encoder.shared.weight[len(plain):], fresh_rows)
-    for bad in ("caption_vocab=maybe", "steps=many"):  # refused by the parser, naming the field, before any work
+    for bad in ("caption_vocab=maybe", "steps=many", "fg_weight=-2"):  # refused by the parser before any work
         with pytest.raises(SystemExit):
             main(["--preset", "test", "--work", str(tmp_path / "w2"), "--set", bad])
     assert not (tmp_path / "w2").exists()
