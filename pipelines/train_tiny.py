@@ -107,6 +107,10 @@ class TrainConfig:
     export_every: int = 500
     threads: int = 1
 
+    def __post_init__(self):
+        if self.fg_weight < 0:  # 1 + fg_weight must stay a positive weight on the shapes
+            raise ValueError(f"fg_weight={self.fg_weight}: takes a weight >= 0 (0: the unweighted loss)")
+
     @property
     def latent_frames(self) -> int:
         return (self.frames - 1) // 2 + 1
@@ -475,9 +479,10 @@ def main(argv=None):
             values[key] = type(default)(value)
         except ValueError:
             parser.error(f"--set {item!r}: {key} takes {type(default).__name__} values")
-    if values.get("fg_weight", 0.0) < 0:  # 1 + fg_weight must stay a positive weight on the shapes
-        parser.error(f"--set fg_weight={values['fg_weight']}: takes a weight >= 0 (0: the unweighted loss)")
-    cfg = TrainConfig(**values)
+    try:
+        cfg = TrainConfig(**values)  # its own checks (a negative fg_weight), before any work
+    except ValueError as error:
+        parser.error(f"--set: {error}")
     state = train(cfg, args.work, args.out, args.preset, progress=not args.no_progress)
     print(f"trained {state['step']} transformer steps in {state['seconds'] / 60:.1f} min; pipeline in {args.out}")
     return 0

@@ -218,6 +218,8 @@ def test_caption_vocabulary_spells_shape_words_whole_and_grows_a_saved_text_enco
         with pytest.raises(SystemExit):
             main(["--preset", "test", "--work", str(tmp_path / "w2"), "--set", bad])
     assert not (tmp_path / "w2").exists()
+    with pytest.raises(ValueError, match="fg_weight"):  # the config itself refuses it, not only the parser
+        TrainConfig(fg_weight=-2.0)
 
 
 # -- the shipped weights -----------------------------------------------------------------------
