@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -97,6 +98,10 @@ class TrainConfig:
     full_clip_prob: float = 0.25  # else a prefix of 3 .. prefix_max latent frames (cheaper steps)
     prefix_max: int = 8
     flow_shift: float = 3.0
+    # a caption's direction decides a shape's path only at the top of the noise range (below s ~ 0.97 x_s shows
+    # it), where the shifted uniform puts ~8% of samples: with this probability s is uniform in [high_noise_min, 1]
+    high_noise_prob: float = 0.0
+    high_noise_min: float = 0.9
     # warm start: a saved tiny-shapes pipeline folder whose VAE, text encoder and transformer weights
     # start this run (its VAE is kept as it is: set vae_steps=0). The transformer (patch 1, RoPE) and
     # the VAE (convolutional) do not depend on the frame size, so a model trained at 64 x 64 can be
@@ -110,6 +115,9 @@ class TrainConfig:
     def __post_init__(self):
         if self.fg_weight < 0:  # 1 + fg_weight must stay a positive weight on the shapes
             raise ValueError(f"fg_weight={self.fg_weight}: takes a weight >= 0 (0: the unweighted loss)")
+        if not (0 <= self.high_noise_prob <= 1 and 0 <= self.high_noise_min < 1):
+            raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
+                             "a probability in [0, 1] and a noise level in [0, 1)")
 
     @property
     def latent_frames(self) -> int:
@@ -342,6 +350,9 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
         texts = ["" if rng.random() < cfg.caption_dropout else captions[i] for i in idx]
         u = torch.rand(cfg.batch, generator=gen)
         sigma = cfg.flow_shift * u / (1 + (cfg.flow_shift - 1) * u)
+        if cfg.high_noise_prob:  # drawn only when asked: earlier runs keep their random stream (resume)
+            high = torch.rand(cfg.batch, generator=gen) < cfg.high_noise_prob
+            sigma = torch.where(high, cfg.high_noise_min + (1 - cfg.high_noise_min) * u, sigma)
         noise = torch.randn(x0.shape, generator=gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
@@ -394,8 +405,6 @@ def export_pipeline(cfg, pipe, ema, out, card_text, curve=None):
     os.makedirs(out, exist_ok=True)
     exported.save_pretrained(out, safe_serialization=True)
     if curve and os.path.exists(curve):
-        import shutil
-
         shutil.copyfile(curve, os.path.join(out, "loss_curve.png"))
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write(card_text)
@@ -411,6 +420,7 @@ def train(cfg: TrainConfig, work: str, out: str = DEFAULT_OUT, preset: str = "cu
     torch.set_num_threads(cfg.threads)
     os.makedirs(work, exist_ok=True)
     meta_path = os.path.join(work, "config.json")
+    times = {}
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             saved = json.load(f)
@@ -420,8 +430,6 @@ def train(cfg: TrainConfig, work: str, out: str = DEFAULT_OUT, preset: str = "cu
             raise ValueError(f"{work} holds a run with a different config ({', '.join(sorted(changed))} differ; "
                              f"{meta_path}); pass another --work or delete that folder to start over")
         times = saved.get("times", {})
-    else:
-        times = {}
     def save_meta():
         with open(meta_path, "w") as f:
             json.dump({"config": dataclasses.asdict(cfg), "preset": preset, "times": times}, f, indent=1)

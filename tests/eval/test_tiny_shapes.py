@@ -156,6 +156,38 @@ def test_foreground_weight_changes_the_loss_and_an_older_latents_file_gets_its_m
     assert np.isfinite(weighted) and abs(weighted - plain) > 1e-4 * plain  # same weights, data and noise
 
 
+def test_high_noise_share_draws_the_asked_noise_levels(tmp_path, monkeypatch):
+    """``high_noise_prob=1`` trains every sample at s in [high_noise_min, 1]; the default keeps the shifted
+    uniform (lower levels too); out-of-range values are refused by the config and the parser."""
+    from fastdit.pipelines import train_tiny
+
+    seen = []
+    build = train_tiny.build_pipeline
+
+    def recording_build(*args, **kwargs):
+        pipe = build(*args, **kwargs)
+        pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+        return pipe
+
+    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    argv = ["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=3",
+            "--set", "batch=4"]
+    assert train_tiny.main(argv + ["--work", str(tmp_path / "high"), "--set", "high_noise_prob=1",
+                                   "--set", "high_noise_min=0.95"]) == 0
+    high = torch.cat(seen) / 1000.0
+    assert high.numel() == 12 and bool(((high >= 0.95) & (high <= 1.0)).all()) and high.unique().numel() == 12
+    seen.clear()
+    assert train_tiny.main(argv + ["--work", str(tmp_path / "plain")]) == 0
+    plain = torch.cat(seen) / 1000.0
+    assert plain.numel() == 12 and bool((plain < 0.9).any())  # 12 shifted uniform draws: P(all >= 0.9) = 0.25 ** 12
+    for bad in ({"high_noise_prob": 1.5}, {"high_noise_prob": -0.1}, {"high_noise_min": 1.0}):
+        with pytest.raises(ValueError, match="high_noise"):
+            train_tiny.TrainConfig(**bad)
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--preset", "test", "--work", str(tmp_path / "w3"), "--set", "high_noise_min=2"])
+    assert not (tmp_path / "w3").exists()
+
+
 def test_warm_start_at_a_larger_frame_continues_from_a_saved_pipeline(tmp_path):
     """The ``large`` preset's code path: weights of a saved pipeline start a run at another frame
     size (the VAE kept: vae_steps=0); a folder of another model size or a missing file is refused."""
