@@ -1,0 +1,66 @@
+"""scripts/shapes_direction.py: the travel read from a video, the hit rule, the effects, and a run end to end."""
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastdit.pipelines import shapes_data
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "shapes_direction.py"
+
+
+@pytest.fixture(scope="module")
+def direction():
+    spec = importlib.util.spec_from_file_location("shapes_direction", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("texture", ["plain", "stripes"])
+@pytest.mark.parametrize("heading,start", [("left", (90.0, 60.0)), ("right", (35.0, 70.0)),
+                                           ("up", (64.0, 95.0)), ("down", (50.0, 30.0))])
+def test_travel_of_a_rendered_shape_is_its_speed_times_the_frames(direction, heading, start, texture):
+    """A yellow circle at 2.5 px a frame over 17 frames travels 40 px along its heading (image y grows
+    downwards), read from the rendered pixels alone; an unsaturated background must not pull it."""
+    circle = shapes_data.ShapeSpec("yellow", "circle", heading, x=start[0], y=start[1], size=9.0, speed=2.5)
+    video = shapes_data.render(shapes_data.VideoSpec((circle,), (120, 128, 110), texture, 3, frames=17,
+                                                     height=128, width=128))
+    dx, dy = direction.travel(video)
+    ux, uy = shapes_data.DIRECTIONS[heading]
+    assert abs(dx - 40.0 * ux) < 1.5 and abs(dy - 40.0 * uy) < 1.5, (dx, dy)
+    assert direction.hit(heading, dx, dy)
+    assert not any(direction.hit(other, dx, dy) for other in direction.DIRECTIONS if other != heading)
+
+
+def test_summary_separates_what_the_caption_moves_from_what_the_noise_moves(direction):
+    follows = {"left": [(-40, 0), (-40, 0)], "right": [(40, 0), (40, 0)], "up": [(0, -40), (0, -40)],
+               "down": [(0, 40), (0, 40)]}
+    summary = direction.summarise(follows)
+    assert summary["hit_rate"] == 1.0 and summary["caption_effect_px"] == pytest.approx(40.0)
+    assert summary["noise_effect_px"] == pytest.approx(0.0)
+    assert summary["mean_travel"]["up"] == [0.0, -40.0]
+    deaf = {d: [(-30, 0), (30, 0), (0, 50)] for d in direction.DIRECTIONS}  # the noise alone decides
+    summary = direction.summarise(deaf)
+    assert summary["caption_effect_px"] == pytest.approx(0.0) and summary["noise_effect_px"] > 25
+    assert summary["hit_rate"] == pytest.approx(3 / 12)  # each noise's path matches one of four captions
+
+
+def test_runs_on_a_trained_pipeline_and_writes_its_report(direction, tmp_path):
+    from fastdit.pipelines.train_tiny import main
+
+    model = tmp_path / "model"
+    assert main(["--preset", "test", "--work", str(tmp_path / "work"), "--out", str(model), "--no-progress"]) == 0
+    out = tmp_path / "direction.json"
+    report = direction.main(["--model", str(model), "--seeds", "2", "--sigmas", "1.0,0.9", "--size", "32",
+                             "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert set(report["sigmas"]) == {"1.0", "0.9"}
+    for summary in report["sigmas"].values():
+        assert set(summary["mean_travel"]) == set(direction.DIRECTIONS)
+        assert 0.0 <= summary["hit_rate"] <= 1.0
+        assert np.isfinite([summary["caption_effect_px"], summary["noise_effect_px"]]).all()
+    with pytest.raises(SystemExit):
+        direction.main(["--seeds", "0"])
