@@ -24,19 +24,22 @@ import json
 
 import numpy as np
 
-DIRECTIONS = ("left", "right", "up", "down")
+from fastdit.eval.metrics.adherence import HUE_RANGES
+from fastdit.pipelines.shapes_data import DIRECTIONS as HEADINGS
+
+DIRECTIONS = tuple(HEADINGS)  # left, right, up, down
 
 
-def travel(video: np.ndarray, hue_range=(18, 36)) -> tuple[float, float]:
+def travel(video: np.ndarray, hue_range=HUE_RANGES["yellow"][0]) -> tuple[float, float]:
     """Predicted travel (dx, dy) in pixels of the saturation-weighted centroid of ``hue_range`` pixels
     (OpenCV hue, 0..179) over a ``[F, H, W, 3]`` uint8 video."""
     import cv2
 
     xs, ys = [], []
+    yy, xx = np.mgrid[: video.shape[1], : video.shape[2]]
     for frame in video:
         hsv = cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2HSV).astype(np.float64)
         weight = ((hsv[..., 0] >= hue_range[0]) & (hsv[..., 0] <= hue_range[1])) * hsv[..., 1] / 255.0 + 1e-9
-        yy, xx = np.mgrid[: frame.shape[0], : frame.shape[1]]
         xs.append(float((weight * xx).sum() / weight.sum()))
         ys.append(float((weight * yy).sum() / weight.sum()))
     t = np.arange(len(xs))
@@ -46,7 +49,8 @@ def travel(video: np.ndarray, hue_range=(18, 36)) -> tuple[float, float]:
 
 def hit(direction: str, dx: float, dy: float) -> bool:
     """The travel is mostly along the direction's axis and in its sense (image y grows downwards)."""
-    along, across = {"left": (-dx, dy), "right": (dx, dy), "up": (-dy, dx), "down": (dy, dx)}[direction]
+    ux, uy = HEADINGS[direction]
+    along, across = (dx * ux, dy) if ux else (dy * uy, dx)
     return along > abs(across)
 
 
@@ -76,16 +80,17 @@ def run(args) -> dict:
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
     report = {"model": args.model, "seeds": args.seeds, "size": side, "sigmas": {}}
+    embeds = {d: pipe.encode_prompt(f"a yellow circle moving {d}", do_classifier_free_guidance=False, device="cpu",
+                                    max_sequence_length=call["max_sequence_length"])[0] for d in DIRECTIONS}
     for sigma in [float(s) for s in args.sigmas.split(",")]:
         travels = {}
         for direction in DIRECTIONS:
-            embeds, _ = pipe.encode_prompt(f"a yellow circle moving {direction}", do_classifier_free_guidance=False,
-                                           device="cpu", max_sequence_length=call.get("max_sequence_length", 48))
             travels[direction] = []
             for seed in range(args.seeds):
                 eps = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
                 with torch.no_grad():  # x_s of a pure-noise start at level s; x0 = x_s - s v
-                    velocity = transformer(sigma * eps, torch.tensor([sigma * 1000.0]), embeds, return_dict=False)[0]
+                    velocity = transformer(sigma * eps, torch.tensor([sigma * 1000.0]), embeds[direction],
+                                           return_dict=False)[0]
                     video = vae.decode((sigma * eps - sigma * velocity) * std + mean, return_dict=False)[0][0]
                 video = ((video.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()
                 travels[direction].append(travel(video))
