@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "ShapeSpec", "VideoSpec", "sample_spec", "render",
-           "caption", "parse_caption", "sample_video", "random_caption", "distinct_captions",
+__all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "OPPOSITE", "ShapeSpec", "VideoSpec", "sample_spec",
+           "render", "caption", "opposite_directions", "parse_caption", "sample_video", "random_caption", "distinct_captions",
            "latent_object_mask"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
@@ -39,6 +39,8 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 DEMO_CAPTION = "a red circle moving right and a blue square moving down"
 # unit motion in image coordinates (x to the right, y downwards)
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+#: Each direction's reverse (its unit step negated).
+OPPOSITE: dict[str, str] = {d: next(o for o, v in DIRECTIONS.items() if v == (-x, -y)) for d, (x, y) in DIRECTIONS.items()}
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,14 @@ def parse_caption(text: str) -> list[tuple[str, str, str]]:
                 raise ValueError(f"unknown {kind} {word!r} in caption part {part!r}; known: {', '.join(known)}")
         objects.append((color, shape, direction))
     return objects
+
+
+def opposite_directions(text: str) -> str:
+    """The caption with every shape's direction reversed ("left" <-> "right", "up" <-> "down"), the rest kept.
+
+    The caption of the same video played backwards; raises ``ValueError`` like :func:`parse_caption`.
+    """
+    return " and ".join(f"a {c} {s} moving {OPPOSITE[d]}" for c, s, d in parse_caption(text))
 
 
 def sample_spec(rng: np.random.Generator, frames: int = 17, height: int = 64, width: int = 64,

@@ -15,20 +15,18 @@ procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    target velocity ``eps - x_0``, ``s`` drawn uniformly and shifted like the sampler's flow shift
    (``s' = k s / (1 + (k - 1) s)``, ``k = 3``), timestep ``1000 s'``.  Captions are dropped (replaced
    by ``""``, the pipeline's default negative prompt) with probability ``caption_dropout`` so that
-   classifier-free guidance works.  Most steps train on a prefix of the latent video (fewer
-   frames: cheaper), the rest on the whole clip.  ``fg_weight`` > 0 weights the squared error by
-   ``1 + fg_weight`` on the latent cells the shapes cover (``shapes_data.latent_object_mask``).
-   The exported weights are an EMA of the training weights.
+   classifier-free guidance works.  Most steps train on a prefix of the latent video (fewer frames:
+   cheaper), the rest on the whole clip.  The loss and its options (``fg_weight``, ``direction_contrast``):
+   :mod:`.train_loss`.  The exported weights are an EMA of the training weights.
 
 The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
 one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
 ``large`` (the shipped model, issue 40) continues from it at 128 x 128 -> 9 x 32 x 32 -> 9216 tokens.
 
-Every phase checkpoints into ``--work`` and the run resumes from there (same seed -> same run);
-``--out`` receives the pipeline (``save_pretrained``, safetensors) every ``export_every`` steps
-and at the end, with a model card README and the loss curve PNG.  Presets: ``full`` (the size
-meant for about 3 hours on 2 CPU cores), ``short`` (about 80 minutes on one busy core: the run
-behind the committed weights) and ``test`` (seconds; CI).
+Every phase checkpoints into ``--work`` and the run resumes from there (same seed -> same run); ``--out`` receives
+the pipeline (``save_pretrained``, safetensors) every ``export_every`` steps and at the end, with a model card
+README and the loss curve PNG.  Presets: ``full`` (about 3 hours on 2 CPU cores), ``short`` (64 x 64, stage 1 of
+the committed weights), ``large`` (128 x 128, their later stages) and ``test`` (seconds; CI).
 """
 from __future__ import annotations
 
@@ -45,6 +43,7 @@ import torch
 
 from . import shapes_data
 from .train_card import card_text, plot_losses
+from .train_loss import flow_matching_loss
 from .warm_start import load_weights
 
 #: Config fields a resumed run may change (more or fewer steps, bookkeeping).
@@ -91,9 +90,8 @@ class TrainConfig:
     warmup: int = 200
     ema_decay: float = 0.999
     caption_dropout: float = 0.1
-    # flow-matching loss weight 1 + fg_weight on the latent pixels the shapes cover (their saturated
-    # pixels, pooled to the latent grid and grown by one latent pixel): the shapes are ~10% of a
-    # frame, so the plain mean spends ~90% of the gradient on the captions' background textures
+    # loss weight 1 + fg_weight on the shapes' latent cells (saturated pixels pooled to the latent grid, grown by
+    # one cell): the shapes are ~10% of a frame, so the plain mean spends ~90% of the gradient on backgrounds
     fg_weight: float = 0.0
     full_clip_prob: float = 0.25  # else a prefix of 3 .. prefix_max latent frames (cheaper steps)
     prefix_max: int = 8
@@ -102,12 +100,14 @@ class TrainConfig:
     # it), where the shifted uniform puts ~8% of samples: with this probability s is uniform in [high_noise_min, 1]
     high_noise_prob: float = 0.0
     high_noise_min: float = 0.9
+    # hinge against the caption with its directions reversed (train_loss): plain flow matching leaves them unheard
+    direction_contrast: float = 0.0
+    direction_margin: float = 0.05
     # warm start: a saved tiny-shapes pipeline folder whose VAE, text encoder and transformer weights
     # start this run (its VAE is kept as it is: set vae_steps=0). The transformer (patch 1, RoPE) and
     # the VAE (convolutional) do not depend on the frame size, so a model trained at 64 x 64 can be
     # trained on at 128 x 128 from where it stopped instead of from noise.
     init_from: str = ""
-    # bookkeeping
     checkpoint_every: int = 100
     export_every: int = 500
     threads: int = 1
@@ -118,6 +118,9 @@ class TrainConfig:
         if not (0 <= self.high_noise_prob <= 1 and 0 <= self.high_noise_min < 1):
             raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
                              "a probability in [0, 1] and a noise level in [0, 1)")
+        if self.direction_contrast < 0 or self.direction_margin < 0:
+            raise ValueError(f"direction_contrast={self.direction_contrast}, direction_margin={self.direction_margin}: "
+                             "take weights >= 0 (direction_contrast 0: no contrast)")
 
     @property
     def latent_frames(self) -> int:
@@ -339,7 +342,7 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
 
     bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc="transformer",
                disable=not progress, mininterval=5)
-    t_last = time.time()
+    t_last, ratios = time.time(), []  # ratios: l_reversed / l_true per step (direction contrast)
     for step in bar:
         rng = np.random.default_rng([cfg.seed, 2, step])
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 * step + 1)
@@ -356,14 +359,10 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
         noise = torch.randn(x0.shape, generator=gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        embeds = pipe._get_t5_prompt_embeds(texts, max_sequence_length=cfg.max_sequence_length, device="cpu")
-        pred = tr(xt, sigma * 1000.0, embeds, return_dict=False)[0]
-        error = (pred - (noise - x0)).pow(2)
-        if cfg.fg_weight:
-            weight = 1 + cfg.fg_weight * masks[idx, None, :frames].float()
-            loss = (weight * error).mean() / weight.mean()
-        else:
-            loss = error.mean()
+        weight = 1 + cfg.fg_weight * masks[idx, None, :frames].float() if cfg.fg_weight else None
+        loss, stats = flow_matching_loss(pipe, xt, sigma, noise - x0, texts, cfg.max_sequence_length, weight,
+                                         cfg.direction_contrast, cfg.direction_margin)
+        ratios += [stats["reversed_over_true"]] if stats else []
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
         opt.zero_grad(set_to_none=True)
@@ -382,7 +381,8 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
         if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
             checkpoint()
             _log(work, {"phase": "transformer", "step": state["step"], "loss": float(np.mean(state["losses"][-100:])),
-                        "seconds": state["seconds"], "time": now})
+                        "seconds": state["seconds"], "time": now, **({"reversed_over_true": np.mean(ratios[-100:])}
+                                                                     if ratios else {})})
         if state["step"] % cfg.export_every == 0 or state["step"] == cfg.steps:
             export()
     if state["step"] == cfg.steps and not exported_now(state):

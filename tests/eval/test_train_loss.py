@@ -1,0 +1,112 @@
+"""``train_loss``: flow matching and the direction contrast of ``train_tiny``, against losses written out here
+with one transformer call per sample and caption (float64 sums)."""
+import json
+
+import pytest
+import torch
+
+from fastdit.pipelines import shapes_data
+from fastdit.pipelines.train_loss import flow_matching_loss
+from fastdit.pipelines.train_tiny import PRESETS, TrainConfig, build_pipeline, main
+
+TEXTS = ["a red circle moving left and a blue square moving up", "", "a green triangle moving down"]
+
+
+def test_opposite_directions_reverses_every_path_and_keeps_the_rest():
+    for direction, (x, y) in shapes_data.DIRECTIONS.items():
+        assert shapes_data.DIRECTIONS[shapes_data.OPPOSITE[direction]] == (-x, -y)
+    text = "a red circle moving left and a blue square moving up and a green triangle moving down"
+    reversed_ = shapes_data.opposite_directions(text)
+    assert reversed_ == "a red circle moving right and a blue square moving down and a green triangle moving up"
+    assert shapes_data.opposite_directions(reversed_) == text
+    with pytest.raises(ValueError, match="sideways"):
+        shapes_data.opposite_directions("a red circle moving sideways")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    cfg = TrainConfig(**PRESETS["test"])
+    pipe = build_pipeline(cfg)
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(3, cfg.vae_z_dim, 3, 8, 8, generator=gen)
+    noise = torch.randn(x0.shape, generator=gen)
+    sigma = torch.tensor([0.95, 0.5, 0.2])
+    s = sigma.view(-1, 1, 1, 1, 1)
+    return pipe, cfg, (1 - s) * x0 + s * noise, sigma, noise - x0
+
+
+def _per_sample(pipe, cfg, xt, sigma, target, texts, weight=None):
+    out = []
+    for i, text in enumerate(texts):
+        embeds = pipe._get_t5_prompt_embeds([text], max_sequence_length=cfg.max_sequence_length, device="cpu")
+        pred = pipe.transformer(xt[i:i + 1], sigma[i:i + 1] * 1000.0, embeds, return_dict=False)[0].double()
+        w = torch.ones(()) if weight is None else weight[i:i + 1].double() / weight.double().mean()
+        out.append((w * (pred - target[i:i + 1].double()) ** 2).mean())
+    return torch.stack(out)
+
+
+def test_plain_and_weighted_loss_match_the_per_sample_mean(batch):
+    pipe, cfg, xt, sigma, target = batch
+    with torch.no_grad():
+        loss, stats = flow_matching_loss(pipe, xt, sigma, target, TEXTS, cfg.max_sequence_length)
+        expected = _per_sample(pipe, cfg, xt, sigma, target, TEXTS).mean()
+        assert stats == {} and abs(loss.double() - expected) <= 1e-5 * expected
+        weight = 1 + 4 * (torch.rand(3, 1, 3, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.7).float()
+        weighted, _ = flow_matching_loss(pipe, xt, sigma, target, TEXTS, cfg.max_sequence_length, weight)
+        expected_w = _per_sample(pipe, cfg, xt, sigma, target, TEXTS, weight).mean()
+    assert abs(weighted.double() - expected_w) <= 1e-5 * expected_w and abs(expected_w - expected) > 1e-4 * expected
+
+
+@pytest.mark.parametrize("margin", [0.05, 0.0, 10.0])
+def test_direction_contrast_is_the_hinge_against_the_reversed_captions(batch, margin):
+    pipe, cfg, xt, sigma, target = batch
+    with torch.no_grad():
+        loss, stats = flow_matching_loss(pipe, xt, sigma, target, TEXTS, cfg.max_sequence_length,
+                                         contrast=0.5, margin=margin)
+        true = _per_sample(pipe, cfg, xt, sigma, target, TEXTS)
+        reversed_ = _per_sample(pipe, cfg, xt, sigma, target, [shapes_data.opposite_directions(t) if t else ""
+                                                               for t in TEXTS])
+    kept = [0, 2]  # the dropped caption ("") has no reverse and takes no part in the contrast
+    assert float((reversed_[kept] - true[kept]).abs().max()) > 0  # the words do change this random model's output
+    hinge = torch.relu(true[kept] - reversed_[kept] + margin * true[kept])
+    expected = true.mean() + 0.5 * hinge.mean()
+    assert abs(loss.double() - expected) <= 1e-5 * expected
+    assert stats["reversed_over_true"] == pytest.approx(float((reversed_[kept] / true[kept]).mean()), rel=1e-5)
+    if margin == 10.0:
+        assert float(hinge.min()) > 0  # a large margin: every kept sample pays
+
+
+def test_the_contrast_pushes_the_reversed_caption_away(batch):
+    """A few optimiser steps on the contrast alone raise l_reversed / l_true on the batch: the gradient reaches
+    the direction words (the transformer and the text encoder train together, as in train_tiny)."""
+    import copy
+
+    pipe, cfg, xt, sigma, target = batch
+    pipe = copy.deepcopy(pipe)
+    params = list(pipe.transformer.parameters()) + list(pipe.text_encoder.parameters())
+    opt = torch.optim.Adam(params, lr=3e-3)
+    texts = [TEXTS[0], TEXTS[2], TEXTS[0]]
+    ratios = []
+    for _ in range(8):
+        loss, stats = flow_matching_loss(pipe, xt, sigma, target, texts, cfg.max_sequence_length, contrast=1.0,
+                                         margin=1.0)
+        ratios.append(stats["reversed_over_true"])
+        opt.zero_grad()
+        (loss - flow_matching_loss(pipe, xt, sigma, target, texts, cfg.max_sequence_length)[0]).backward()
+        opt.step()
+    assert ratios[-1] > ratios[0] + 0.05, ratios
+
+
+def test_training_with_the_contrast_logs_its_ratio_and_bad_values_are_refused(tmp_path):
+    argv = ["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
+            "--set", "caption_dropout=0"]
+    assert main(argv + ["--work", str(tmp_path / "w"), "--set", "direction_contrast=1"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "w" / "log.jsonl").read_text().splitlines()]
+    ratio = [r["reversed_over_true"] for r in records if r.get("phase") == "transformer"]
+    assert ratio and all(r > 0 for r in ratio)
+    for bad in ({"direction_contrast": -1.0}, {"direction_margin": -0.1}):
+        with pytest.raises(ValueError, match="direction_"):
+            TrainConfig(**bad)
+    with pytest.raises(SystemExit):
+        main(argv + ["--work", str(tmp_path / "w2"), "--set", "direction_contrast=-2"])
+    assert not (tmp_path / "w2").exists()
