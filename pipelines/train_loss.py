@@ -1,4 +1,5 @@
-"""The tiny-shapes transformer's training loss (``train_tiny``): flow matching, optionally with a direction contrast.
+"""The tiny-shapes transformer's training batch and loss (``train_tiny``): flow matching, optionally with anchoring
+(:func:`noisy_batch`) and a direction contrast.
 
 **Flow matching** (Esser et al. 2024, rectified flow as in Wan): with ``x_s = (1 - s) x_0 + s eps`` the transformer
 predicts the velocity ``eps - x_0``; the per-sample loss is the mean squared error, weighted by ``w`` (1 + fg_weight
@@ -25,7 +26,50 @@ import torch
 
 from . import shapes_data
 
-__all__ = ["flow_matching_loss"]
+__all__ = ["flow_matching_loss", "noisy_batch"]
+
+
+def noisy_batch(cfg, x0: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_s, sigma, target)`` of clean latents ``x0 [B, C, F, H, W]``: noise levels drawn as ``cfg`` says.
+
+    ``s`` is uniform, shifted like the sampler (``s' = k s / (1 + (k - 1) s)``, ``k = cfg.flow_shift``); with
+    probability ``cfg.high_noise_prob`` uniform in ``[cfg.high_noise_min, 1]`` instead.  **Anchoring** (with
+    probability ``cfg.anchor_prob``): one latent frame, drawn at random, gets the lower level ``s u`` (u uniform),
+    the others keep ``s``; then ``sigma`` is per frame, ``[B, F]`` (else ``[B]``), and the transformer is told each
+    token's level (Wan 2.2's per-token timesteps).  Why: a shape's place in a clearer frame plus the caption's
+    direction says where it is in every other frame, so the direction word pays at every ``s``; with one level
+    for the whole clip the noisy clip itself shows the path below s ~ 0.97 and the word is never needed
+    (stop 58).  The target is the velocity ``eps - x0`` whatever the level.
+    """
+    batch = x0.shape[0]
+    u = torch.rand(batch, generator=gen)
+    sigma = cfg.flow_shift * u / (1 + (cfg.flow_shift - 1) * u)
+    if cfg.high_noise_prob:  # drawn only when asked: earlier runs keep their random stream (resume)
+        high = torch.rand(batch, generator=gen) < cfg.high_noise_prob
+        sigma = torch.where(high, cfg.high_noise_min + (1 - cfg.high_noise_min) * u, sigma)
+    noise = torch.randn(x0.shape, generator=gen)
+    if getattr(cfg, "anchor_prob", 0.0):
+        frames = x0.shape[2]
+        anchored = torch.rand(batch, generator=gen) < cfg.anchor_prob
+        frame = torch.randint(0, frames, (batch,), generator=gen)
+        lower = sigma * torch.rand(batch, generator=gen)
+        sigma = sigma[:, None].repeat(1, frames)
+        rows = torch.arange(batch)[anchored]
+        sigma[rows, frame[anchored]] = lower[anchored]
+        s = sigma.view(batch, 1, frames, 1, 1)
+    else:
+        s = sigma.view(-1, 1, 1, 1, 1)
+    return (1 - s) * x0 + s * noise, sigma, noise - x0
+
+
+def _timesteps(pipe, sigma: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
+    """``1000 sigma``: ``[B]``, or per token ``[B, F' H' W']`` (patchified grid order) for per-frame ``sigma``."""
+    if sigma.dim() == 1:
+        return sigma * 1000.0
+    pt, ph, pw = pipe.transformer.config.patch_size
+    frames, height, width = xt.shape[2] // pt, xt.shape[3] // ph, xt.shape[4] // pw
+    per_frame = sigma[:, ::pt][:, :frames] * 1000.0
+    return per_frame[:, :, None].expand(-1, -1, height * width).reshape(sigma.shape[0], -1)
 
 
 def flow_matching_loss(pipe, xt: torch.Tensor, sigma: torch.Tensor, target: torch.Tensor, texts: list[str],
@@ -33,13 +77,16 @@ def flow_matching_loss(pipe, xt: torch.Tensor, sigma: torch.Tensor, target: torc
                        margin: float = 0.05) -> tuple[torch.Tensor, dict]:
     """``(loss, stats)`` of one batch; ``stats["reversed_over_true"]``: mean l_reversed / l_true (contrast on).
 
-    ``sigma``: the batch's noise levels s in [0, 1] (timestep ``1000 s``); ``weight``: broadcastable to ``target``.
+    ``sigma``: the batch's noise levels s in [0, 1] (timestep ``1000 s``), ``[B]`` or per frame ``[B, F]``
+    (:func:`noisy_batch`); ``weight``: broadcastable to ``target``.
     """
     turned = [shapes_data.opposite_directions(t) if t else "" for t in texts] if contrast else []
     embeds = pipe._get_t5_prompt_embeds(texts + turned, max_sequence_length=max_sequence_length, device="cpu")
     copies = 2 if turned else 1  # one call on the true and the reversed captions together
     rep = (copies,) + (1,) * (xt.dim() - 1)
-    pred = pipe.transformer(xt.repeat(rep), (sigma * 1000.0).repeat(copies), embeds, return_dict=False)[0]
+    timestep = _timesteps(pipe, sigma, xt)
+    pred = pipe.transformer(xt.repeat(rep), timestep.repeat((copies,) + (1,) * (timestep.dim() - 1)), embeds,
+                            return_dict=False)[0]
     error = (pred - target.repeat(rep)).pow(2)
     if weight is not None:
         error = weight.repeat(rep) * error / weight.mean()

@@ -43,7 +43,7 @@ import torch
 
 from . import shapes_data
 from .train_card import card_text, plot_losses
-from .train_loss import flow_matching_loss
+from .train_loss import flow_matching_loss, noisy_batch
 from .warm_start import load_weights
 
 #: Config fields a resumed run may change (more or fewer steps, bookkeeping).
@@ -103,6 +103,8 @@ class TrainConfig:
     # hinge against the caption with its directions reversed (train_loss): plain flow matching leaves them unheard
     direction_contrast: float = 0.0
     direction_margin: float = 0.05
+    # with this probability one random latent frame of a sample is less noisy (s u, per-token timesteps; train_loss)
+    anchor_prob: float = 0.0
     # warm start: a saved tiny-shapes pipeline folder whose VAE, text encoder and transformer weights
     # start this run (its VAE is kept as it is: set vae_steps=0). The transformer (patch 1, RoPE) and
     # the VAE (convolutional) do not depend on the frame size, so a model trained at 64 x 64 can be
@@ -118,6 +120,8 @@ class TrainConfig:
         if not (0 <= self.high_noise_prob <= 1 and 0 <= self.high_noise_min < 1):
             raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
                              "a probability in [0, 1] and a noise level in [0, 1)")
+        if not 0 <= self.anchor_prob <= 1:
+            raise ValueError(f"anchor_prob={self.anchor_prob}: takes a probability in [0, 1]")
         if self.direction_contrast < 0 or self.direction_margin < 0:
             raise ValueError(f"direction_contrast={self.direction_contrast}, direction_margin={self.direction_margin}: "
                              "take weights >= 0 (direction_contrast 0: no contrast)")
@@ -351,16 +355,9 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
         frames = T if (rng.random() < cfg.full_clip_prob or T <= 3) else int(rng.integers(3, prefix_max + 1))
         x0 = latents[idx, :, :frames].float()
         texts = ["" if rng.random() < cfg.caption_dropout else captions[i] for i in idx]
-        u = torch.rand(cfg.batch, generator=gen)
-        sigma = cfg.flow_shift * u / (1 + (cfg.flow_shift - 1) * u)
-        if cfg.high_noise_prob:  # drawn only when asked: earlier runs keep their random stream (resume)
-            high = torch.rand(cfg.batch, generator=gen) < cfg.high_noise_prob
-            sigma = torch.where(high, cfg.high_noise_min + (1 - cfg.high_noise_min) * u, sigma)
-        noise = torch.randn(x0.shape, generator=gen)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        xt = (1 - s) * x0 + s * noise
+        xt, sigma, target = noisy_batch(cfg, x0, gen)
         weight = 1 + cfg.fg_weight * masks[idx, None, :frames].float() if cfg.fg_weight else None
-        loss, stats = flow_matching_loss(pipe, xt, sigma, noise - x0, texts, cfg.max_sequence_length, weight,
+        loss, stats = flow_matching_loss(pipe, xt, sigma, target, texts, cfg.max_sequence_length, weight,
                                          cfg.direction_contrast, cfg.direction_margin)
         ratios += [stats["reversed_over_true"]] if stats else []
         for g in opt.param_groups:

@@ -110,3 +110,75 @@ def test_training_with_the_contrast_logs_its_ratio_and_bad_values_are_refused(tm
     with pytest.raises(SystemExit):
         main(argv + ["--work", str(tmp_path / "w2"), "--set", "direction_contrast=-2"])
     assert not (tmp_path / "w2").exists()
+
+
+def test_anchoring_lowers_one_frame_and_the_rest_is_the_plain_draw():
+    from types import SimpleNamespace
+
+    from fastdit.pipelines.train_loss import noisy_batch
+
+    x0 = torch.randn(6, 4, 5, 3, 3, generator=torch.Generator().manual_seed(0))
+    plain_cfg = SimpleNamespace(flow_shift=3.0, high_noise_prob=0.0, high_noise_min=0.9, anchor_prob=0.0)
+    xt, sigma, target = noisy_batch(plain_cfg, x0, torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(5)  # the plain draw written out: shifted uniform, then the noise
+    u = torch.rand(6, generator=gen)
+    s = 3 * u / (1 + 2 * u)
+    noise = torch.randn(x0.shape, generator=gen)
+    assert torch.equal(sigma, s) and torch.equal(target, noise - x0)
+    assert torch.allclose(xt, (1 - s.view(-1, 1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1, 1) * noise)
+    anchored_cfg = SimpleNamespace(**{**vars(plain_cfg), "anchor_prob": 1.0})
+    xt_a, sigma_a, target_a = noisy_batch(anchored_cfg, x0, torch.Generator().manual_seed(5))
+    assert sigma_a.shape == (6, 5) and torch.equal(target_a, target)  # same levels s and noise drawn first
+    for b in range(6):
+        lower = (sigma_a[b] < s[b]).nonzero().flatten()
+        assert lower.numel() == 1 and bool((sigma_a[b][sigma_a[b] != sigma_a[b, lower[0]]] == s[b]).all())
+        for f in range(5):
+            level = float(sigma_a[b, f])
+            assert torch.allclose(xt_a[b, :, f], (1 - level) * x0[b, :, f] + level * noise[b, :, f], atol=1e-6)
+    half = SimpleNamespace(**{**vars(plain_cfg), "anchor_prob": 0.5})
+    _, sigma_h, _ = noisy_batch(half, torch.zeros(400, 1, 3, 1, 1), torch.Generator().manual_seed(1))
+    share = float((sigma_h.min(1).values < sigma_h.max(1).values).float().mean())
+    assert 0.4 < share < 0.6  # about half the samples anchored (400 draws)
+
+
+def test_per_frame_levels_reach_the_transformer_per_token(batch):
+    pipe, cfg, xt, sigma, target = batch
+    with torch.no_grad():
+        flat, _ = flow_matching_loss(pipe, xt, sigma, target, TEXTS, cfg.max_sequence_length)
+        same, _ = flow_matching_loss(pipe, xt, sigma[:, None].repeat(1, 3), target, TEXTS, cfg.max_sequence_length)
+        assert abs(float(same - flat)) <= 1e-5 * float(flat)  # one level per frame, all equal: the plain loss
+        per_frame = torch.tensor([[0.95, 0.2, 0.95], [0.5, 0.5, 0.1], [0.2, 0.2, 0.2]])
+        seen = []
+        hook = pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+        try:
+            loss, _ = flow_matching_loss(pipe, xt, per_frame, target, TEXTS, cfg.max_sequence_length)
+        finally:
+            hook.remove()
+        tokens = torch.stack([torch.cat([torch.full((64,), 1000.0 * float(v)) for v in row]) for row in per_frame])
+        assert torch.equal(seen[0], tokens)  # frame-major token order, 8 x 8 tokens per latent frame
+        expected = []
+        for i, text in enumerate(TEXTS):
+            embeds = pipe._get_t5_prompt_embeds([text], max_sequence_length=cfg.max_sequence_length, device="cpu")
+            pred = pipe.transformer(xt[i:i + 1], tokens[i:i + 1], embeds, return_dict=False)[0].double()
+            expected.append(((pred - target[i:i + 1].double()) ** 2).mean())
+        expected = torch.stack(expected).mean()
+    assert abs(loss.double() - expected) <= 1e-5 * expected and abs(float(loss - flat)) > 1e-4 * float(flat)
+
+
+def test_training_with_anchoring_sends_per_token_timesteps(tmp_path, monkeypatch):
+    from fastdit.pipelines import train_tiny
+
+    seen = []
+    build = train_tiny.build_pipeline
+
+    def recording_build(*args, **kwargs):
+        pipe = build(*args, **kwargs)
+        pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+        return pipe
+
+    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    assert main(["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
+                 "--work", str(tmp_path / "w"), "--set", "anchor_prob=1"]) == 0
+    assert len(seen) == 2 and all(t.dim() == 2 and t.unique().numel() == 2 for t in seen)
+    with pytest.raises(ValueError, match="anchor_prob"):
+        TrainConfig(anchor_prob=1.5)
