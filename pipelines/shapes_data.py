@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "OPPOSITE", "ShapeSpec", "VideoSpec", "sample_spec",
-           "render", "caption", "opposite_directions", "parse_caption", "sample_video", "random_caption", "distinct_captions",
-           "latent_object_mask"]
+           "render", "caption", "opposite_directions", "parse_caption", "sample_video", "random_caption",
+           "distinct_captions", "latent_object_mask"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -40,7 +40,8 @@ DEMO_CAPTION = "a red circle moving right and a blue square moving down"
 # unit motion in image coordinates (x to the right, y downwards)
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 #: Each direction's reverse (its unit step negated).
-OPPOSITE: dict[str, str] = {d: next(o for o, v in DIRECTIONS.items() if v == (-x, -y)) for d, (x, y) in DIRECTIONS.items()}
+OPPOSITE: dict[str, str] = {d: next(o for o, v in DIRECTIONS.items() if v == (-x, -y))
+                             for d, (x, y) in DIRECTIONS.items()}
 
 
 @dataclass(frozen=True)
