@@ -49,3 +49,20 @@ def nothing_installed(model):
         processor = getattr(module, "processor", None)
         if processor is not None:
             assert "_attention_backend" not in processor.__dict__, f"backend left on {name}"
+
+
+def record_train_timesteps(monkeypatch):
+    """A list that fills with the timestep argument of every transformer call ``train_tiny`` makes (its
+    ``build_pipeline`` wrapped to hook each pipeline it builds)."""
+    from fastdit.pipelines import train_tiny
+
+    seen = []
+    build = train_tiny.build_pipeline
+
+    def recording_build(*args, **kwargs):
+        pipe = build(*args, **kwargs)
+        pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+        return pipe
+
+    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    return seen

@@ -17,6 +17,7 @@ from fastdit.pipelines.loading import (
     check_trained_weights,
     load_pipeline,
 )
+from helpers import record_train_timesteps
 
 SHAPES_DIR = os.path.join(WEIGHTS_DIR, "tiny-shapes")
 
@@ -161,15 +162,7 @@ def test_high_noise_share_draws_the_asked_noise_levels(tmp_path, monkeypatch):
     uniform (lower levels too); out-of-range values are refused by the config and the parser."""
     from fastdit.pipelines import train_tiny
 
-    seen = []
-    build = train_tiny.build_pipeline
-
-    def recording_build(*args, **kwargs):
-        pipe = build(*args, **kwargs)
-        pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
-        return pipe
-
-    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    seen = record_train_timesteps(monkeypatch)
     argv = ["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=3",
             "--set", "batch=4"]
     assert train_tiny.main(argv + ["--work", str(tmp_path / "high"), "--set", "high_noise_prob=1",

@@ -8,6 +8,7 @@ import torch
 from fastdit.pipelines import shapes_data
 from fastdit.pipelines.train_loss import flow_matching_loss
 from fastdit.pipelines.train_tiny import PRESETS, TrainConfig, build_pipeline, main
+from helpers import record_train_timesteps
 
 TEXTS = ["a red circle moving left and a blue square moving up", "", "a green triangle moving down"]
 
@@ -166,17 +167,7 @@ def test_per_frame_levels_reach_the_transformer_per_token(batch):
 
 
 def test_training_with_anchoring_sends_per_token_timesteps(tmp_path, monkeypatch):
-    from fastdit.pipelines import train_tiny
-
-    seen = []
-    build = train_tiny.build_pipeline
-
-    def recording_build(*args, **kwargs):
-        pipe = build(*args, **kwargs)
-        pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
-        return pipe
-
-    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    seen = record_train_timesteps(monkeypatch)
     assert main(["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
                  "--work", str(tmp_path / "w"), "--set", "anchor_prob=1"]) == 0
     assert len(seen) == 2 and all(t.dim() == 2 and t.unique().numel() == 2 for t in seen)
