@@ -16,8 +16,9 @@ procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    (``s' = k s / (1 + (k - 1) s)``, ``k = 3``), timestep ``1000 s'``.  Captions are dropped (replaced
    by ``""``, the pipeline's default negative prompt) with probability ``caption_dropout`` so that
    classifier-free guidance works.  Most steps train on a prefix of the latent video (fewer frames:
-   cheaper), the rest on the whole clip.  The loss and its options (``fg_weight``, ``direction_contrast``):
-   :mod:`.train_loss`.  The exported weights are an EMA of the training weights.
+   cheaper), the rest on the whole clip.  The noise draw and the loss with their options (``high_noise_prob``,
+   ``anchor_prob``, ``fg_weight``, ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA
+   of the training weights.
 
 The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
 one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
