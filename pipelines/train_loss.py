@@ -48,7 +48,7 @@ def noisy_batch(cfg, x0: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tens
         high = torch.rand(batch, generator=gen) < cfg.high_noise_prob
         sigma = torch.where(high, cfg.high_noise_min + (1 - cfg.high_noise_min) * u, sigma)
     noise = torch.randn(x0.shape, generator=gen)
-    if getattr(cfg, "anchor_prob", 0.0):
+    if cfg.anchor_prob:
         frames = x0.shape[2]
         anchored = torch.rand(batch, generator=gen) < cfg.anchor_prob
         frame = torch.randint(0, frames, (batch,), generator=gen)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastdit.pipelines import shapes_data
-from fastdit.pipelines.train_loss import flow_matching_loss
+from fastdit.pipelines.train_loss import flow_matching_loss, noisy_batch
 from fastdit.pipelines.train_tiny import PRESETS, TrainConfig, build_pipeline, main
 from helpers import record_train_timesteps
 
@@ -115,8 +115,6 @@ def test_training_with_the_contrast_logs_its_ratio_and_bad_values_are_refused(tm
 
 def test_anchoring_lowers_one_frame_and_the_rest_is_the_plain_draw():
     from types import SimpleNamespace
-
-    from fastdit.pipelines.train_loss import noisy_batch
 
     x0 = torch.randn(6, 4, 5, 3, 3, generator=torch.Generator().manual_seed(0))
     plain_cfg = SimpleNamespace(flow_shift=3.0, high_noise_prob=0.0, high_noise_min=0.9, anchor_prob=0.0)
