@@ -57,7 +57,7 @@ def model_shape(name, hy_frames=None, elt=2):
     from fastdit.eval.bench.transformer_models import MODELS as SPECS
     from fastdit.eval.bench.transformer_models import model_spec, token_grid
 
-    config, latent, text, _, video = model_spec(name, "full", hy_frames)
+    config, latent, text, text_valid, video = model_spec(name, "full", hy_frames)
     grid = token_grid(config, latent)
     heads, d = config["num_attention_heads"], config["attention_head_dim"]
     dim = heads * d
@@ -79,7 +79,8 @@ def model_shape(name, hy_frames=None, elt=2):
     single_flops = 2.0 * (n + text) * ((3 + mlp) + (1 + mlp)) * dim * dim
     return ModelShape(label, "hunyuan_video", grid, text, "suffix", heads, d, double + single,
                       double * double_flops + single * single_flops, 0.0,
-                      (double + single) * passes * (n + text) * dim * elt)
+                      (double + single) * passes * (n + text) * dim * elt,
+                      key_mask=text_valid is not None and text_valid < text)
 
 
 def static_plan(method, shape):
@@ -102,7 +103,8 @@ def density_method_call(gpu, shape, method, density, options=None, dynamic=True)
     from fastdit.methods.base import get_method
 
     n = shape.tokens
-    call = costmodel.density_call(gpu, density, 1, shape.heads, n, shape.head_dim, dynamic=dynamic, label=method)
+    call = costmodel.density_call(gpu, density, 1, shape.heads, n, shape.head_dim, dynamic=dynamic, label=method,
+                                  key_mask=shape.key_mask)
     extra = shape.heads * costmodel.token_outside_ms(gpu, get_method(method), options or {}, 1, n, shape.head_dim)
     return dataclasses.replace(call, outside_ms=call.outside_ms + extra) if extra else call
 
@@ -116,13 +118,13 @@ def predict_model(shape, gpus, methods, dynamic_density=None):
     rows = []
     n = shape.tokens
     for gpu in gpus:
-        dense = costmodel.dense_call(gpu, 1, shape.heads, n, n, shape.head_dim)
+        dense = costmodel.dense_call(gpu, 1, shape.heads, n, n, shape.head_dim, key_mask=shape.key_mask)
         dense_fwd = costmodel.model_forward(gpu, shape, dense.total_ms, "dense")
         calls = [("dense", dense, "")]
         for m in methods:
             if m in plans:
-                calls.append((m, costmodel.plan_call(gpu, plans[m], 1, shape.heads, shape.head_dim, label=m),
-                              plans[m].name))
+                calls.append((m, costmodel.plan_call(gpu, plans[m], 1, shape.heads, shape.head_dim, label=m,
+                                                     key_mask=shape.key_mask), plans[m].name))
             else:
                 calls.append((m, density_method_call(gpu, shape, m, dynamic_density),
                               f"density {dynamic_density:.3f} (assumed)"))
@@ -188,10 +190,13 @@ def compare(paths, gpu):
                     shapes[key] = model_shape(key, frames)
                 shape = shapes[key]
                 method = r["method"]
+                key_mask = shape.key_mask  # joint text with padding (HunyuanVideo's 64 valid of 256)
                 if method == "dense":
-                    call = costmodel.dense_call(gpu, 1, shape.heads, shape.tokens, shape.tokens, shape.head_dim)
+                    call = costmodel.dense_call(gpu, 1, shape.heads, shape.tokens, shape.tokens, shape.head_dim,
+                                                key_mask=key_mask)
                 elif method in modelled_methods() and is_static(method):
-                    call = costmodel.plan_call(gpu, static_plan(method, shape), 1, shape.heads, shape.head_dim)
+                    call = costmodel.plan_call(gpu, static_plan(method, shape), 1, shape.heads, shape.head_dim,
+                                               key_mask=key_mask)
                 else:
                     call = None
                 if call is not None:

@@ -1,8 +1,8 @@
 """A cost model of GPU time: one attention call and one transformer forward, dense vs a method.
 
-No GPU has run fastdit yet; this model says what the first run should see, and
-``scripts/gpu_check.sh`` prints it beside each measurement so that the first run checks it.
-``python -m fastdit.eval.predict`` prints it for Wan2.1 480p and HunyuanVideo 720p.
+Written before any GPU ran fastdit, from datasheets and papers; the H200's entry is since calibrated
+on the first GPU run (2026-12-04, below). ``scripts/gpu_check.sh`` prints it beside each measurement,
+and ``python -m fastdit.eval.predict`` prints it for Wan2.1 480p and HunyuanVideo 720p.
 
 Attention call (batch ``B``, heads ``H``, ``N`` queries, ``Nk`` keys, head dim ``D``, element size
 ``e`` bytes):
@@ -45,18 +45,44 @@ HBM bandwidth):
 Efficiencies (fractions of peak; *assumptions* the first GPU run checks):
 
 * ``sdpa_eff`` (dense SDPA, FlashAttention-2): A100 0.65 (FlashAttention-2 paper, Dao 2023: the
-  forward reaches 50-73% of A100 peak, ~70% at D = 128 and long sequences); H100 / H200 0.37
+  forward reaches 50-73% of A100 peak, ~70% at D = 128 and long sequences); H100 0.37
   (FlashAttention-3 paper, Shah et al. 2024: FlashAttention-2 forward ~350-370 TFLOP/s at D = 128
-  on H100, against ~740 for FlashAttention-3, i.e. 35-38% and 75%); RTX 4090 0.60 (no published
+  on H100, against ~740 for FlashAttention-3, i.e. 35-38% and 75%; the H200 measured 0.60 with
+  PyTorch's default backend, cuDNN, below: the H100's value is likely pessimistic); RTX 4090 0.60 (no published
   figure found; Ampere-like kernels at Ampere-like efficiency);
 * ``kernel_eff`` (fastdit's Triton kernel, an FA2-style forward without TMA or warp
   specialisation, walking a block list): 0.85 of ``sdpa_eff`` (index loads, masks, a
   non-contiguous K/V walk);
-* ``gemm_eff`` (the model's linear layers): 0.75 (A100), 0.70 (H100 / H200, smaller GEMMs than
+* ``gemm_eff`` (the model's linear layers): 0.75 (A100), 0.70 (H100, smaller GEMMs than
   the 8192^3 measurement's 0.80), 0.70 (RTX 4090);
 * ``mem_eff`` 0.80 of the HBM bandwidth for memory-bound steps; ``launch_us`` 5 us a launch.
+* float32 calls (``elt`` 4) run at the GPU's plain float32 rate (``fp32_tflops``: A100 19.5, H100 /
+  H200 67, RTX 4090 82.6 TFLOP/s, the same datasheets) with the same efficiencies: the engine's
+  float32 dots are IEEE float32, not tf32.
 
-What the model leaves out: L2 reuse beyond the minimal traffic, tails of the grid (waves), the
+**H200, measured** (one H200, torch 2.11, Triton 3.6, 2026-12-04; ``docs/gpu_runs/2026-12-04-h200``,
+BENCHMARKS.md "GPU"): achieved over the datasheet's 989 TFLOP/s.
+
+* ``sdpa_eff`` 0.60: PyTorch's default SDPA ran at cuDNN's speed (Wan 480p 10.59-11.70 ms, HunyuanVideo
+  115200 tokens 266-268 ms: 0.58-0.63); FlashAttention-2 forced ran at 0.36, the 0.37 assumed before.
+  ``masked_sdpa_eff`` 0.42: the same call with a key mask (HunyuanVideo's text padding; 395 ms
+  against 273 ms unmasked).
+* ``kernel_eff`` 0.40: fastdit's kernel on plans without key validity (engine cases at densities
+  1-0.1: 0.32-0.44, median 0.40; radial on Wan 0.41). ``masked_kernel_eff`` 0.30: plans with a
+  key-validity vector (``plan.kv_valid`` or a call's key mask: sta's padded tiles, text masks), the
+  median of six readings 0.24-0.38: the kernel alone, sta on Wan 0.24, sta on HunyuanVideo with text
+  0.26, radial on HunyuanVideo with text 0.33; inside eager forwards (less their other work) sta on
+  Wan 0.28, sta and radial on HunyuanVideo 0.33 and 0.38. Why the vector costs this much is not
+  established (a guess: its per-tile load is not pipelined; the next GPU check times it alone).
+* ``gemm_eff`` 0.285: everything but the self / joint attention calls of an eager forward, priced as
+  the linear FLOPs at this rate plus the modelled elementwise passes: fitted to Wan 1.3B (0.29) and
+  HunyuanVideo 13B (0.28) eager dense forwards less their attention calls timed alone. It folds in
+  the eager elementwise work the 24 passes miss; a ``torch.compile``d Wan forward fits 0.45.
+
+What the model leaves out: L2 reuse beyond the minimal traffic, tails of the grid (waves: a call of
+fewer programs than the GPU has multiprocessors runs slower than priced; the H200's float32 engine
+cases at 8192 tokens and two heads ran 1.8-3.9x the prediction), ``torch.compile``'s gains (a
+compiled Wan forward ran at 0.69-0.82 of the eager-fitted prediction), the
 autotuner's choice (it may beat the default tile), clocks under power limits, and CPU overheads
 (the Python of the patched call; ``torch.compile`` removes part of it). It covers the GPUs above:
 ``gpu_for(device)`` maps a CUDA device to one by name, else by compute capability (8.0 -> A100,
@@ -87,12 +113,27 @@ class GPU:
     source: str
     #: fastdit's kernel efficiency measured on this GPU (``with_measured_efficiency``); None: assumed
     measured_kernel_eff: float | None = None
+    fp32_tflops: float = 0.0  # plain float32 (no tensor cores); 0: not known, float32 at peak_tflops
+    #: measured efficiencies with a key mask (dense SDPA) / a key-validity vector (the kernel); None: unmasked's
+    masked_sdpa_eff: float | None = None
+    masked_kernel_eff: float | None = None
 
     @property
     def kernel_eff(self):
         if self.measured_kernel_eff is not None:
             return self.measured_kernel_eff
         return self.sdpa_eff * KERNEL_OVER_SDPA
+
+    def attention_eff(self, kernel, masked=False):
+        """Efficiency of dense SDPA (``kernel`` False) or fastdit's kernel, with a key mask / key-validity
+        vector when ``masked`` (the measured masked value where there is one)."""
+        if kernel:
+            return self.masked_kernel_eff if masked and self.masked_kernel_eff is not None else self.kernel_eff
+        return self.masked_sdpa_eff if masked and self.masked_sdpa_eff is not None else self.sdpa_eff
+
+    def tflops(self, elt=2):
+        """The peak that prices a call with ``elt``-byte elements: plain float32 for 4 bytes where known."""
+        return self.fp32_tflops if elt == 4 and self.fp32_tflops else self.peak_tflops
 
 
 def with_measured_efficiency(gpu, efficiency, variant=None):
@@ -123,10 +164,13 @@ def with_measured_efficiency(gpu, efficiency, variant=None):
 
 
 GPUS = {
-    "A100": GPU("A100", 80, 312.0, 2039.0, 0.65, 0.75, 80, "NVIDIA A100 datasheet (SXM4 80GB)"),
-    "H100": GPU("H100", 90, 989.0, 3350.0, 0.37, 0.70, 80, "NVIDIA H100 datasheet (SXM5)"),
-    "H200": GPU("H200", 90, 989.0, 4800.0, 0.37, 0.70, 141, "NVIDIA H200 datasheet (SXM)"),
-    "RTX 4090": GPU("RTX 4090", 89, 165.2, 1008.0, 0.60, 0.70, 24, "NVIDIA Ada Lovelace whitepaper"),
+    "A100": GPU("A100", 80, 312.0, 2039.0, 0.65, 0.75, 80, "NVIDIA A100 datasheet (SXM4 80GB)", fp32_tflops=19.5),
+    "H100": GPU("H100", 90, 989.0, 3350.0, 0.37, 0.70, 80, "NVIDIA H100 datasheet (SXM5)", fp32_tflops=67.0),
+    "H200": GPU("H200", 90, 989.0, 4800.0, 0.60, 0.285, 141,
+                "NVIDIA H200 datasheet (SXM); efficiencies measured on one H200, 2026-12-04 (torch 2.11, Triton 3.6)",
+                measured_kernel_eff=0.40, fp32_tflops=67.0, masked_sdpa_eff=0.42, masked_kernel_eff=0.30),
+    "RTX 4090": GPU("RTX 4090", 89, 165.2, 1008.0, 0.60, 0.70, 24, "NVIDIA Ada Lovelace whitepaper",
+                    fp32_tflops=82.6),
 }
 _BY_CAPABILITY = {80: "A100", 86: "RTX 4090", 89: "RTX 4090", 90: "H100"}
 
@@ -174,11 +218,12 @@ def _seconds_ms(flops, tflops, eff, nbytes, gbs):
     return 1e3 * max(flops / (tflops * 1e12 * eff), nbytes / (gbs * 1e9 * MEM_EFF))
 
 
-def dense_call(gpu, batch, heads, n_q, n_k, head_dim, elt=2):
-    """Dense SDPA (FlashAttention-2 class) for one call."""
+def dense_call(gpu, batch, heads, n_q, n_k, head_dim, elt=2, key_mask=False):
+    """Dense SDPA (PyTorch's default backend) for one call; ``key_mask``: the call passes a key mask."""
     flops = 4.0 * batch * heads * n_q * n_k * head_dim
     nbytes = (2 * n_q + 2 * n_k) * batch * heads * head_dim * elt
-    ms = _seconds_ms(flops, gpu.peak_tflops, gpu.sdpa_eff, nbytes, gpu.bandwidth_gbs) + 1e-3 * LAUNCH_US
+    eff = gpu.attention_eff(kernel=False, masked=key_mask)
+    ms = _seconds_ms(flops, gpu.tflops(elt), eff, nbytes, gpu.bandwidth_gbs) + 1e-3 * LAUNCH_US
     return CallPrediction("dense", flops, ms, 0.0, 1.0)
 
 
@@ -191,8 +236,8 @@ def guard_share(gpu, seq, head_dim, rows, batch=1, heads=1, elt=2):
     n = rows
     flops = 4.0 * batch * heads * n * seq * head_dim
     nbytes = (2 * n + 2 * seq) * batch * heads * head_dim * elt + 3 * batch * heads * seq * head_dim * elt
-    check = _seconds_ms(flops, gpu.peak_tflops, gpu.kernel_eff, 0.0, gpu.bandwidth_gbs)
-    check += _seconds_ms(0.0, gpu.peak_tflops, gpu.kernel_eff, nbytes, gpu.bandwidth_gbs) + 3e-3 * LAUNCH_US
+    check = _seconds_ms(flops, gpu.tflops(elt), gpu.kernel_eff, 0.0, gpu.bandwidth_gbs)
+    check += _seconds_ms(0.0, gpu.tflops(elt), gpu.kernel_eff, nbytes, gpu.bandwidth_gbs) + 3e-3 * LAUNCH_US
     dense = dense_call(gpu, batch, heads, seq, seq, head_dim, elt).total_ms
     return check / dense, check, dense
 
@@ -219,14 +264,16 @@ def plan_pairs(plan, batch, heads, tile):
     return listed * rows * cols
 
 
-def plan_call(gpu, plan, batch, heads, head_dim, elt=2, dtype="bf16", label=None):
-    """One attention call on ``plan`` (a ``BlockPlan`` as the method built it)."""
+def plan_call(gpu, plan, batch, heads, head_dim, elt=2, dtype="bf16", label=None, key_mask=False):
+    """One attention call on ``plan`` (a ``BlockPlan`` as the method built it); the kernel runs its
+    key-validity path when the plan has ``kv_valid`` (padding) or the call a ``key_mask``."""
     tile = kernel_tile(gpu, head_dim, dtype)
     pairs = plan_pairs(plan, batch, heads, tile)
     flops = 4.0 * head_dim * pairs
     length = plan.kernel_len
     nbytes = 4 * batch * heads * length * head_dim * elt
-    kernel_ms = _seconds_ms(flops, gpu.peak_tflops, gpu.kernel_eff, nbytes, gpu.bandwidth_gbs) + 1e-3 * LAUNCH_US
+    eff = gpu.attention_eff(kernel=True, masked=key_mask or getattr(plan, "kv_valid", None) is not None)
+    kernel_ms = _seconds_ms(flops, gpu.tflops(elt), eff, nbytes, gpu.bandwidth_gbs) + 1e-3 * LAUNCH_US
     outside_bytes, outside_flops, launches = 0.0, 0.0, 0
     if plan.perm is not None:
         outside_bytes += 8.0 * batch * heads * length * head_dim * elt
@@ -244,7 +291,8 @@ def plan_call(gpu, plan, batch, heads, head_dim, elt=2, dtype="bf16", label=None
     return CallPrediction(label or plan.name, flops, kernel_ms, outside_ms, density)
 
 
-def density_call(gpu, density, batch, heads, n, head_dim, elt=2, dynamic=True, block=128, label="", dtype="bf16"):
+def density_call(gpu, density, batch, heads, n, head_dim, elt=2, dynamic=True, block=128, label="", dtype="bf16",
+                 key_mask=False):
     """One call of a plan known only by its block density (dynamic methods in ``predict``):
     ``density`` of ``block`` x ``block`` pairs of an ``n``-token call, no padding."""
     from types import SimpleNamespace
@@ -256,7 +304,7 @@ def density_call(gpu, density, batch, heads, n, head_dim, elt=2, dynamic=True, b
     plan = SimpleNamespace(block_m=block, block_n=block, kv_counts=torch.full((1, 1, blocks), float(listed)),
                            kernel_len=blocks * block, seq_len=n, perm=None, dynamic=dynamic, num_kv_blocks=blocks,
                            name=label)
-    return plan_call(gpu, plan, batch, heads, head_dim, elt, dtype, label)
+    return plan_call(gpu, plan, batch, heads, head_dim, elt, dtype, label, key_mask=key_mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,6 +341,7 @@ class ModelShape:
     linear_flops: float  # one forward's linear layers
     cross_flops: float  # one forward's cross-attention (dense)
     elementwise_bytes: float
+    key_mask: bool = False  # the self / joint attention calls pass a key mask (padded joint text)
 
     @property
     def tokens(self):
@@ -436,5 +485,6 @@ def head_times(gpu, info, batch, heads, n_q, n_k, head_dim, elt=2, dtype="bf16",
     nbytes = 4.0 * batch * plan.kernel_len * head_dim * elt
     outside = plan_call(gpu, plan, batch, heads, head_dim, elt, dtype).outside_ms / heads
     launch = 1e-3 * LAUNCH_US / heads  # the kernel's launch, shared by the call's heads
-    return [_seconds_ms(4.0 * head_dim * float(p), gpu.peak_tflops, gpu.kernel_eff, nbytes, gpu.bandwidth_gbs)
+    eff = gpu.attention_eff(kernel=True, masked=getattr(plan, "kv_valid", None) is not None)
+    return [_seconds_ms(4.0 * head_dim * float(p), gpu.tflops(elt), eff, nbytes, gpu.bandwidth_gbs)
             + outside + launch for p in per_head]
