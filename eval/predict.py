@@ -177,7 +177,8 @@ def compare(paths, gpu):
                 elt = 4 if r.get("dtype") == "float32" else 2
                 if str(r.get("backend", "")).startswith("fastdit"):
                     pred = costmodel.density_call(gpu, float(r["density"]), 1, h, n, d, elt, dynamic=False,
-                                                  block=int(r.get("block", 128))).total_ms
+                                                  block=int(r.get("block", 128)),
+                                                  key_mask="+kv_valid" in str(r["backend"])).total_ms
                 elif r.get("density") == 1.0:
                     pred = costmodel.dense_call(gpu, 1, h, n, n, d, elt).total_ms
                 what = f"kernel {r['case']} {r['backend']}"

@@ -9,14 +9,15 @@
 #            or spills (python -m fastdit.kernels.offline --targets native)          (T_OFFLINE=30 s)
 #   kernel   correctness pass (Triton vs the float64 reference and the torch fallback), then the
 #            kernel benchmark: dense SDPA (flash, cuDNN) vs fastdit's Triton kernel vs FlexAttention
-#            on synthetic plans; Wan 480p and HunyuanVideo 720p sliding tile      (cap T_KERNEL=140 s)
+#            on synthetic plans; Wan 480p and HunyuanVideo 720p sliding tile; the block-size / key-validity
+#            A/B of sta's Wan plan (ab_sta_*)                                     (cap T_KERNEL=160 s)
 #   patched  the patched path: fastdit.attention / run_plan with sta's and radial's own plans (text
-#            tokens and key mask included) next to the kernel alone and dense SDPA   (T_PATCHED=45 s)
+#            tokens and key mask included) next to the kernel alone and dense SDPA   (T_PATCHED=40 s)
 #   varlen   variable-size blocks (offsets; svg2's clusters): a small case against the float64
 #            reference, then fixed vs variable blocks at equal density (bench.varlen)  (T_VARLEN=30 s)
 #   methods  every method on structured video-like q/k/v per head kind at Wan 480p's 32760 tokens:
 #            density, error against dense, selection / attention / outside-attention time, the
-#            corrections, the same-density claims (bench.attention --methods)       (T_METHODS=45 s)
+#            corrections, the same-density claims (bench.attention --methods)       (T_METHODS=40 s)
 #   wan      one transformer forward, Wan2.1-T2V-1.3B at 480p x 81 frames, dense / sta / radial,
 #            eager and torch.compile'd (bf16, random weights)                        (T_WAN=130 s)
 #   hunyuan  the same for HunyuanVideo 13B at 720p x 129 frames (HY_FRAMES)           (T_HY=105 s)
@@ -58,7 +59,7 @@
 # ./bench_results: offline_<stamp>.json, attention_kernel_<stamp>.json, attention_patched_<stamp>.json,
 # varlen_<stamp>.json, attention_methods_<stamp>.json, transformer_wan_<stamp>.json,
 # transformer_hunyuan_<stamp>.json, gpu_check_<stamp>.log (8 files, the device tool's limit).
-# Caps add up to 540 s plus set-up (50 s on the first H200 run, 2026-12-04: the editable install and the
+# Caps add up to 550 s plus set-up (50 s on the first H200 run, 2026-12-04: the editable install and the
 # diffusers wheel): under 10 minutes, with room for the 10 s after a cap; a part
 # that reaches its cap is interrupted (SIGINT, then killed 10 s later) and keeps the rows it wrote. Transformer parts get
 # --budget-s (cap - 20 s): measurements that would not fit are skipped, with the reason, in the JSON.
@@ -77,15 +78,15 @@ LOG="$OUT_DIR/gpu_check_$STAMP.log"
 PARTS="${GPU_CHECK_PARTS:-offline,kernel,patched,varlen,methods,wan,hunyuan,predict}"
 T_OFFLINE="${T_OFFLINE:-30}"
 T_PREDICT="${T_PREDICT:-15}"
-T_KERNEL="${T_KERNEL:-140}"
-T_PATCHED="${T_PATCHED:-45}"
+T_KERNEL="${T_KERNEL:-160}"
+T_PATCHED="${T_PATCHED:-40}"
 T_VARLEN="${T_VARLEN:-30}"
 T_BACKWARD="${T_BACKWARD:-90}"
 T_QUANT="${T_QUANT:-90}"
 T_TMA="${T_TMA:-300}"
 TMA_ARGS="${TMA_ARGS:-}"
 BACKWARD_ARGS="${BACKWARD_ARGS:-}"
-T_METHODS="${T_METHODS:-45}"
+T_METHODS="${T_METHODS:-40}"
 T_WAN="${T_WAN:-130}"
 T_HY="${T_HY:-105}"
 HY_FRAMES="${HY_FRAMES:-129}"

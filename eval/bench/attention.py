@@ -17,7 +17,11 @@ Cases
   * CUDA only: Wan2.1-1.3B 480p (N=32760, H=12) and HunyuanVideo 720p (N=115200, H=24), D=128,
     bfloat16, Triton, against SDPA (flash and cuDNN backends) and compiled FlexAttention with a
     BlockMask of the same plan; HunyuanVideo includes the real sliding-tile plan (latent grid
-    30x48x80, tiles 6x8x8 = 384 tokens, window 3x3x3 tiles clamped at the borders, density 0.09).
+    30x48x80, tiles 6x8x8 = 384 tokens, window 3x3x3 tiles clamped at the borders, density 0.09);
+  * CUDA only, the block-size / key-validity A/B (``ab_sta_*``, no FlexAttention): one sliding-tile
+    plan (3x5x6 tiles, window 3x3x3, density 0.3, H=12, D=128, bfloat16) on 384-token blocks, on
+    sta's Wan 378-token blocks, and on 378-token blocks with an all-true ``kv_valid`` (backend
+    ``fastdit_triton+kv_valid``): which of the two made sta's Wan plan half as fast per entry.
 
 Columns: time_ms (one call; the median of ``--reps`` timed calls after ``--warmup`` untimed ones,
 default 10 after 2 on CUDA, 3 after 1 on the CPU, and 2 after none for CPU cases over 2 x 8192^2

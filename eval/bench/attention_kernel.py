@@ -207,6 +207,25 @@ def big_cases():
             "target_density": math.prod(window) / math.prod(hy_grid), "tile_grid": hy_grid, "window": window,
             "plan": lambda dev, g=hy_grid, w=window: sliding_tile_plan(g, w, dev), "dense_ref": "hunyuan720",
         })
+    return cases + block_size_ab_cases()
+
+
+def block_size_ab_cases():
+    """Why sta's Wan 480p plan ran at half the engine's rate per computed entry on the first H200 run
+    (BENCHMARKS.md, "GPU"): it has 378-token blocks (7x6x9 tiles: key sub-tiles of 64 never end on the
+    block's end) and a key-validity vector (its padded tiles). One sliding-tile plan (3x5x6 tiles,
+    window 3x3x3: density 0.3, H 12, D 128, bf16) on 384-token blocks, on 378-token blocks, and on
+    378-token blocks with an all-true ``kv_valid``: the first two differ by the block size alone, the
+    last two by the vector alone. FlexAttention is left out (its compiles would not fit the part's cap)."""
+    grid, window = (3, 5, 6), (3, 3, 3)
+    cases = []
+    for block, kv_valid in ((384, False), (378, False), (378, True)):
+        cases.append({
+            "name": f"ab_sta_b{block}" + ("_kv" if kv_valid else ""), "N": math.prod(grid) * block, "H": 12,
+            "D": 128, "dtype": torch.bfloat16, "block": block, "target_density": 0.3, "tile_grid": grid,
+            "window": window, "plan": lambda dev, g=grid, w=window: sliding_tile_plan(g, w, dev),
+            "dense_ref": f"ab_n{math.prod(grid) * block}", "kv_valid": kv_valid, "flex": False,
+        })
     return cases
 
 
@@ -290,12 +309,14 @@ def run_kernel(device, quick, reps, warmup, report, fixed_reps=None, fixed_warmu
         idx, cnt = case["plan"](device)
         pairs = computed_pairs(idx, cnt, N, N, blk, blk, B, H)
         density = pairs / (B * H * N * N)
+        # an all-true key-validity vector: the kernel's masked path with nothing masked (block_size_ab_cases)
+        kv_valid = torch.ones(1, N, dtype=torch.bool, device=device) if case.get("kv_valid") else None
         # the benchmark's plans are valid by construction: the engine's per-call plan validation
         # (two host syncs on a GPU) is left out, as fastdit's own callers may
-        runners = [(f"fastdit_{sparse_backend}",
-                    lambda: block_sparse_attention(q, k, v, idx, cnt, blk, blk, return_lse=False,
+        runners = [(f"fastdit_{sparse_backend}" + ("+kv_valid" if kv_valid is not None else ""),
+                    lambda: block_sparse_attention(q, k, v, idx, cnt, blk, blk, kv_valid=kv_valid, return_lse=False,
                                                    backend=sparse_backend, validate=False))]
-        if cuda and flex and case["dtype"] != torch.float32:
+        if cuda and flex and case.get("flex", True) and case["dtype"] != torch.float32:
             try:
                 bmask = flex_block_mask(idx, cnt, N, N, blk, blk)  # shared mask_mod: one compile per shape
                 flex_attention = flex_fn(compiled=True)
