@@ -134,3 +134,24 @@ def test_build_keeps_fp32_modules():
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_check_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
+
+
+def test_graph_break_probe_silences_only_the_size_warning(monkeypatch):
+    """The probe's small copy must not print the "is predicted to gain" warning for a call nobody times,
+    and nothing else may be swallowed with it. The warning's text is the cost model's own (on an H200)."""
+    import warnings
+
+    from fastdit import costmodel
+    from fastdit.eval.bench.transformer_run import quiet_size_warnings
+
+    monkeypatch.setattr(costmodel, "gpu_for", lambda device=None: costmodel.GPUS["H200"])
+    q = torch.zeros(1, 12, 192, 128)
+    text = costmodel.worth_warning("sta", q, q, {"performed": 1, "total": 1})  # density 1: no gain
+    assert text and "192 tokens" in text
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_size_warnings():
+            warnings.warn(f"fastdit: {text}", UserWarning)
+            warnings.warn("fastdit: something else", UserWarning)
+        warnings.warn(f"fastdit: {text}", UserWarning)
+    assert [str(w.message) for w in seen] == ["fastdit: something else", f"fastdit: {text}"]
