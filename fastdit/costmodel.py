@@ -45,23 +45,24 @@ HBM bandwidth):
 Efficiencies (fractions of peak; *assumptions* the first GPU run checks):
 
 * ``sdpa_eff`` (dense SDPA, FlashAttention-2): A100 0.65 (FlashAttention-2 paper, Dao 2023: the
-  forward reaches 50-73% of A100 peak, ~70% at D = 128 and long sequences); H100 0.37
-  (FlashAttention-3 paper, Shah et al. 2024: FlashAttention-2 forward ~350-370 TFLOP/s at D = 128
-  on H100, against ~740 for FlashAttention-3, i.e. 35-38% and 75%; the H200 measured 0.60 with
-  PyTorch's default backend, cuDNN, below: the H100's value is likely pessimistic); RTX 4090 0.60 (no published
+  forward reaches 50-73% of A100 peak, ~70% at D = 128 and long sequences); the H100 and H200:
+  measured, below (the FlashAttention-3 paper, Shah et al. 2024, gives FlashAttention-2's forward
+  ~350-370 TFLOP/s at D = 128 on H100, 35-38%, the 0.37 assumed before the run; PyTorch's default
+  backend on Hopper is cuDNN's, faster); RTX 4090 0.60 (no published
   figure found; Ampere-like kernels at Ampere-like efficiency);
 * ``kernel_eff`` (fastdit's Triton kernel, an FA2-style forward without TMA or warp
   specialisation, walking a block list): 0.85 of ``sdpa_eff`` (index loads, masks, a
   non-contiguous K/V walk);
-* ``gemm_eff`` (the model's linear layers): 0.75 (A100), 0.70 (H100, smaller GEMMs than
-  the 8192^3 measurement's 0.80), 0.70 (RTX 4090);
+* ``gemm_eff`` (the model's linear layers): 0.75 (A100), 0.70 (RTX 4090); Hopper: measured, below;
 * ``mem_eff`` 0.80 of the HBM bandwidth for memory-bound steps; ``launch_us`` 5 us a launch.
 * float32 calls (``elt`` 4) run at the GPU's plain float32 rate (``fp32_tflops``: A100 19.5, H100 /
   H200 67, RTX 4090 82.6 TFLOP/s, the same datasheets) with the same efficiencies: the engine's
   float32 dots are IEEE float32, not tf32.
 
 **H200, measured** (one H200, torch 2.11, Triton 3.6, 2026-12-04; ``docs/gpu_runs/2026-12-04-h200``,
-BENCHMARKS.md "GPU"): achieved over the datasheet's 989 TFLOP/s.
+BENCHMARKS.md "GPU"): achieved over the datasheet's 989 TFLOP/s. The **H100** takes the same values
+(the same GH100 die, clocks and tensor rates; only its HBM is slower, 3.35 against 4.8 TB/s, which the
+model prices separately): carried over, not measured on an H100.
 
 * ``sdpa_eff`` 0.60: PyTorch's default SDPA ran at cuDNN's speed (Wan 480p 10.59-11.70 ms, HunyuanVideo
   115200 tokens 266-268 ms: 0.58-0.63); FlashAttention-2 forced ran at 0.36, the 0.37 assumed before.
@@ -165,7 +166,9 @@ def with_measured_efficiency(gpu, efficiency, variant=None):
 
 GPUS = {
     "A100": GPU("A100", 80, 312.0, 2039.0, 0.65, 0.75, 80, "NVIDIA A100 datasheet (SXM4 80GB)", fp32_tflops=19.5),
-    "H100": GPU("H100", 90, 989.0, 3350.0, 0.37, 0.70, 80, "NVIDIA H100 datasheet (SXM5)", fp32_tflops=67.0),
+    "H100": GPU("H100", 90, 989.0, 3350.0, 0.60, 0.285, 80,
+                "NVIDIA H100 datasheet (SXM5); efficiencies carried over from the H200 measured 2026-12-04 (same die)",
+                measured_kernel_eff=0.40, fp32_tflops=67.0, masked_sdpa_eff=0.42, masked_kernel_eff=0.30),
     "H200": GPU("H200", 90, 989.0, 4800.0, 0.60, 0.285, 141,
                 "NVIDIA H200 datasheet (SXM); efficiencies measured on one H200, 2026-12-04 (torch 2.11, Triton 3.6)",
                 measured_kernel_eff=0.40, fp32_tflops=67.0, masked_sdpa_eff=0.42, masked_kernel_eff=0.30),

@@ -22,7 +22,7 @@ def test_dense_call_is_flops_over_the_rate():
     call = costmodel.dense_call(H100, b, h, n, n, d)
     flops = 2 * (2 * n * n * d) * b * h  # Q K^T and P V, 2 FLOPs a multiply-add
     assert call.flops == flops
-    expected_ms = flops / (989e12 * 0.37) * 1e3 + costmodel.LAUNCH_US * 1e-3  # compute-bound at this size
+    expected_ms = flops / (989e12 * H100.sdpa_eff) * 1e3 + costmodel.LAUNCH_US * 1e-3  # compute-bound at this size
     assert call.total_ms == pytest.approx(expected_ms, rel=1e-12)
     # memory-bound when the sequence is short: bytes over bandwidth instead
     tiny = costmodel.dense_call(H100, 1, 1, 64, 64, 128)
@@ -58,9 +58,9 @@ def test_sparse_plan_is_predicted_faster_and_a_full_plan_slower():
     everything = costmodel.plan_call(H100, full, 1, heads, d)
     assert everything.density == pytest.approx(1.0)
     # same work at the kernel's lower efficiency
-    assert everything.total_ms / dense.total_ms == pytest.approx(1 / costmodel.KERNEL_OVER_SDPA, rel=1e-3)
+    assert everything.total_ms / dense.total_ms == pytest.approx(H100.sdpa_eff / H100.kernel_eff, rel=1e-3)
     tenth = costmodel.density_call(H100, 0.1, 1, heads, n, d, dynamic=False)
-    assert 5 < dense.total_ms / tenth.total_ms < 10  # 0.1 of the work at 0.85 of the efficiency
+    assert 5 < dense.total_ms / tenth.total_ms < 10  # 0.1 of the work at 2/3 of the efficiency
 
 
 def test_no_prediction_on_cpu_and_a_warning_text_when_gain_is_small():

@@ -102,9 +102,13 @@ def test_key_validity_and_key_masks_take_the_masked_efficiency():
     assert (dense_masked.total_ms - launch) / (dense.total_ms - launch) == pytest.approx(
         H200.sdpa_eff / H200.masked_sdpa_eff, rel=1e-9)
     # a GPU with no masked measurement prices masked calls like unmasked ones
-    h100 = GPUS["H100"]
-    assert costmodel.dense_call(h100, 1, heads, n, n, d, key_mask=True).total_ms == \
-        costmodel.dense_call(h100, 1, heads, n, n, d).total_ms
+    a100 = GPUS["A100"]
+    assert a100.masked_sdpa_eff is None and a100.masked_kernel_eff is None
+    assert costmodel.dense_call(a100, 1, heads, n, n, d, key_mask=True).total_ms == \
+        costmodel.dense_call(a100, 1, heads, n, n, d).total_ms
+    plan = _plan(n, 128, 64, kv_valid=torch.ones(1, n, dtype=torch.bool))
+    assert costmodel.plan_call(a100, plan, 1, heads, d).total_ms == costmodel.plan_call(
+        a100, _plan(n, 128, 64), 1, heads, d).total_ms
 
 
 def test_float32_is_priced_at_the_float32_rate():
