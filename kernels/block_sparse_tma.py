@@ -308,6 +308,9 @@ def run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, ski
                                        block_m, block_n, block_d, elt, tuning._shared_mem_bytes(q.device.index))
         config = tuning.config_tuple(kept[0])
     grid = (n_qblocks * -(-block_m // config[0]), q.shape[0] * q.shape[1])
+    how = "interpreter" if interpreted else "skip rule" if skip else "forced" if bst._forced_config() is not None \
+        else "table"
+    bst.record_launch("tma", how, config)
     if interpreted:
         launch_tma(grid, args, config, None)
     else:

@@ -54,6 +54,9 @@ import triton.language as tl
 #: classic kernel's arguments and returns True when it launched (``block_sparse_tma`` registers its own).
 FORWARD_VARIANTS = []
 
+#: What the last forward launch of this process ran (``last_launch``): variant, how its tile was chosen, tile.
+_LAST_LAUNCH = {}
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -416,18 +419,21 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
         grid = (n_qblocks * -(-block_m // bm), batch * heads)
         if interpreted:
             _kernel_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
+            record_launch("cp_async", "interpreter", (bm, bn, 4, 1))
         else:
             major, minor = torch.cuda.get_device_capability(q.device)
             warps, stages = _skip_launch_config(bm, bn, block_d, q.element_size(), q.device.index,
                                                 capability=10 * major + minor, dtype=dtype_name(q.dtype))
             with torch.cuda.device(q.device):
                 _kernel_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            record_launch("cp_async", "skip rule", (bm, bn, warps, stages))
         return out, lse, skipped
 
     if interpreted:
         bm, bn = _interpreter_block(block_m), _interpreter_block(block_n)
         grid = (n_qblocks * -(-block_m // bm), batch * heads)
         _kernel_fixed[grid](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
+        record_launch("cp_async", "interpreter", (bm, bn, 4, 1))
         return out, lse
 
     def grid(meta):
@@ -437,6 +443,9 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
         forced = _forced_config()
         if forced is None and _autotune_enabled():
             _kernel_tuned[grid](*args)
+            best = getattr(_kernel_tuned, "best_config", None)
+            record_launch("cp_async", "autotuned", None if best is None else
+                          (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages))
         else:
             if forced is None:  # the per-architecture default (offline table: no spills there)
                 major, minor = torch.cuda.get_device_capability(q.device)
@@ -447,10 +456,27 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
             c = prune_for_target([forced], block_m, block_n, block_d, q.element_size(),
                                  _shared_mem_bytes(q.device.index))[0]
             _kernel_fixed[grid](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+            record_launch("cp_async", "forced" if _forced_config() is not None else "default",
+                          (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages))
     return out, lse
 
 
 def best_config():
-    """The autotuner's last choice (for benchmarks / logs), or None."""
+    """The classic kernel's autotuner's last choice, or None. Not necessarily what ran last: the TMA
+    variant and the fixed launches do not autotune (``last_launch`` says what ran)."""
     cfg = getattr(_kernel_tuned, "best_config", None)
     return None if cfg is None else str(cfg)
+
+
+def record_launch(variant, how, tile):
+    """Note what a forward launch ran (``last_launch``); ``tile`` = ``(BLOCK_M, BLOCK_N, warps, stages)``."""
+    _LAST_LAUNCH.clear()
+    _LAST_LAUNCH.update(variant=variant, how=how, tile=None if tile is None else tuple(int(x) for x in tile))
+
+
+def last_launch():
+    """What the last forward launch of this process ran, for benchmarks and logs: ``{"variant": "tma" |
+    "cp_async", "how": "autotuned" | "default" | "forced" | "table" | "skip rule" | "interpreter", "tile":
+    (BLOCK_M, BLOCK_N, warps, stages)}``, or None before any launch. (The first H200 run recorded
+    ``best_config`` instead, which named a classic tile for rows the TMA variant ran.)"""
+    return dict(_LAST_LAUNCH) or None

@@ -338,7 +338,7 @@ def run_kernel(device, quick, reps, warmup, report, fixed_reps=None, fixed_warmu
             if name.startswith("fastdit_triton") and cuda:
                 from fastdit.kernels import block_sparse_triton as bst
 
-                row["triton_config"] = bst.best_config()
+                row["kernel_launch"] = bst.last_launch()  # the variant and tile that ran (not the autotuner's memory)
             if name == "flex":  # same plan, so the same output as fastdit's
                 try:
                     row["rel_err_vs_fastdit"] = rel_error(fn().float(), runners[0][1]().float())
