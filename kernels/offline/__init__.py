@@ -123,6 +123,19 @@ def save_table(table, path=TABLE_PATH):
     Path(path).write_text("\n".join(lines) + "\n")
 
 
+def merge_entries(table, compiled):
+    """Entries compiled elsewhere (another machine's ``--json`` output, e.g. a lent GPU's own Triton
+    and target: ``scripts/gpu_check.sh``'s ``offline_<stamp>.json``) into ``table``: each replaces the
+    table's entry of the same Triton version and key. An entry whose kernel source has changed since
+    (another ``source_hash``) describes code that no longer exists and is left out. Returns
+    ``(merged, stale)`` counts."""
+    hashes = {k: source_hash(k) for k in KERNELS}
+    fresh = [e for e in compiled if e.get("source_hash") == hashes.get(e["kernel"])]
+    replaced = {(e["triton"], e["key"]) for e in fresh}
+    table["entries"] = [e for e in table["entries"] if (e["triton"], e["key"]) not in replaced] + fresh
+    return len(fresh), len(compiled) - len(fresh)
+
+
 def current_entries(table, version=None):
     """``{key: entry}`` of the table's entries for Triton ``version`` (default: the installed one)."""
     version = version or triton.__version__
@@ -357,8 +370,22 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--json", default=None, help="write the compiled entries and failures here")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown and exit")
+    parser.add_argument("--merge", default=None, metavar="JSON",
+                        help="merge another machine's --json output (a GPU run's own compiles) into the table, "
+                             "save it and exit")
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    if args.merge:
+        table = load_table(args.table)
+        try:
+            compiled = json.loads(Path(args.merge).read_text())["compiled"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise SystemExit(f"--merge {args.merge!r}: not an offline check's --json output ({error})")
+        merged, stale = merge_entries(table, compiled)
+        save_table(table, args.table)
+        print(f"[offline] merged {merged} entries from {args.merge} into {args.table}"
+              + (f"; {stale} left out (their kernel's source changed since)" if stale else ""))
+        return 0
 
     from triton.runtime.jit import JITFunction
     if not all(isinstance(fn, JITFunction) for fn in KERNELS.values()):

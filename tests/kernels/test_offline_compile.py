@@ -309,3 +309,46 @@ def test_markdown_table_has_the_census_column():
     assert lines[0].endswith("| SASS census |")
     rows = [ln for ln in lines if ln.startswith("| sm_90 ") and "| fixed_tma |" in ln]
     assert rows and all("tma " in ln and "wgmma " in ln for ln in rows), rows
+
+
+# -------------------------------------------------------------------------------------------------
+# Merging a GPU run's own compiles (--merge)
+# -------------------------------------------------------------------------------------------------
+
+def test_merge_replaces_same_version_and_key_keeps_the_rest_and_drops_stale(tmp_path):
+    """A lent GPU's ``offline_<stamp>.json`` into the table: an entry of the same Triton version and key
+    is replaced, every other entry kept, and an entry of kernel source that changed since left out."""
+    current = offline.source_hash("fixed")
+    key = "fixed|sm_90|bf16|d128|128x64 w8 s3"
+    old = {"kernel": "fixed", "key": key, "triton": "3.6.0", "source_hash": current, "registers": 1, "clean": False}
+    other_version = dict(old, triton="3.9.0", registers=2)
+    other_key = dict(old, key="fixed|sm_90|bf16|d64|128x64 w8 s3", registers=3)
+    table = {"entries": [old, other_version, other_key], "skipped_targets": []}
+    from_gpu = [dict(old, registers=206, clean=True), dict(old, key="varlen|sm_90|bf16|d64|128x32 w8 s2",
+                                                             kernel="varlen", source_hash="0" * 16)]
+    assert offline.merge_entries(table, from_gpu) == (1, 1)
+    by = {(e["triton"], e["key"]): e["registers"] for e in table["entries"]}
+    assert by == {("3.6.0", key): 206, ("3.9.0", key): 2, ("3.6.0", other_key["key"]): 3}
+    # the command line: merges, saves in the table's one-entry-a-line form, reads back
+    path, run = tmp_path / "table.json", tmp_path / "offline_run.json"
+    offline.save_table({"entries": [old], "skipped_targets": []}, path)
+    run.write_text(json.dumps({"triton": "3.6.0", "compiled": from_gpu}))
+    assert offline.main(["--table", str(path), "--merge", str(run)]) == 0
+    saved = offline.load_table(path)["entries"]
+    assert [(e["key"], e["registers"]) for e in saved] == [(key, 206)]
+    with pytest.raises(SystemExit, match="not an offline check's --json output"):
+        offline.main(["--table", str(path), "--merge", str(path)])  # a table is not a run's output
+
+
+def test_checked_in_table_holds_the_h200_runs_compiles():
+    """The first GPU run's own compiles (Triton 3.6.0 on an H200, ``docs/gpu_runs/2026-12-04-h200``) are
+    in the checked-in table, so Triton 3.6 on sm_90 decides by them (e.g. a spill the 3.9 entries miss)."""
+    run = next((REPO / "docs" / "gpu_runs" / "2026-12-04-h200" / "run1_default").glob("offline_*.json"))
+    compiled = json.loads(run.read_text())["compiled"]
+    table = {(e["triton"], e["key"]): e for e in offline.load_table()["entries"]}
+    for e in compiled:
+        mine = table[(e["triton"], e["key"])]
+        assert (mine["registers"], mine["spill_stores"], mine["clean"]) == (e["registers"], e["spill_stores"],
+                                                                            e["clean"])
+    spilled = table[("3.6.0", "varlen_bwd_dkdv|sm_90|bf16|d128|32x32 w4 s1")]
+    assert not spilled["clean"] and table[("3.9.0", spilled["key"])]["clean"]
