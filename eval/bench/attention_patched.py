@@ -126,6 +126,11 @@ def _method_entries(method, case, base, layout, q, k, v, key_mask, backend, log)
 
     # the same computation, so the same numbers: checked once, untimed
     k_out = kernel()[0]
+    launch = None
+    if backend == "triton":  # the variant and tile that ran (block_sparse_triton.last_launch)
+        from fastdit.kernels import block_sparse_triton
+
+        launch = block_sparse_triton.last_launch()
     if plan.inverse is not None:
         k_out = k_out.index_select(2, plan.inverse)
     same = rel_error(k_out.float(), out.float())
@@ -133,7 +138,8 @@ def _method_entries(method, case, base, layout, q, k, v, key_mask, backend, log)
     extra = {"method": method, "backend": backend, "config": to_json(dataclasses.asdict(config)),
              "plan": plan.name, "block_m": plan.block_m, "block_n": plan.block_n,
              "kernel_len": plan.kernel_len, "padding_fraction": plan.padding_fraction,
-             "density": info["density"], "block_density": plan.density, "rel_err_kernel_vs_attention": same}
+             "density": info["density"], "block_density": plan.density, "rel_err_kernel_vs_attention": same,
+             "kernel_launch": launch}
     return [
         dict(row=dict(base, impl="kernel", **extra), fn=kernel),
         dict(row=dict(base, impl="run_plan", **extra),

@@ -50,6 +50,8 @@ def test_attention_patched_path_cpu(tmp_path):
         assert 0 < r["density"] < 1, r
         assert 0 < r["block_density"] < 1, r
         assert r["rel_err_kernel_vs_attention"] < 1e-5, r  # the same computation
+        launch = r["kernel_launch"]  # what the engine ran: only the Triton backend reports it
+        assert launch is None if r["backend"] != "triton" else launch["variant"] in ("tma", "cp_async"), r
         assert r["config"]["dense_steps"] == 0 and r["plan"].startswith(r["method"])
         assert _finite_positive(r["speedup"]) and _finite_positive(r["vs_kernel"])
     # the HunyuanVideo case has text after the video, partly masked
