@@ -34,8 +34,8 @@
 #            (python scripts/bench_quant.py --speed; then without --speed)               (T_QUANT=90 s)
 #   tma      (opt-in: GPU_CHECK_PARTS=tma) the two forward variants of the engine (issue 44): the
 #            classic cp.async kernel (autotuned, and its untuned default) and the Hopper / Blackwell
-#            TMA variant (FASTDIT_TRITON_VARIANT=tma) against dense SDPA (flash; flash_attn when
-#            installed), densities 0.1-0.5, N 32768 and 75600, head dims 64 / 128, bf16, each row
+#            TMA variant (FASTDIT_TRITON_VARIANT=tma) against dense SDPA (the default backend; flash and
+#            flash_attn beside it), densities 0.1-0.5, N 32768 and 75600, head dims 64 / 128, bf16, each row
 #            beside the cost model's prediction, then the measured efficiencies the cost model
 #            should take for this GPU (python scripts/bench_tma.py; TMA_ARGS)           (T_TMA=300 s)
 #   predict  last: every measured time of the parts above beside the cost model's prediction for this
