@@ -6,10 +6,10 @@ timing, when one is wrong). Then for each token count N, head dim D and density:
 128 x 128 block plan keeping ``density`` of the key blocks of every query row (the diagonal block
 always), bf16, 1 x ``--heads`` heads;
 rows: dense SDPA with PyTorch's default backend (what a dense run uses; cuDNN's on the H200 of the
-first GPU run, 1.6x faster than flash there), on CUDA also the flash backend forced and FlashAttention's own
-kernel when ``flash_attn`` is installed, the classic kernel (``FASTDIT_TRITON_VARIANT=cp_async``, autotuned as by default, and
-with its untuned per-architecture default) and the TMA variant (``FASTDIT_TRITON_VARIANT=tma``, the
-offline table's config). Each row: median time of ``--runs`` runs (CUDA events) after warm-up, the
+first GPU run, 1.6x faster than flash there), on CUDA also the flash backend forced and
+FlashAttention's own kernel when ``flash_attn`` is installed, the classic kernel
+(``FASTDIT_TRITON_VARIANT=cp_async``, autotuned as by default, and with its untuned per-architecture
+default) and the TMA variant (``FASTDIT_TRITON_VARIANT=tma``, the offline table's config). Each row: median time of ``--runs`` runs (CUDA events) after warm-up, the
 achieved fraction of the GPU's peak tensor throughput (computed FLOPs: ``4 D`` times the kept
 score entries), and the cost model's prediction for the call (``fastdit.costmodel``:
 ``dense_call`` / ``density_call``). The end prints the measured efficiencies, the parameters the cost
