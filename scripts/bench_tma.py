@@ -4,18 +4,17 @@ cost model (``scripts/gpu_check.sh``, part ``tma``; issue 44).
 First both variants are checked against the float64 reference on a small odd case (exit 1, no
 timing, when one is wrong). Then for each token count N, head dim D and density: a random
 128 x 128 block plan keeping ``density`` of the key blocks of every query row (the diagonal block
-always), bf16, 1 x ``--heads`` heads;
-rows: dense SDPA with PyTorch's default backend (what a dense run uses; cuDNN's on the H200 of the
-first GPU run, 1.6x faster than flash there), on CUDA also the flash backend forced and
-FlashAttention's own kernel when ``flash_attn`` is installed, the classic kernel
-(``FASTDIT_TRITON_VARIANT=cp_async``, autotuned as by default, and with its untuned per-architecture
-default) and the TMA variant (``FASTDIT_TRITON_VARIANT=tma``, the offline table's config). Each row: median time of ``--runs`` runs (CUDA events) after warm-up, the
-achieved fraction of the GPU's peak tensor throughput (computed FLOPs: ``4 D`` times the kept
-score entries), and the cost model's prediction for the call (``fastdit.costmodel``:
-``dense_call`` / ``density_call``). The end prints the measured efficiencies, the parameters the cost
-model should take for this GPU (``sdpa_eff`` from the default-backend rows, ``kernel_eff`` per variant:
-medians over the cases), and writes everything to
-``--json``.
+always), bf16, 1 x ``--heads`` heads. Rows: dense SDPA with PyTorch's default backend (what a dense
+run uses; cuDNN's on the H200 of the first GPU run, 1.6x faster than flash there), on CUDA also the
+flash backend forced and FlashAttention's own kernel when ``flash_attn`` is installed; the classic
+kernel (``FASTDIT_TRITON_VARIANT=cp_async``, autotuned as by default, and with its untuned
+per-architecture default) and the TMA variant (``FASTDIT_TRITON_VARIANT=tma``, the offline table's
+config). Each row: median time of ``--runs`` runs (CUDA events) after warm-up, the achieved fraction
+of the GPU's peak tensor throughput (computed FLOPs: ``4 D`` times the kept score entries), and the
+cost model's prediction for the call (``fastdit.costmodel``: ``dense_call`` / ``density_call``). The
+end prints the measured efficiencies, the parameters the cost model should take for this GPU
+(``sdpa_eff`` from the default-backend rows, ``kernel_eff`` per variant: medians over the cases), and
+writes everything to ``--json``.
 
     python scripts/bench_tma.py --json bench_results/tma.json
     TRITON_INTERPRET=1 python scripts/bench_tma.py --device cpu --tokens 512 --head-dims 64 \
