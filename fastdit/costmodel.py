@@ -92,7 +92,7 @@ autotuner's choice (it may beat the default tile), clocks under power limits, an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ELEMENTWISE_PASSES = 24  # reads + writes of tokens x dim activations per transformer block
 LAUNCH_US = 5.0
@@ -145,7 +145,6 @@ def with_measured_efficiency(gpu, efficiency, variant=None):
     ``"cp_async autotuned"``, ...) or, when None, the best variant measured (the one the table picks
     runs there). Missing or null entries keep the assumed values. The GPU's ``source`` says so."""
     import json
-    from dataclasses import replace
     from pathlib import Path
 
     if not isinstance(efficiency, dict):
@@ -164,14 +163,17 @@ def with_measured_efficiency(gpu, efficiency, variant=None):
                    source=f"{gpu.source}; efficiencies measured (sdpa {sdpa}, kernel {kernel})")
 
 
+_H200 = GPU("H200", 90, 989.0, 4800.0, 0.60, 0.285, 141,
+            "NVIDIA H200 datasheet (SXM); efficiencies measured on one H200, 2026-12-04 (torch 2.11, Triton 3.6)",
+            measured_kernel_eff=0.40, fp32_tflops=67.0, masked_sdpa_eff=0.42, masked_kernel_eff=0.30)
+
 GPUS = {
     "A100": GPU("A100", 80, 312.0, 2039.0, 0.65, 0.75, 80, "NVIDIA A100 datasheet (SXM4 80GB)", fp32_tflops=19.5),
-    "H100": GPU("H100", 90, 989.0, 3350.0, 0.60, 0.285, 80,
-                "NVIDIA H100 datasheet (SXM5); efficiencies carried over from the H200 measured 2026-12-04 (same die)",
-                measured_kernel_eff=0.40, fp32_tflops=67.0, masked_sdpa_eff=0.42, masked_kernel_eff=0.30),
-    "H200": GPU("H200", 90, 989.0, 4800.0, 0.60, 0.285, 141,
-                "NVIDIA H200 datasheet (SXM); efficiencies measured on one H200, 2026-12-04 (torch 2.11, Triton 3.6)",
-                measured_kernel_eff=0.40, fp32_tflops=67.0, masked_sdpa_eff=0.42, masked_kernel_eff=0.30),
+    # the same die as the H200: its measured efficiencies carried over; only the memory differs
+    "H100": replace(_H200, name="H100", bandwidth_gbs=3350.0, memory_gb=80,
+                    source="NVIDIA H100 datasheet (SXM5); efficiencies carried over from the H200 measured "
+                           "2026-12-04 (same die)"),
+    "H200": _H200,
     "RTX 4090": GPU("RTX 4090", 89, 165.2, 1008.0, 0.60, 0.70, 24, "NVIDIA Ada Lovelace whitepaper",
                     fp32_tflops=82.6),
 }
@@ -267,6 +269,11 @@ def plan_pairs(plan, batch, heads, tile):
     return listed * rows * cols
 
 
+def _has_key_validity(plan):
+    """Whether the kernel runs ``plan`` with a key-validity vector (its padding): the masked efficiency."""
+    return getattr(plan, "kv_valid", None) is not None
+
+
 def plan_call(gpu, plan, batch, heads, head_dim, elt=2, dtype="bf16", label=None, key_mask=False):
     """One attention call on ``plan`` (a ``BlockPlan`` as the method built it); the kernel runs its
     key-validity path when the plan has ``kv_valid`` (padding) or the call a ``key_mask``."""
@@ -275,7 +282,7 @@ def plan_call(gpu, plan, batch, heads, head_dim, elt=2, dtype="bf16", label=None
     flops = 4.0 * head_dim * pairs
     length = plan.kernel_len
     nbytes = 4 * batch * heads * length * head_dim * elt
-    eff = gpu.attention_eff(kernel=True, masked=key_mask or getattr(plan, "kv_valid", None) is not None)
+    eff = gpu.attention_eff(kernel=True, masked=key_mask or _has_key_validity(plan))
     kernel_ms = _seconds_ms(flops, gpu.tflops(elt), eff, nbytes, gpu.bandwidth_gbs) + 1e-3 * LAUNCH_US
     outside_bytes, outside_flops, launches = 0.0, 0.0, 0
     if plan.perm is not None:
@@ -488,6 +495,6 @@ def head_times(gpu, info, batch, heads, n_q, n_k, head_dim, elt=2, dtype="bf16",
     nbytes = 4.0 * batch * plan.kernel_len * head_dim * elt
     outside = plan_call(gpu, plan, batch, heads, head_dim, elt, dtype).outside_ms / heads
     launch = 1e-3 * LAUNCH_US / heads  # the kernel's launch, shared by the call's heads
-    eff = gpu.attention_eff(kernel=True, masked=getattr(plan, "kv_valid", None) is not None)
+    eff = gpu.attention_eff(kernel=True, masked=_has_key_validity(plan))
     return [_seconds_ms(4.0 * head_dim * float(p), gpu.tflops(elt), eff, nbytes, gpu.bandwidth_gbs)
             + outside + launch for p in per_head]
