@@ -292,6 +292,7 @@ def run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, ski
     elt = q.element_size()
     if skip:  # the rule's own tiles, as the classic launch
         bm, bn = bst.skip_tile_sizes(block_m, block_n, skip_tile)
+        how = "interpreter" if interpreted else "skip rule"  # how the tile was chosen (last_launch)
         if interpreted:
             config = (bm, bn, 4, 1)
         else:
@@ -299,8 +300,10 @@ def run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, ski
                                                        capability=capability, dtype=dtype))
     elif interpreted:
         config = (bst._interpreter_block(block_m), bst._interpreter_block(block_n), 4, 1)
+        how = "interpreter"
     else:
         forced = bst._forced_config()
+        how = "table" if forced is None else "forced"
         config = tuning.config_tuple(forced) if forced is not None else \
             (tma_config(capability, block_d, dtype) or tuning.TMA_PREFERENCE[0])
         bm, bn, w, s = config
@@ -308,8 +311,6 @@ def run_if_chosen(q, k, v, args, n_qblocks, block_m, block_n, block_d, skip, ski
                                        block_m, block_n, block_d, elt, tuning._shared_mem_bytes(q.device.index))
         config = tuning.config_tuple(kept[0])
     grid = (n_qblocks * -(-block_m // config[0]), q.shape[0] * q.shape[1])
-    how = "interpreter" if interpreted else "skip rule" if skip else "forced" if bst._forced_config() is not None \
-        else "table"
     bst.record_launch("tma", how, config)
     if interpreted:
         launch_tma(grid, args, config, None)

@@ -54,8 +54,8 @@ import triton.language as tl
 #: classic kernel's arguments and returns True when it launched (``block_sparse_tma`` registers its own).
 FORWARD_VARIANTS = []
 
-#: What the last forward launch of this process ran (``last_launch``): variant, how its tile was chosen, tile.
-_LAST_LAUNCH = {}
+#: What the last forward launch of this process ran (``last_launch``): (variant, how its tile was chosen, tile).
+_LAST_LAUNCH = None
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -441,6 +441,7 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
 
     with torch.cuda.device(q.device):
         forced = _forced_config()
+        how = "default" if forced is None else "forced"
         if forced is None and _autotune_enabled():
             _kernel_tuned[grid](*args)
             best = getattr(_kernel_tuned, "best_config", None)
@@ -456,8 +457,7 @@ def block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_m, block
             c = prune_for_target([forced], block_m, block_n, block_d, q.element_size(),
                                  _shared_mem_bytes(q.device.index))[0]
             _kernel_fixed[grid](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-            record_launch("cp_async", "forced" if _forced_config() is not None else "default",
-                          (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages))
+            record_launch("cp_async", how, (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages))
     return out, lse
 
 
@@ -470,8 +470,8 @@ def best_config():
 
 def record_launch(variant, how, tile):
     """Note what a forward launch ran (``last_launch``); ``tile`` = ``(BLOCK_M, BLOCK_N, warps, stages)``."""
-    _LAST_LAUNCH.clear()
-    _LAST_LAUNCH.update(variant=variant, how=how, tile=None if tile is None else tuple(int(x) for x in tile))
+    global _LAST_LAUNCH
+    _LAST_LAUNCH = (variant, how, None if tile is None else tuple(tile))
 
 
 def last_launch():
@@ -479,4 +479,7 @@ def last_launch():
     "cp_async", "how": "autotuned" | "default" | "forced" | "table" | "skip rule" | "interpreter", "tile":
     (BLOCK_M, BLOCK_N, warps, stages)}``, or None before any launch. (The first H200 run recorded
     ``best_config`` instead, which named a classic tile for rows the TMA variant ran.)"""
-    return dict(_LAST_LAUNCH) or None
+    if _LAST_LAUNCH is None:
+        return None
+    variant, how, tile = _LAST_LAUNCH
+    return {"variant": variant, "how": how, "tile": tile}
