@@ -2,6 +2,7 @@
 
     python scripts/shapes_direction.py --model tiny-shapes --out runs/direction.json
     python scripts/shapes_direction.py --model runs/tiny-shapes-new --seeds 8 --sigmas 1.0,0.98
+    python scripts/shapes_direction.py --model runs/tiny-shapes-new --sampled --size 64 [--negative opposite]
 
 A sampler's path for a shape is settled in its first calls: below s ~ 0.97 the noisy latent already shows
 where the shape goes.  So the direction word matters only through the model's first predictions
@@ -16,6 +17,11 @@ pairs whose travel is mostly along the caption's axis, in its sense; chance 0.25
 ignored), the **caption effect** (mean over noises of the travel's distance from the four directions' mean:
 what the words move) and the **noise effect** (the same over noises for one caption: what the noise
 moves).  A model that ignores direction words has caption effect ~0 and a hit rate near chance.
+
+``--sampled`` reads the same numbers from what a user gets: the whole sampler (the model's native call: 17 frames,
+12 UniPC steps, guidance 4, at ``--size``) from seeds ``0 .. seeds - 1`` instead of one call at fixed levels.
+``--negative opposite`` makes the negative prompt the caption with its direction reversed
+(``shapes_data.opposite_directions``): classifier-free guidance then amplifies the direction word's effect alone.
 """
 from __future__ import annotations
 
@@ -65,6 +71,33 @@ def summarise(travels: dict) -> dict:
             "noise_effect_px": float(noise_effect)}
 
 
+def sampled(pipe, call: dict, side: int, seeds: int, negative: str) -> dict:
+    """The whole sampler's travels per direction x seed (``--sampled``)."""
+    import torch
+
+    from fastdit.pipelines.shapes_data import opposite_directions
+
+    travels = {}
+    for direction in DIRECTIONS:
+        travels[direction] = []
+        caption = f"a yellow circle moving {direction}"
+        negative_prompt = opposite_directions(caption) if negative == "opposite" else None
+        for seed in range(seeds):
+            video = pipe(prompt=caption, negative_prompt=negative_prompt,
+                         num_frames=call["num_frames"], height=side, width=side,
+                         num_inference_steps=call["num_inference_steps"], guidance_scale=call["guidance_scale"],
+                         max_sequence_length=call["max_sequence_length"], output_type="np",
+                         generator=torch.Generator().manual_seed(seed)).frames[0]
+            travels[direction].append(travel((np.asarray(video) * 255).round().astype(np.uint8)))
+    return summarise(travels)
+
+
+def _print(label: str, summary: dict) -> None:
+    print(f"{label}: hit rate {summary['hit_rate']:.2f} (chance 0.25), caption effect "
+          f"{summary['caption_effect_px']:.1f} px, noise effect {summary['noise_effect_px']:.1f} px; mean travel "
+          + ", ".join(f"{d} ({x:+.1f}, {y:+.1f})" for d, (x, y) in summary["mean_travel"].items()), flush=True)
+
+
 def run(args) -> dict:
     import torch
 
@@ -74,6 +107,12 @@ def run(args) -> dict:
     pipe = load_pipeline(args.model, "cpu")
     call = TRAINED_DEFAULTS["tiny-shapes"]
     side = args.size or call["height"]
+    if args.sampled:
+        pipe.set_progress_bar_config(disable=True)
+        report = {"model": args.model, "seeds": args.seeds, "size": side, "negative": args.negative,
+                  "sampled": sampled(pipe, call, side, args.seeds, args.negative)}
+        _print(f"sampled ({call['num_inference_steps']} steps, guidance {call['guidance_scale']})", report["sampled"])
+        return _write(report, args.out)
     vae, transformer = pipe.vae.eval(), pipe.transformer.eval()
     spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
     shape = (1, vae.config.z_dim, (call["num_frames"] - 1) // temporal + 1, side // spatial, side // spatial)
@@ -94,12 +133,14 @@ def run(args) -> dict:
                     video = vae.decode((sigma * eps - sigma * velocity) * std + mean, return_dict=False)[0][0]
                 video = ((video.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()
                 travels[direction].append(travel(video))
-        report["sigmas"][str(sigma)] = summary = summarise(travels)
-        print(f"s = {sigma}: hit rate {summary['hit_rate']:.2f} (chance 0.25), caption effect "
-              f"{summary['caption_effect_px']:.1f} px, noise effect {summary['noise_effect_px']:.1f} px; mean travel "
-              + ", ".join(f"{d} ({x:+.1f}, {y:+.1f})" for d, (x, y) in summary["mean_travel"].items()), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+        report["sigmas"][str(sigma)] = summarise(travels)
+        _print(f"s = {sigma}", report["sigmas"][str(sigma)])
+    return _write(report, args.out)
+
+
+def _write(report: dict, out) -> dict:
+    if out:
+        with open(out, "w") as f:
             json.dump(report, f, indent=1)
     return report
 
@@ -110,6 +151,9 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=4, help="noises per direction")
     parser.add_argument("--sigmas", default="1.0,0.98", help="noise levels s of the call, comma-separated")
     parser.add_argument("--size", type=int, default=None, help="frame side in pixels (default: the native call's)")
+    parser.add_argument("--sampled", action="store_true", help="read the whole sampler's videos, not one call")
+    parser.add_argument("--negative", choices=("empty", "opposite"), default="empty",
+                        help="with --sampled: the negative prompt, the pipeline's empty one or the reversed caption")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="JSON report")
     args = parser.parse_args(argv)

@@ -64,3 +64,39 @@ def test_runs_on_a_trained_pipeline_and_writes_its_report(direction, tmp_path):
         assert np.isfinite([summary["caption_effect_px"], summary["noise_effect_px"]]).all()
     with pytest.raises(SystemExit):
         direction.main(["--seeds", "0"])
+
+
+def test_sampled_reads_the_whole_sampler_with_either_negative_prompt(direction, tmp_path, monkeypatch):
+    """--sampled: each travel is the one read off the pipeline's own video for that caption and seed (called here
+    directly), and --negative opposite hands the pipeline the caption with its direction reversed."""
+    import torch
+
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
+    from fastdit.pipelines.train_tiny import main
+
+    model = tmp_path / "model"
+    assert main(["--preset", "test", "--work", str(tmp_path / "work"), "--out", str(model), "--no-progress"]) == 0
+    report = direction.main(["--model", str(model), "--sampled", "--seeds", "1", "--size", "32"])
+    assert report["negative"] == "empty" and "sigmas" not in report
+    call = TRAINED_DEFAULTS["tiny-shapes"]
+    pipe = load_pipeline(str(model), "cpu")
+    video = pipe(prompt="a yellow circle moving up", num_frames=call["num_frames"], height=32, width=32,
+                 num_inference_steps=call["num_inference_steps"], guidance_scale=call["guidance_scale"],
+                 max_sequence_length=call["max_sequence_length"], output_type="np",
+                 generator=torch.Generator().manual_seed(0)).frames[0]
+    expected = direction.travel((np.asarray(video) * 255).round().astype(np.uint8))
+    assert report["sampled"]["mean_travel"]["up"] == pytest.approx(list(expected), abs=0.01)
+
+    negatives = []
+    original = type(pipe).__call__
+
+    def spy(self, *args, **kwargs):
+        negatives.append((kwargs["prompt"], kwargs["negative_prompt"]))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(pipe), "__call__", spy)  # test-only spy on the pipeline class
+    direction.main(["--model", str(model), "--sampled", "--seeds", "1", "--size", "32", "--negative", "opposite"])
+    assert dict(negatives) == {"a yellow circle moving left": "a yellow circle moving right",
+                               "a yellow circle moving right": "a yellow circle moving left",
+                               "a yellow circle moving up": "a yellow circle moving down",
+                               "a yellow circle moving down": "a yellow circle moving up"}
