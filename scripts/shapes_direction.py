@@ -22,6 +22,17 @@ moves).  A model that ignores direction words has caption effect ~0 and a hit ra
 12 UniPC steps, guidance 4, at ``--size``) from seeds ``0 .. seeds - 1`` instead of one call at fixed levels.
 ``--negative opposite`` makes the negative prompt the caption with its direction reversed
 (``shapes_data.opposite_directions``): classifier-free guidance then amplifies the direction word's effect alone.
+
+``--anchored`` samples with a clear first frame: latent frame 0 is a rendered yellow circle at the centre (VAE
+encoded, kept at level 0 and told so through Wan 2.2's per-token timesteps), every other frame starts as noise;
+Euler steps on the native call's shifted schedule, guidance against the empty caption.  With a shape's place
+given, the direction word is the only thing that says where it goes: the read of a model trained with anchoring
+(``train_tiny --set anchor_prob=P``), and of whether any model uses the word once the place is fixed.
+
+``--equivariance`` measures how far the transformer is from translation-equivariant: one call on a noise, the same
+noise rolled by 3 latent cells in width (1 frame in time), and the relative difference of the two outputs in the
+interior, against the difference for another noise.  Near 0: the model cannot place a path absolutely, so where
+the clip is still undecided its best prediction is the same position-averaged haze for every direction word.
 """
 from __future__ import annotations
 
@@ -92,6 +103,87 @@ def sampled(pipe, call: dict, side: int, seeds: int, negative: str) -> dict:
     return summarise(travels)
 
 
+def anchored(pipe, call: dict, side: int, seeds: int) -> dict:
+    """Travels of the clear-first-frame sampler (``--anchored``) per direction x seed."""
+    import dataclasses
+
+    import torch
+
+    from fastdit.pipelines import shapes_data
+
+    vae, transformer = pipe.vae.eval(), pipe.transformer.eval()
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    frames = (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+    cells = side // pipe.vae_scale_factor_spatial
+    steps, shift = call["num_inference_steps"], pipe.scheduler.config.flow_shift
+    u = torch.linspace(1, 0, steps + 1)
+    levels = shift * u / (1 + (shift - 1) * u)  # the flow-shifted schedule, 1 -> 0
+
+    def embed(text):
+        return pipe.encode_prompt(text, do_classifier_free_guidance=False, device="cpu",
+                                  max_sequence_length=call["max_sequence_length"])[0]
+
+    empty, travels = embed(""), {}
+    for direction in DIRECTIONS:
+        travels[direction], caption = [], embed(f"a yellow circle moving {direction}")
+        for seed in range(seeds):
+            spec = shapes_data.sample_spec(np.random.default_rng([99, seed]), call["num_frames"], side, side,
+                                           max_shapes=1)
+            circle = dataclasses.replace(spec.shapes[0], color="yellow", shape="circle", x=side / 2, y=side / 2)
+            first = shapes_data.render(dataclasses.replace(spec, shapes=(circle,), texture="plain"))[:1]
+            pixels = torch.from_numpy(first).float().div(127.5).sub(1).permute(3, 0, 1, 2)[None]
+            with torch.no_grad():
+                anchor = (vae.encode(pixels).latent_dist.mean - mean) / std
+            x = torch.randn((1, anchor.shape[1], frames, cells, cells), generator=torch.Generator().manual_seed(seed))
+            for i in range(steps):
+                x[:, :, :1] = anchor
+                per_frame = torch.full((1, frames), float(levels[i]) * 1000.0)
+                per_frame[:, 0] = 0.0
+                timestep = per_frame[:, :, None].expand(-1, -1, cells * cells).reshape(1, -1)
+                with torch.no_grad():
+                    cond = transformer(x, timestep, caption, return_dict=False)[0]
+                    uncond = transformer(x, timestep, empty, return_dict=False)[0]
+                x = x + (levels[i + 1] - levels[i]) * (uncond + call["guidance_scale"] * (cond - uncond))
+            x[:, :, :1] = anchor
+            with torch.no_grad():
+                video = vae.decode(x * std + mean, return_dict=False)[0][0]
+            travels[direction].append(travel(((video.clamp(-1, 1) + 1) * 127.5).round().byte()
+                                              .permute(1, 2, 3, 0).numpy()))
+    return summarise(travels)
+
+
+def equivariance(pipe, call: dict, side: int) -> dict:
+    """Relative output change under a roll of the input (``--equivariance``), per noise level."""
+    import torch
+
+    transformer = pipe.transformer.eval()
+    caption = pipe.encode_prompt("a yellow circle moving left", do_classifier_free_guidance=False, device="cpu",
+                                 max_sequence_length=call["max_sequence_length"])[0]
+    cells = side // pipe.vae_scale_factor_spatial
+    frames = (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+    gen = torch.Generator().manual_seed(0)
+    noise, other = (torch.randn((1, transformer.config.in_channels, frames, cells, cells), generator=gen)
+                    for _ in range(2))
+    k = 3  # cells of the roll in width; compared where neither output holds wrapped-around columns' own cells
+    w0, w1, t0, t1 = cells // 4, min(cells - cells // 4, cells - k), 2, frames - 3
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    report = {}
+    for sigma in (1.0, 0.9, 0.5):
+        with torch.no_grad():
+            def call_at(x):
+                return transformer(x, torch.tensor([sigma * 1000.0]), caption, return_dict=False)[0]
+            base = call_at(noise)
+            width = call_at(torch.roll(noise, k, dims=-1))[..., w0 + k:w1 + k]
+            time = call_at(torch.roll(noise, 1, dims=2))[:, :, t0 + 1:t1 + 1]
+            report[str(sigma)] = {"width_roll": rel(width, base[..., w0:w1]), "time_roll": rel(time, base[:, :, t0:t1]),
+                                  "another_noise": rel(call_at(other)[..., w0:w1], base[..., w0:w1])}
+    return report
+
+
 def _print(label: str, summary: dict) -> None:
     print(f"{label}: hit rate {summary['hit_rate']:.2f} (chance 0.25), caption effect "
           f"{summary['caption_effect_px']:.1f} px, noise effect {summary['noise_effect_px']:.1f} px; mean travel "
@@ -107,11 +199,19 @@ def run(args) -> dict:
     pipe = load_pipeline(args.model, "cpu")
     call = TRAINED_DEFAULTS["tiny-shapes"]
     side = args.size or call["height"]
-    if args.sampled:
+    if args.equivariance:
+        report = {"model": args.model, "size": side, "equivariance": equivariance(pipe, call, side)}
+        for sigma, r in report["equivariance"].items():
+            print(f"s = {sigma}: output change when the input rolls 3 cells in width {r['width_roll']:.3f}, 1 frame "
+                  f"in time {r['time_roll']:.3f}; another noise {r['another_noise']:.3f}", flush=True)
+        return _write(report, args.out)
+    if args.sampled or args.anchored:
         pipe.set_progress_bar_config(disable=True)
+        mode = "anchored" if args.anchored else "sampled"
         report = {"model": args.model, "seeds": args.seeds, "size": side, "negative": args.negative,
-                  "sampled": sampled(pipe, call, side, args.seeds, args.negative)}
-        _print(f"sampled ({call['num_inference_steps']} steps, guidance {call['guidance_scale']})", report["sampled"])
+                  mode: anchored(pipe, call, side, args.seeds) if args.anchored
+                  else sampled(pipe, call, side, args.seeds, args.negative)}
+        _print(f"{mode} ({call['num_inference_steps']} steps, guidance {call['guidance_scale']})", report[mode])
         return _write(report, args.out)
     vae, transformer = pipe.vae.eval(), pipe.transformer.eval()
     spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
@@ -152,11 +252,16 @@ def main(argv=None):
     parser.add_argument("--sigmas", default="1.0,0.98", help="noise levels s of the call, comma-separated")
     parser.add_argument("--size", type=int, default=None, help="frame side in pixels (default: the native call's)")
     parser.add_argument("--sampled", action="store_true", help="read the whole sampler's videos, not one call")
+    parser.add_argument("--anchored", action="store_true", help="sample with a clear first frame (see above)")
+    parser.add_argument("--equivariance", action="store_true", help="how far the transformer is from "
+                        "translation-equivariant")
     parser.add_argument("--negative", choices=("empty", "opposite"), default="empty",
                         help="with --sampled: the negative prompt, the pipeline's empty one or the reversed caption")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="JSON report")
     args = parser.parse_args(argv)
+    if args.anchored and (args.sampled or args.negative != "empty"):
+        parser.error("--anchored is its own sampler: not with --sampled or --negative")
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: at least one noise per direction")
     return run(args)

@@ -100,3 +100,71 @@ def test_sampled_reads_the_whole_sampler_with_either_negative_prompt(direction, 
                                "a yellow circle moving right": "a yellow circle moving left",
                                "a yellow circle moving up": "a yellow circle moving down",
                                "a yellow circle moving down": "a yellow circle moving up"}
+
+
+class _Recorder:
+    """Stands in for a pipeline's transformer: records each call's input and timestep, returns ``respond(x)``."""
+
+    def __init__(self, config, respond):
+        self.config, self.respond, self.calls = config, respond, []
+
+    def eval(self):
+        return self
+
+    def __call__(self, x, timestep, embeds, return_dict=False):
+        self.calls.append((x.clone(), timestep.clone()))
+        return (self.respond(x),)
+
+
+@pytest.fixture(scope="module")
+def test_model(tmp_path_factory):
+    from fastdit.pipelines.train_tiny import main
+
+    root = tmp_path_factory.mktemp("direction_model")
+    assert main(["--preset", "test", "--work", str(root / "work"), "--out", str(root / "model"), "--no-progress"]) == 0
+    return str(root / "model")
+
+
+def test_anchored_keeps_the_first_frame_clear_and_tells_the_transformer_so(direction, test_model):
+    """Every call sees latent frame 0 equal to the encoded first frame at timestep 0 and every other frame's tokens at
+    the schedule's level x 1000 (one level per step, falling from 1000); the travels come out finite."""
+    import torch
+
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
+
+    pipe = load_pipeline(test_model, "cpu")
+    call = dict(TRAINED_DEFAULTS["tiny-shapes"], num_inference_steps=3)
+    recorder = _Recorder(pipe.transformer.config, lambda x: 0.1 * x)
+    pipe.transformer = recorder
+    summary = direction.anchored(pipe, call, 32, 1)
+    assert np.isfinite(np.array(list(summary["mean_travel"].values()))).all()
+    assert len(recorder.calls) == 4 * 3 * 2  # directions x steps x (caption, empty caption)
+    cells = 32 // pipe.vae_scale_factor_spatial
+    first = recorder.calls[0][0][:, :, :1]
+    shift = pipe.scheduler.config.flow_shift
+    for i, (x, timestep) in enumerate(recorder.calls[:6]):
+        torch.testing.assert_close(x[:, :, :1], first)  # the same anchor at every step (same seed and direction)
+        per_token = timestep.view(1, x.shape[2], cells * cells)
+        assert (per_token[:, 0] == 0).all()
+        u = 1 - (i // 2) / 3
+        assert torch.allclose(per_token[:, 1:], torch.tensor(1000 * shift * u / (1 + (shift - 1) * u)))
+    assert not torch.equal(recorder.calls[0][0][:, :, 1:], recorder.calls[2][0][:, :, 1:])  # the rest moves
+
+
+def test_equivariance_reads_zero_for_a_shift_equivariant_model_and_not_for_a_position_dependent_one(
+        direction, test_model):
+    import torch
+
+    from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
+
+    pipe = load_pipeline(test_model, "cpu")
+    call = TRAINED_DEFAULTS["tiny-shapes"]
+    pipe.transformer = _Recorder(pipe.transformer.config, lambda x: 2.0 * x)  # commutes with any roll
+    report = direction.equivariance(pipe, call, 32)
+    for r in report.values():
+        assert r["width_roll"] < 1e-6 and r["time_roll"] < 1e-6
+        assert r["another_noise"] == pytest.approx(2 ** 0.5, rel=0.2)  # two independent noises
+    ramp = lambda x: x + torch.arange(x.shape[-1], dtype=x.dtype)  # noqa: E731  (knows its absolute column)
+    pipe.transformer = _Recorder(pipe.transformer.config, ramp)
+    report = direction.equivariance(pipe, call, 32)
+    assert all(r["width_roll"] > 0.3 and r["time_roll"] < 1e-6 for r in report.values())
