@@ -10,7 +10,8 @@ background, rendered with OpenCV.  Its caption follows one fixed grammar::
 Everything is deterministic from ``(seed, index)`` and unlimited: ``sample_video(seed, i)`` draws a
 :class:`VideoSpec` from ``numpy.random.default_rng([seed, i])`` and :func:`render` draws it.
 Colours within one video are distinct (so a caption's objects can be told apart by colour), and
-every shape stays fully inside the frame for the whole clip.
+every shape stays fully inside the frame for the whole clip.  ``sample_video(..., data=...)`` also draws two
+simpler kinds of the same grammar (:data:`DATA_KINDS`), the first stages of a curriculum.
 
 API: :data:`COLORS`, :data:`SHAPES`, :data:`DIRECTIONS`, :class:`ShapeSpec`, :class:`VideoSpec`,
 :func:`sample_spec`, :func:`render`, :func:`caption`, :func:`parse_caption`, :func:`sample_video`,
@@ -18,12 +19,13 @@ API: :data:`COLORS`, :data:`SHAPES`, :data:`DIRECTIONS`, :class:`ShapeSpec`, :cl
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COLORS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "OPPOSITE", "ShapeSpec", "VideoSpec", "sample_spec",
+__all__ = ["COLORS", "DATA_KINDS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "OPPOSITE", "ShapeSpec", "VideoSpec", "sample_spec",
            "render", "caption", "opposite_directions", "parse_caption", "sample_video", "random_caption",
            "distinct_captions", "latent_object_mask"]
 
@@ -42,6 +44,13 @@ DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up"
 #: Each direction's reverse (its unit step negated).
 OPPOSITE: dict[str, str] = {d: next(o for o, v in DIRECTIONS.items() if v == (-x, -y))
                              for d, (x, y) in DIRECTIONS.items()}
+
+
+#: What :func:`sample_video` draws: ``full`` (one to three shapes, the whole grammar), ``single`` (one shape of any
+#: colour and kind on any background) or ``simplest`` (one yellow circle on a plain background: only its place,
+#: speed and direction vary, so the caption says nothing but the direction). Why the simpler kinds: the tiny model
+#: learns direction words only after ~20k samples of ``simplest`` (stop 61, BENCHMARKS.md), never on ``full`` alone.
+DATA_KINDS = ("full", "single", "simplest")
 
 
 @dataclass(frozen=True)
@@ -192,9 +201,17 @@ def render(spec: VideoSpec) -> np.ndarray:
     return video
 
 
-def sample_video(seed: int, index: int, **kwargs) -> tuple[np.ndarray, str, VideoSpec]:
-    """``(video uint8 [F, H, W, 3], caption, spec)`` number ``index`` of the stream ``seed``."""
+def sample_video(seed: int, index: int, data: str = "full", **kwargs) -> tuple[np.ndarray, str, VideoSpec]:
+    """``(video uint8 [F, H, W, 3], caption, spec)`` number ``index`` of the stream ``seed``, of the kind ``data``
+    (:data:`DATA_KINDS`; ``full`` draws exactly what it always drew)."""
+    if data not in DATA_KINDS:
+        raise ValueError(f"data={data!r}: the kinds of video are {', '.join(DATA_KINDS)}")
+    if data != "full":
+        kwargs["max_shapes"] = 1
     spec = sample_spec(np.random.default_rng([seed, index]), **kwargs)
+    if data == "simplest":
+        circle = dataclasses.replace(spec.shapes[0], color="yellow", shape="circle")
+        spec = dataclasses.replace(spec, shapes=(circle,), texture="plain")
     return render(spec), caption(spec), spec
 
 

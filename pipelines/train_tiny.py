@@ -74,8 +74,9 @@ class TrainConfig:
     vae_lr: float = 2e-3
     vae_kl_weight: float = 1e-6
     vae_colour_weight: float = 10.0
-    # latents
+    # latents: ``num_videos`` videos of the kind ``data`` (shapes_data.DATA_KINDS: full, single, simplest)
     num_videos: int = 1000
+    data: str = "full"
     # transformer (WanTransformer3DModel)
     heads: int = 2
     head_dim: int = 64
@@ -121,6 +122,8 @@ class TrainConfig:
         if not (0 <= self.high_noise_prob <= 1 and 0 <= self.high_noise_min < 1):
             raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
                              "a probability in [0, 1] and a noise level in [0, 1)")
+        if self.data not in shapes_data.DATA_KINDS:
+            raise ValueError(f"data={self.data!r}: takes one of {', '.join(shapes_data.DATA_KINDS)}")
         if not 0 <= self.anchor_prob <= 1:
             raise ValueError(f"anchor_prob={self.anchor_prob}: takes a probability in [0, 1]")
         if self.direction_contrast < 0 or self.direction_margin < 0:
@@ -192,7 +195,7 @@ def _video_tensor(video: np.ndarray) -> torch.Tensor:
 
 
 def _data_kwargs(cfg: TrainConfig) -> dict:
-    return dict(frames=cfg.frames, height=cfg.height, width=cfg.width)
+    return dict(frames=cfg.frames, height=cfg.height, width=cfg.width, data=cfg.data)
 
 
 def _save(obj, path):
