@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COLORS", "DATA_KINDS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "OPPOSITE", "ShapeSpec", "VideoSpec", "sample_spec",
-           "render", "caption", "opposite_directions", "parse_caption", "sample_video", "random_caption",
+__all__ = ["COLORS", "DATA_KINDS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "OPPOSITE", "ShapeSpec", "VideoSpec",
+           "sample_spec", "render", "caption", "opposite_directions", "parse_caption", "sample_video", "random_caption",
            "distinct_captions", "latent_object_mask"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
