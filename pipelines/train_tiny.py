@@ -74,9 +74,8 @@ class TrainConfig:
     vae_lr: float = 2e-3
     vae_kl_weight: float = 1e-6
     vae_colour_weight: float = 10.0
-    # latents: ``num_videos`` videos of the kind ``data`` (shapes_data.DATA_KINDS: full, single, simplest)
-    num_videos: int = 1000
-    data: str = "full"
+    num_videos: int = 1000  # latents: this many videos of the kind ``data``
+    data: str = "full"  # shapes_data.DATA_KINDS: full, single, simplest (the direction curriculum, stop 61)
     # transformer (WanTransformer3DModel)
     heads: int = 2
     head_dim: int = 64
