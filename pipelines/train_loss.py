@@ -26,7 +26,7 @@ import torch
 
 from . import shapes_data
 
-__all__ = ["flow_matching_loss", "noisy_batch"]
+__all__ = ["flow_matching_loss", "noisy_batch", "token_timesteps"]
 
 
 def noisy_batch(cfg, x0: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ def noisy_batch(cfg, x0: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tens
     return (1 - s) * x0 + s * noise, sigma, noise - x0
 
 
-def _timesteps(pipe, sigma: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
+def token_timesteps(pipe, sigma: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
     """``1000 sigma``: ``[B]``, or per token ``[B, F' H' W']`` (patchified grid order) for per-frame ``sigma``."""
     if sigma.dim() == 1:
         return sigma * 1000.0
@@ -84,7 +84,7 @@ def flow_matching_loss(pipe, xt: torch.Tensor, sigma: torch.Tensor, target: torc
     embeds = pipe._get_t5_prompt_embeds(texts + turned, max_sequence_length=max_sequence_length, device="cpu")
     copies = 2 if turned else 1  # one call on the true and the reversed captions together
     rep = (copies,) + (1,) * (xt.dim() - 1)
-    timestep = _timesteps(pipe, sigma, xt)
+    timestep = token_timesteps(pipe, sigma, xt)
     pred = pipe.transformer(xt.repeat(rep), timestep.repeat((copies,) + (1,) * (timestep.dim() - 1)), embeds,
                             return_dict=False)[0]
     error = (pred - target.repeat(rep)).pow(2)

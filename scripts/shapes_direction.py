@@ -45,6 +45,7 @@ from fastdit.eval.metrics.adherence import HUE_RANGES
 from fastdit.pipelines.shapes_data import DIRECTIONS as HEADINGS
 
 DIRECTIONS = tuple(HEADINGS)  # left, right, up, down
+ROLL_CELLS = 3  # --equivariance: latent cells the input rolls in width
 
 
 def travel(video: np.ndarray, hue_range=HUE_RANGES["yellow"][0]) -> tuple[float, float]:
@@ -82,6 +83,30 @@ def summarise(travels: dict) -> dict:
             "noise_effect_px": float(noise_effect)}
 
 
+def _embed(pipe, call: dict, text: str):
+    """The caption's text-encoder states, as the native call makes them."""
+    return pipe.encode_prompt(text, do_classifier_free_guidance=False, device="cpu",
+                              max_sequence_length=call["max_sequence_length"])[0]
+
+
+def _latent_grid(pipe, call: dict, side: int) -> tuple[int, int]:
+    """(latent frames, latent cells a side) of the native call's frames at ``side`` x ``side`` pixels."""
+    return (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1, side // pipe.vae_scale_factor_spatial
+
+
+def _latent_stats(vae):
+    """The VAE's per-channel latent mean and std, shaped to broadcast over ``[B, C, F, H, W]``."""
+    import torch
+
+    return (torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1),
+            torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1))
+
+
+def _pixels(video) -> np.ndarray:
+    """A decoded ``[C, F, H, W]`` video in [-1, 1] as ``[F, H, W, 3]`` uint8."""
+    return ((video.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()
+
+
 def sampled(pipe, call: dict, side: int, seeds: int, negative: str) -> dict:
     """The whole sampler's travels per direction x seed (``--sampled``)."""
     import torch
@@ -110,37 +135,32 @@ def anchored(pipe, call: dict, side: int, seeds: int) -> dict:
     import torch
 
     from fastdit.pipelines import shapes_data
+    from fastdit.pipelines.train_loss import token_timesteps
 
     vae, transformer = pipe.vae.eval(), pipe.transformer.eval()
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    frames = (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
-    cells = side // pipe.vae_scale_factor_spatial
+    mean, std = _latent_stats(vae)
+    frames, cells = _latent_grid(pipe, call, side)
     steps, shift = call["num_inference_steps"], pipe.scheduler.config.flow_shift
     u = torch.linspace(1, 0, steps + 1)
     levels = shift * u / (1 + (shift - 1) * u)  # the flow-shifted schedule, 1 -> 0
 
-    def embed(text):
-        return pipe.encode_prompt(text, do_classifier_free_guidance=False, device="cpu",
-                                  max_sequence_length=call["max_sequence_length"])[0]
-
-    empty, travels = embed(""), {}
+    empty, travels = _embed(pipe, call, ""), {}
     for direction in DIRECTIONS:
-        travels[direction], caption = [], embed(f"a yellow circle moving {direction}")
+        travels[direction], caption = [], _embed(pipe, call, f"a yellow circle moving {direction}")
         for seed in range(seeds):
-            spec = shapes_data.sample_spec(np.random.default_rng([99, seed]), call["num_frames"], side, side,
-                                           max_shapes=1)
-            circle = dataclasses.replace(spec.shapes[0], color="yellow", shape="circle", x=side / 2, y=side / 2)
-            first = shapes_data.render(dataclasses.replace(spec, shapes=(circle,), texture="plain"))[:1]
+            _, _, spec = shapes_data.sample_video(99, seed, data="simplest", frames=call["num_frames"], height=side,
+                                                  width=side)
+            circle = dataclasses.replace(spec.shapes[0], x=side / 2, y=side / 2)
+            first = shapes_data.render(dataclasses.replace(spec, shapes=(circle,)))[:1]
             pixels = torch.from_numpy(first).float().div(127.5).sub(1).permute(3, 0, 1, 2)[None]
             with torch.no_grad():
                 anchor = (vae.encode(pixels).latent_dist.mean - mean) / std
             x = torch.randn((1, anchor.shape[1], frames, cells, cells), generator=torch.Generator().manual_seed(seed))
             for i in range(steps):
                 x[:, :, :1] = anchor
-                per_frame = torch.full((1, frames), float(levels[i]) * 1000.0)
+                per_frame = torch.full((1, frames), float(levels[i]))
                 per_frame[:, 0] = 0.0
-                timestep = per_frame[:, :, None].expand(-1, -1, cells * cells).reshape(1, -1)
+                timestep = token_timesteps(pipe, per_frame, x)
                 with torch.no_grad():
                     cond = transformer(x, timestep, caption, return_dict=False)[0]
                     uncond = transformer(x, timestep, empty, return_dict=False)[0]
@@ -148,8 +168,7 @@ def anchored(pipe, call: dict, side: int, seeds: int) -> dict:
             x[:, :, :1] = anchor
             with torch.no_grad():
                 video = vae.decode(x * std + mean, return_dict=False)[0][0]
-            travels[direction].append(travel(((video.clamp(-1, 1) + 1) * 127.5).round().byte()
-                                              .permute(1, 2, 3, 0).numpy()))
+            travels[direction].append(travel(_pixels(video)))
     return summarise(travels)
 
 
@@ -158,14 +177,12 @@ def equivariance(pipe, call: dict, side: int) -> dict:
     import torch
 
     transformer = pipe.transformer.eval()
-    caption = pipe.encode_prompt("a yellow circle moving left", do_classifier_free_guidance=False, device="cpu",
-                                 max_sequence_length=call["max_sequence_length"])[0]
-    cells = side // pipe.vae_scale_factor_spatial
-    frames = (call["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+    caption = _embed(pipe, call, "a yellow circle moving left")
+    frames, cells = _latent_grid(pipe, call, side)
     gen = torch.Generator().manual_seed(0)
     noise, other = (torch.randn((1, transformer.config.in_channels, frames, cells, cells), generator=gen)
                     for _ in range(2))
-    k = 3  # cells of the roll in width; compared where neither output holds wrapped-around columns' own cells
+    k = ROLL_CELLS  # compared where neither output holds the wrapped-around columns' own cells
     w0, w1, t0, t1 = cells // 4, min(cells - cells // 4, cells - k), 2, frames - 3
 
     def rel(a, b):
@@ -202,8 +219,9 @@ def run(args) -> dict:
     if args.equivariance:
         report = {"model": args.model, "size": side, "equivariance": equivariance(pipe, call, side)}
         for sigma, r in report["equivariance"].items():
-            print(f"s = {sigma}: output change when the input rolls 3 cells in width {r['width_roll']:.3f}, 1 frame "
-                  f"in time {r['time_roll']:.3f}; another noise {r['another_noise']:.3f}", flush=True)
+            print(f"s = {sigma}: output change when the input rolls {ROLL_CELLS} cells in width "
+                  f"{r['width_roll']:.3f}, 1 frame in time {r['time_roll']:.3f}; another noise "
+                  f"{r['another_noise']:.3f}", flush=True)
         return _write(report, args.out)
     if args.sampled or args.anchored:
         pipe.set_progress_bar_config(disable=True)
@@ -214,13 +232,11 @@ def run(args) -> dict:
         _print(f"{mode} ({call['num_inference_steps']} steps, guidance {call['guidance_scale']})", report[mode])
         return _write(report, args.out)
     vae, transformer = pipe.vae.eval(), pipe.transformer.eval()
-    spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
-    shape = (1, vae.config.z_dim, (call["num_frames"] - 1) // temporal + 1, side // spatial, side // spatial)
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    frames, cells = _latent_grid(pipe, call, side)
+    shape = (1, vae.config.z_dim, frames, cells, cells)
+    mean, std = _latent_stats(vae)
     report = {"model": args.model, "seeds": args.seeds, "size": side, "sigmas": {}}
-    embeds = {d: pipe.encode_prompt(f"a yellow circle moving {d}", do_classifier_free_guidance=False, device="cpu",
-                                    max_sequence_length=call["max_sequence_length"])[0] for d in DIRECTIONS}
+    embeds = {d: _embed(pipe, call, f"a yellow circle moving {d}") for d in DIRECTIONS}
     for sigma in [float(s) for s in args.sigmas.split(",")]:
         travels = {}
         for direction in DIRECTIONS:
@@ -231,8 +247,7 @@ def run(args) -> dict:
                     velocity = transformer(sigma * eps, torch.tensor([sigma * 1000.0]), embeds[direction],
                                            return_dict=False)[0]
                     video = vae.decode((sigma * eps - sigma * velocity) * std + mean, return_dict=False)[0][0]
-                video = ((video.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()
-                travels[direction].append(travel(video))
+                travels[direction].append(travel(_pixels(video)))
         report["sigmas"][str(sigma)] = summarise(travels)
         _print(f"s = {sigma}", report["sigmas"][str(sigma)])
     return _write(report, args.out)

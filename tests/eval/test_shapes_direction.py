@@ -66,16 +66,14 @@ def test_runs_on_a_trained_pipeline_and_writes_its_report(direction, tmp_path):
         direction.main(["--seeds", "0"])
 
 
-def test_sampled_reads_the_whole_sampler_with_either_negative_prompt(direction, tmp_path, monkeypatch):
+def test_sampled_reads_the_whole_sampler_with_either_negative_prompt(direction, test_model, monkeypatch):
     """--sampled: each travel is the one read off the pipeline's own video for that caption and seed (called here
     directly), and --negative opposite hands the pipeline the caption with its direction reversed."""
     import torch
 
     from fastdit.pipelines.loading import TRAINED_DEFAULTS, load_pipeline
-    from fastdit.pipelines.train_tiny import main
 
-    model = tmp_path / "model"
-    assert main(["--preset", "test", "--work", str(tmp_path / "work"), "--out", str(model), "--no-progress"]) == 0
+    model = test_model
     report = direction.main(["--model", str(model), "--sampled", "--seeds", "1", "--size", "32"])
     assert report["negative"] == "empty" and "sigmas" not in report
     call = TRAINED_DEFAULTS["tiny-shapes"]
