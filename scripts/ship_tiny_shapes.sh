@@ -41,7 +41,12 @@ run() {  # run NAME COMMAND...: once, logged to RUN/NAME.log; RUN/NAME.done mark
 if [ -z "$DRY" ]; then
     for c in $COMPONENTS; do rm -rf "${W:?}/$c"; cp -r "$NEW/$c" "$W/$c"; done
 fi
-CALIBRATIONS=$(python -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))['calibrations']))" "$W/presets.json")
+# method -> the calibration file presets.json names for it, as fastdit itself reads presets.json
+PAIRS=$(python -c "from fastdit.pipelines.loading import trained_presets
+for method, options in trained_presets('tiny-shapes').items():
+    print(method, options['calibration']) if 'calibration' in options else None")
+declare -A CALIBRATION
+while read -r m path; do CALIBRATION[$m]=$path; done <<< "$PAIRS"
 calibrate() { run "calibrate_$1" fastdit calibrate --model tiny-shapes --method "$1" --budget 0.05 --max-prompts 2 \
     --no-progress --out "$RUN/$1.json"; }
 adherence() { run "adherence_$1" python scripts/shapes_adherence.py --model tiny-shapes --seeds 0,1 --shard "$1/2" \
@@ -49,16 +54,16 @@ adherence() { run "adherence_$1" python scripts/shapes_adherence.py --model tiny
 
 # the slow auto calibration beside the others and the first adherence shard; a failure stops the script
 pids=()
-for m in $CALIBRATIONS; do [ "$m" = auto ] || { calibrate "$m" & pids+=($!); }; done
+for m in "${!CALIBRATION[@]}"; do [ "$m" = auto ] || { calibrate "$m" & pids+=($!); }; done
 for p in "${pids[@]}"; do wait "$p"; done
-[[ " $CALIBRATIONS " == *" auto "* ]] && { calibrate auto & pids=($!); } || pids=()
+pids=()
+if [ -n "${CALIBRATION[auto]:-}" ]; then calibrate auto & pids=($!); fi
 adherence 0
 for p in "${pids[@]}"; do wait "$p"; done
 adherence 1
 run adherence_merge python scripts/shapes_adherence.py --seeds 0,1 --merge --out "$RUN/adherence"
 if [ -z "$DRY" ]; then
-    for m in $CALIBRATIONS; do cp "$RUN/$m.json" "$W/$(python -c "import json,sys; print(json.load(open(sys.argv[1]))\
-['calibrations'][sys.argv[2]])" "$W/presets.json" "$m")"; done
+    for m in "${!CALIBRATION[@]}"; do cp "$RUN/$m.json" "${CALIBRATION[$m]}"; done
 fi
 export OMP_NUM_THREADS=2
 run column fastdit compare --methods "$COLUMN" --out "$RUN/column"
