@@ -111,8 +111,14 @@ def opposite_directions(text: str) -> str:
 
 
 def sample_spec(rng: np.random.Generator, frames: int = 17, height: int = 64, width: int = 64,
-                max_shapes: int = 3, shape_probs=(0.5, 0.35, 0.15)) -> VideoSpec:
-    """Draw a random video: ``1..max_shapes`` shapes (weights ``shape_probs``), distinct colours."""
+                max_shapes: int = 3, shape_probs=(0.5, 0.35, 0.15), speed_scale: float = 1.0) -> VideoSpec:
+    """Draw a random video: ``1..max_shapes`` shapes (weights ``shape_probs``), distinct colours.
+
+    Sizes and speeds scale with the frame (``min(height, width) / 64``); ``speed_scale`` multiplies the speed on top
+    (0.5 at 128 x 128: shapes cross as many latent cells a frame as at 64 x 64; the draws are the same).
+    """
+    if speed_scale <= 0:
+        raise ValueError(f"speed_scale={speed_scale}: takes a factor > 0 (1: the speeds of the frame's size)")
     probs = np.asarray(shape_probs[:max_shapes], dtype=float)
     count = int(rng.choice(np.arange(1, max_shapes + 1), p=probs / probs.sum()))
     colors = rng.permutation(list(COLORS))[:count]
@@ -122,7 +128,7 @@ def sample_spec(rng: np.random.Generator, frames: int = 17, height: int = 64, wi
         shape = SHAPES[int(rng.integers(len(SHAPES)))]
         direction = list(DIRECTIONS)[int(rng.integers(len(DIRECTIONS)))]
         size = float(rng.uniform(7.0, 10.0)) * scale
-        speed = float(rng.uniform(1.3, 2.0)) * scale
+        speed = float(rng.uniform(1.3, 2.0)) * scale * speed_scale
         dx, dy = DIRECTIONS[direction]
         travel = speed * (frames - 1)
         margin = size + 1

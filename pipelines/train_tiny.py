@@ -24,10 +24,10 @@ The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 
 one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
 ``large`` (the shipped model, issue 40) continues from it at 128 x 128 -> 9 x 32 x 32 -> 9216 tokens.
 
-Every phase checkpoints into ``--work`` and the run resumes from there (same seed -> same run); ``--out`` receives
-the pipeline (``save_pretrained``, safetensors) every ``export_every`` steps and at the end, with a model card
-README and the loss curve PNG.  Presets: ``full`` (about 3 hours on 2 CPU cores), ``short`` (64 x 64, stage 1 of
-the committed weights), ``large`` (128 x 128, their later stages) and ``test`` (seconds; CI).
+Every phase checkpoints into ``--work`` and the run resumes from there (same seed -> same run); ``--out`` receives the
+pipeline (``save_pretrained``, safetensors) every ``export_every`` steps and at the end, with a model card README and
+the loss curve PNG. Presets: ``full`` (about 3 hours on 2 cores), ``short`` (64 x 64, stage 1 of the committed
+weights), ``large`` (128 x 128, their later stages) and ``test`` (seconds; CI).
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,8 +46,7 @@ from .train_card import card_text, plot_losses
 from .train_loss import flow_matching_loss, noisy_batch
 from .warm_start import load_weights
 
-#: Config fields a resumed run may change (more or fewer steps, bookkeeping).
-RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every", "vae_colour_weight"}
+RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every", "vae_colour_weight"}  # bookkeeping
 
 #: Every word of the shapes caption grammar (``shapes_data.caption``), for ``caption_vocab``.
 CAPTION_WORDS = ("a", "moving", "and", *shapes_data.COLORS, *shapes_data.SHAPES, *shapes_data.DIRECTIONS)
@@ -58,7 +56,7 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights"
 __all__ = ["TrainConfig", "PRESETS", "build_pipeline", "train", "main", "DEFAULT_OUT"]
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainConfig:
     seed: int = 0
     frames: int = 17
@@ -76,6 +74,7 @@ class TrainConfig:
     vae_colour_weight: float = 10.0
     num_videos: int = 1000  # latents: this many videos of the kind ``data``
     data: str = "full"  # shapes_data.DATA_KINDS: full, single, simplest (the direction curriculum, stop 61)
+    speed_scale: float = 1.0  # shapes_data.sample_spec: 0.5 at 128 x 128 moves shapes as many latent cells as at 64
     # transformer (WanTransformer3DModel)
     heads: int = 2
     head_dim: int = 64
@@ -123,6 +122,7 @@ class TrainConfig:
                              "a probability in [0, 1] and a noise level in [0, 1)")
         if self.data not in shapes_data.DATA_KINDS:
             raise ValueError(f"data={self.data!r}: takes one of {', '.join(shapes_data.DATA_KINDS)}")
+        shapes_data.sample_spec(np.random.default_rng(0), speed_scale=self.speed_scale)  # refuses a speed_scale <= 0
         if not 0 <= self.anchor_prob <= 1:
             raise ValueError(f"anchor_prob={self.anchor_prob}: takes a probability in [0, 1]")
         if self.direction_contrast < 0 or self.direction_margin < 0:
@@ -194,7 +194,7 @@ def _video_tensor(video: np.ndarray) -> torch.Tensor:
 
 
 def _data_kwargs(cfg: TrainConfig) -> dict:
-    return dict(frames=cfg.frames, height=cfg.height, width=cfg.width, data=cfg.data)
+    return dict(frames=cfg.frames, height=cfg.height, width=cfg.width, data=cfg.data, speed_scale=cfg.speed_scale)
 
 
 def _save(obj, path):
