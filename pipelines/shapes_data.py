@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["COLORS", "DATA_KINDS", "DEMO_CAPTION", "SHAPES", "DIRECTIONS", "OPPOSITE", "ShapeSpec", "VideoSpec",
-           "sample_spec", "render", "caption", "opposite_directions", "parse_caption", "sample_video", "random_caption",
-           "distinct_captions", "latent_object_mask"]
+           "check_data_options", "sample_spec", "render", "caption", "opposite_directions", "parse_caption",
+           "sample_video", "random_caption", "distinct_captions", "latent_object_mask"]
 
 # RGB, saturated, so that hue separates them from each other and from the grey-ish backgrounds
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -110,6 +110,14 @@ def opposite_directions(text: str) -> str:
     return " and ".join(f"a {c} {s} moving {OPPOSITE[d]}" for c, s, d in parse_caption(text))
 
 
+def check_data_options(data: str = "full", speed_scale: float = 1.0) -> None:
+    """Refuse a kind of video (:data:`DATA_KINDS`) or a speed factor that :func:`sample_video` cannot draw."""
+    if data not in DATA_KINDS:
+        raise ValueError(f"data={data!r}: the kinds of video are {', '.join(DATA_KINDS)}")
+    if speed_scale <= 0:
+        raise ValueError(f"speed_scale={speed_scale}: takes a factor > 0 (1: the speeds of the frame's size)")
+
+
 def sample_spec(rng: np.random.Generator, frames: int = 17, height: int = 64, width: int = 64,
                 max_shapes: int = 3, shape_probs=(0.5, 0.35, 0.15), speed_scale: float = 1.0) -> VideoSpec:
     """Draw a random video: ``1..max_shapes`` shapes (weights ``shape_probs``), distinct colours.
@@ -117,8 +125,7 @@ def sample_spec(rng: np.random.Generator, frames: int = 17, height: int = 64, wi
     Sizes and speeds scale with the frame (``min(height, width) / 64``); ``speed_scale`` multiplies the speed on top
     (0.5 at 128 x 128: shapes cross as many latent cells a frame as at 64 x 64; the draws are the same).
     """
-    if speed_scale <= 0:
-        raise ValueError(f"speed_scale={speed_scale}: takes a factor > 0 (1: the speeds of the frame's size)")
+    check_data_options(speed_scale=speed_scale)
     probs = np.asarray(shape_probs[:max_shapes], dtype=float)
     count = int(rng.choice(np.arange(1, max_shapes + 1), p=probs / probs.sum()))
     colors = rng.permutation(list(COLORS))[:count]
@@ -210,8 +217,7 @@ def render(spec: VideoSpec) -> np.ndarray:
 def sample_video(seed: int, index: int, data: str = "full", **kwargs) -> tuple[np.ndarray, str, VideoSpec]:
     """``(video uint8 [F, H, W, 3], caption, spec)`` number ``index`` of the stream ``seed``, of the kind ``data``
     (:data:`DATA_KINDS`; ``full`` draws exactly what it always drew)."""
-    if data not in DATA_KINDS:
-        raise ValueError(f"data={data!r}: the kinds of video are {', '.join(DATA_KINDS)}")
+    check_data_options(data)
     if data != "full":
         kwargs["max_shapes"] = 1
     spec = sample_spec(np.random.default_rng([seed, index]), **kwargs)

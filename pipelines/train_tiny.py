@@ -46,7 +46,8 @@ from .train_card import card_text, plot_losses
 from .train_loss import flow_matching_loss, noisy_batch
 from .warm_start import load_weights
 
-RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every", "vae_colour_weight"}  # bookkeeping
+#: Config fields a resumed run may change (more or fewer steps, bookkeeping).
+RESUME_CHANGEABLE = {"vae_steps", "steps", "checkpoint_every", "export_every", "vae_colour_weight"}
 
 #: Every word of the shapes caption grammar (``shapes_data.caption``), for ``caption_vocab``.
 CAPTION_WORDS = ("a", "moving", "and", *shapes_data.COLORS, *shapes_data.SHAPES, *shapes_data.DIRECTIONS)
@@ -120,9 +121,7 @@ class TrainConfig:
         if not (0 <= self.high_noise_prob <= 1 and 0 <= self.high_noise_min < 1):
             raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
                              "a probability in [0, 1] and a noise level in [0, 1)")
-        if self.data not in shapes_data.DATA_KINDS:
-            raise ValueError(f"data={self.data!r}: takes one of {', '.join(shapes_data.DATA_KINDS)}")
-        shapes_data.sample_spec(np.random.default_rng(0), speed_scale=self.speed_scale)  # refuses a speed_scale <= 0
+        shapes_data.check_data_options(self.data, self.speed_scale)
         if not 0 <= self.anchor_prob <= 1:
             raise ValueError(f"anchor_prob={self.anchor_prob}: takes a probability in [0, 1]")
         if self.direction_contrast < 0 or self.direction_margin < 0:

@@ -44,7 +44,7 @@ fi
 # method -> the calibration file presets.json names for it, as fastdit itself reads presets.json
 PAIRS=$(python -c "from fastdit.pipelines.loading import trained_presets
 for method, options in trained_presets('tiny-shapes').items():
-    print(method, options['calibration']) if 'calibration' in options else None")
+    if 'calibration' in options: print(method, options['calibration'])")
 declare -A CALIBRATION
 while read -r m path; do CALIBRATION[$m]=$path; done <<< "$PAIRS"
 calibrate() { run "calibrate_$1" fastdit calibrate --model tiny-shapes --method "$1" --budget 0.05 --max-prompts 2 \
