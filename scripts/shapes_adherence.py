@@ -8,8 +8,11 @@
 ``fastdit eval --metrics adherence`` reports the score alone; this script keeps its parts (what
 issue 40's targets are stated in), one JSON per sample under ``--out`` (a rerun skips those done, so
 shards can run as separate processes, one per core), and ``--merge`` prints the means and the
-standard error over captions and writes ``summary.json``. Each sample is the pipeline's native call
-(``TRAINED_DEFAULTS``; 12 UniPC steps, guidance 4) with ``torch.Generator().manual_seed(seed)``.
+standard error over captions and writes ``summary.json``, with ``shape_drawn``: for each shape word of the
+captions, the share of the frames (where its object was found) whose blob is classed circle / square / triangle
+(a shape score near chance then says whether the shapes are drawn alike or drawn at random). Each sample is the
+pipeline's native call (``TRAINED_DEFAULTS``; 12 UniPC steps, guidance 4) with
+``torch.Generator().manual_seed(seed)``.
 """
 from __future__ import annotations
 
@@ -56,7 +59,9 @@ def run(args):
                           **call).frames[0]
         result = adherence(frames, text)
         record = {"prompt": index, "caption": text, "seed": seed, "score": result.score, "colour": result.colour,
-                  "shape": result.shape, "motion": result.motion, "seconds": time.perf_counter() - start}
+                  "shape": result.shape, "motion": result.motion, "seconds": time.perf_counter() - start,
+                  "objects": [dict(zip(("colour", "shape", "direction", "colour_score", "shape_score", "motion_score",
+                                        "drawn"), row)) for row in result.objects]}
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)
@@ -83,13 +88,29 @@ def merge(args):
         else:
             summary[key + "_se"] = None
     summary["seconds_per_sample"] = float(np.median([r["seconds"] for r in records]))
+    summary["shape_drawn"] = shape_drawn(records)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"{summary['samples']} samples ({summary['captions']} captions x seeds {summary['seeds']}): adherence "
           f"{summary['score']:.3f} (s.e. {summary['score_se'] or 0:.3f}; colour {summary['colour']:.3f}, shape "
           f"{summary['shape']:.3f}, motion {summary['motion']:.3f}); median {summary['seconds_per_sample']:.0f} s "
           f"per video")
+    for word, shares in summary["shape_drawn"].items():
+        print(f"  {word} drawn as " + ", ".join(f"{c} {v:.2f}" for c, v in shares.items()))
     return summary
+
+
+def shape_drawn(records):
+    """{caption shape word: {class: share of the found frames}} over the records' objects (records written before
+    the objects were kept have none and are left out)."""
+    counts = {}
+    for record in records:
+        for obj in record.get("objects", []):
+            word = counts.setdefault(obj["shape"], {"circle": 0, "square": 0, "triangle": 0})
+            for cls, frames in obj["drawn"].items():
+                word[cls] += frames
+    return {word: {cls: n / max(sum(classes.values()), 1) for cls, n in classes.items()}
+            for word, classes in sorted(counts.items())}
 
 
 def main(argv=None):

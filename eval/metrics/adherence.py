@@ -61,7 +61,10 @@ class Adherence:
     colour: float
     shape: float
     motion: float
-    objects: tuple  # per object: (colour, shape, direction, colour score, shape score, motion score)
+    # per object: (colour, shape, direction, colour score, shape score, motion score, drawn), drawn = {class: frames}
+    # the classes of the blob in the frames where it was found, whatever the caption says (a model that draws only
+    # circles shows as {"circle": F} under every shape word)
+    objects: tuple
 
 
 def _mask(hsv: np.ndarray, color: str) -> np.ndarray:
@@ -137,11 +140,15 @@ def adherence(frames: np.ndarray, caption: str, min_area: float | None = None,
     for color, shape, direction in objects:
         blobs = [detect(f, color, min_area) for f in frames]
         found = [(t, b) for t, b in enumerate(blobs) if b is not None]
+        drawn = {}
+        for _, b in found:
+            cls = classify_shape(b)
+            drawn[cls] = drawn.get(cls, 0) + 1
         c = len(found) / n
-        s = sum(classify_shape(b) == shape for _, b in found) / n
+        s = drawn.get(shape, 0) / n
         m = float(_direction_ok([(t, b.x, b.y) for t, b in found], direction, n, side, min_travel))
-        rows.append((color, shape, direction, c, s, m))
-    arr = np.array([r[3:] for r in rows], float)
+        rows.append((color, shape, direction, c, s, m, drawn))
+    arr = np.array([r[3:6] for r in rows], float)
     return Adherence(float(arr.mean()), *map(float, arr.mean(axis=0)), tuple(rows))
 
 

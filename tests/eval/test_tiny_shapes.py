@@ -78,6 +78,10 @@ def test_each_attribute_is_scored():
     opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}[s.direction]
     assert adherence(video, f"a {other_colour} {s.shape} moving {s.direction}").colour == 0.0
     assert adherence(video, f"a {s.color} {other_shape} moving {s.direction}").shape < 0.2
+    # what was drawn is read from the frames, not the caption: the same classes under either shape word
+    drawn = good.objects[0][6]
+    assert adherence(video, f"a {s.color} {other_shape} moving {s.direction}").objects[0][6] == drawn
+    assert max(drawn, key=drawn.get) == s.shape and sum(drawn.values()) == len(video)
     assert adherence(video, f"a {s.color} {s.shape} moving {opposite}").motion == 0.0
     still = np.repeat(video[:1], len(video), axis=0)  # the right shape, not moving
     assert adherence(still, caption).motion == 0.0
