@@ -103,10 +103,12 @@ def merge(args):
 def shape_drawn(records):
     """{caption shape word: {class: share of the found frames}} over the records' objects (records written before
     the objects were kept have none and are left out)."""
+    from fastdit.pipelines.shapes_data import SHAPES
+
     counts = {}
     for record in records:
         for obj in record.get("objects", []):
-            word = counts.setdefault(obj["shape"], {"circle": 0, "square": 0, "triangle": 0})
+            word = counts.setdefault(obj["shape"], dict.fromkeys(SHAPES, 0))
             for cls, frames in obj["drawn"].items():
                 word[cls] += frames
     return {word: {cls: n / max(sum(classes.values()), 1) for cls, n in classes.items()}

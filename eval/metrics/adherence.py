@@ -26,6 +26,7 @@ below that chance.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,10 +141,7 @@ def adherence(frames: np.ndarray, caption: str, min_area: float | None = None,
     for color, shape, direction in objects:
         blobs = [detect(f, color, min_area) for f in frames]
         found = [(t, b) for t, b in enumerate(blobs) if b is not None]
-        drawn = {}
-        for _, b in found:
-            cls = classify_shape(b)
-            drawn[cls] = drawn.get(cls, 0) + 1
+        drawn = dict(Counter(classify_shape(b) for _, b in found))
         c = len(found) / n
         s = drawn.get(shape, 0) / n
         m = float(_direction_ok([(t, b.x, b.y) for t, b in found], direction, n, side, min_travel))

@@ -11,12 +11,11 @@ def test_adherence_script_keeps_the_objects_and_merges_what_each_shape_word_drew
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     obj = dict(colour="red", direction="up", colour_score=1.0, shape_score=0.5, motion_score=1.0)
-    records = [dict(prompt=0, seed=0, score=0.5, colour=1.0, shape=0.5, motion=0.0, seconds=1.0,
-                    objects=[dict(obj, shape="square", drawn={"circle": 3, "square": 1})]),
-               dict(prompt=1, seed=0, score=0.5, colour=1.0, shape=0.5, motion=0.0, seconds=1.0,  # an older record
-                    ), dict(prompt=2, seed=0, score=0.5, colour=1.0, shape=0.5, motion=0.0, seconds=1.0,
-                            objects=[dict(obj, shape="square", drawn={"triangle": 4}),
-                                     dict(obj, shape="circle", drawn={"circle": 2})])]
+    sample = dict(seed=0, score=0.5, colour=1.0, shape=0.5, motion=0.0, seconds=1.0)
+    records = [dict(sample, prompt=0, objects=[dict(obj, shape="square", drawn={"circle": 3, "square": 1})]),
+               dict(sample, prompt=1),  # written before the objects were kept: left out
+               dict(sample, prompt=2, objects=[dict(obj, shape="square", drawn={"triangle": 4}),
+                                               dict(obj, shape="circle", drawn={"circle": 2})])]
     for r in records:
         (tmp_path / f"{r['prompt']:03d}_0.json").write_text(json.dumps(r))
     summary = script.main(["--out", str(tmp_path), "--merge"])
