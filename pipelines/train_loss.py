@@ -26,7 +26,21 @@ import torch
 
 from . import shapes_data
 
-__all__ = ["flow_matching_loss", "noisy_batch", "token_timesteps"]
+__all__ = ["crop_batch", "flow_matching_loss", "noisy_batch", "token_timesteps"]
+
+
+def crop_batch(x0, mask, side, rng):
+    """One random ``side`` x ``side`` window of the latent grid per sample (``x0 [B, C, F, H, W]``, ``mask
+    [B, F, H, W]`` or None); a side at least the grid's keeps the whole frame."""
+    height, width = x0.shape[-2:]
+    if side >= height and side >= width:
+        return x0, mask
+    h, w = min(side, height), min(side, width)
+    ys, xs = rng.integers(0, height - h + 1, len(x0)), rng.integers(0, width - w + 1, len(x0))
+    x0 = torch.stack([x[..., y:y + h, x_:x_ + w] for x, y, x_ in zip(x0, ys, xs)])
+    if mask is not None:
+        mask = torch.stack([m[..., y:y + h, x_:x_ + w] for m, y, x_ in zip(mask, ys, xs)])
+    return x0, mask
 
 
 def noisy_batch(cfg, x0: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

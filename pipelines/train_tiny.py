@@ -1,24 +1,24 @@
 """Train the tiny-shapes video model (issue 24): ``python -m fastdit.pipelines.train_tiny``.
 
-A ``WanPipeline`` made of diffusers / transformers components only, trained from scratch on the
-procedural moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
+A ``WanPipeline`` made of diffusers / transformers components only, trained from scratch on the procedural
+moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
 
-1. **VAE** (``AutoencoderKLWan``, spatial factor 4, temporal factor 2): trained on random
-   9-frame, 32 x 32 crops with an L1 + MSE reconstruction loss of the decoded posterior mean
-   (pixels weighted by ``1 + vae_colour_weight * saturation``) and a small KL term.
+1. **VAE** (``AutoencoderKLWan``, spatial factor 4, temporal factor 2): trained on random 9-frame, 32 x 32 crops
+   with an L1 + MSE reconstruction loss of the decoded posterior mean (pixels weighted by
+   ``1 + vae_colour_weight * saturation``) and a small KL term.
 2. **Latents**: ``num_videos`` videos (17 frames of ``height`` x ``width``) encoded once (posterior mean) and
-   normalised per channel; the channel means / stds go into the VAE config (``latents_mean`` /
-   ``latents_std``), which is where ``WanPipeline`` reads them when decoding.
+   normalised per channel; the channel means / stds go into the VAE config (``latents_mean`` / ``latents_std``),
+   which is where ``WanPipeline`` reads them when decoding.
 3. **Transformer** (``WanTransformer3DModel``, patch (1, 1, 1)) and the tiny UMT5 text encoder
-   (``fastdit.pipelines.tiny``'s, trained jointly): rectified flow matching as in Wan
-   (Esser et al. 2024, "Scaling Rectified Flow Transformers"): ``x_s = (1 - s) x_0 + s eps``,
-   target velocity ``eps - x_0``, ``s`` drawn uniformly and shifted like the sampler's flow shift
-   (``s' = k s / (1 + (k - 1) s)``, ``k = 3``), timestep ``1000 s'``.  Captions are dropped (replaced
-   by ``""``, the pipeline's default negative prompt) with probability ``caption_dropout`` so that
-   classifier-free guidance works.  Most steps train on a prefix of the latent video (fewer frames:
-   cheaper), the rest on the whole clip.  The noise draw and the loss with their options (``high_noise_prob``,
-   ``anchor_prob``, ``fg_weight``, ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA
-   of the training weights.
+   (``fastdit.pipelines.tiny``'s, trained jointly): rectified flow matching as in Wan (Esser et al. 2024,
+   "Scaling Rectified Flow Transformers"): ``x_s = (1 - s) x_0 + s eps``, target velocity ``eps - x_0``, ``s``
+   drawn uniformly and shifted like the sampler's flow shift (``s' = k s / (1 + (k - 1) s)``, ``k = 3``),
+   timestep ``1000 s'``.  Captions are dropped (replaced by ``""``, the pipeline's default negative prompt) with
+   probability ``caption_dropout`` so that classifier-free guidance works.  Most steps train on a prefix of the
+   latent video (fewer frames: cheaper), the rest on the whole clip; ``latent_crop`` cuts a square window of the
+   grid too.  The noise draw and the loss with their options (``high_noise_prob``, ``anchor_prob``,
+   ``fg_weight``, ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA of the training
+   weights.
 
 The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
 one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
@@ -43,7 +43,7 @@ import torch
 
 from . import shapes_data
 from .train_card import card_text, plot_losses
-from .train_loss import flow_matching_loss, noisy_batch
+from .train_loss import crop_batch, flow_matching_loss, noisy_batch
 from .warm_start import load_weights
 
 #: Config fields a resumed run may change (more or fewer steps, bookkeeping).
@@ -82,8 +82,7 @@ class TrainConfig:
     layers: int = 4
     ffn_dim: int = 512
     max_sequence_length: int = 48
-    # whole-word tokens for every word of the caption grammar the tiny WordPiece vocabulary lacks
-    # ("circle", "square", "triangle": spelt letter by letter without them), appended after it
+    # whole-word tokens, appended, for the grammar's words the tiny WordPiece lacks ("circle": spelt letter by letter)
     caption_vocab: bool = False
     steps: int = 4000
     batch: int = 2
@@ -96,6 +95,9 @@ class TrainConfig:
     fg_weight: float = 0.0
     full_clip_prob: float = 0.25  # else a prefix of 3 .. prefix_max latent frames (cheaper steps)
     prefix_max: int = 8
+    # square latent crops this many cells a side (0: whole frames), a window per sample: the transformer (patch 1, RoPE,
+    # no absolute position) sees the shapes at full scale for a fraction of the tokens; sampling stays whole-frame
+    latent_crop: int = 0
     flow_shift: float = 3.0
     # a caption's direction decides a shape's path only at the top of the noise range (below s ~ 0.97 x_s shows
     # it), where the shifted uniform puts ~8% of samples: with this probability s is uniform in [high_noise_min, 1]
@@ -106,27 +108,24 @@ class TrainConfig:
     direction_margin: float = 0.05
     # with this probability one random latent frame of a sample is less noisy (s u, per-token timesteps; train_loss)
     anchor_prob: float = 0.0
-    # warm start: a saved tiny-shapes pipeline folder whose VAE, text encoder and transformer weights
-    # start this run (its VAE is kept as it is: set vae_steps=0). The transformer (patch 1, RoPE) and
-    # the VAE (convolutional) do not depend on the frame size, so a model trained at 64 x 64 can be
-    # trained on at 128 x 128 from where it stopped instead of from noise.
+    # warm start from a saved tiny-shapes pipeline folder (its VAE kept: set vae_steps=0); the transformer (patch 1,
+    # RoPE) and the VAE (convolutional) do not depend on the frame size: 64 x 64 weights go on at 128 x 128
     init_from: str = ""
     checkpoint_every: int = 100
     export_every: int = 500
     threads: int = 1
 
     def __post_init__(self):
-        if self.fg_weight < 0:  # 1 + fg_weight must stay a positive weight on the shapes
-            raise ValueError(f"fg_weight={self.fg_weight}: takes a weight >= 0 (0: the unweighted loss)")
+        if min(self.fg_weight, self.direction_contrast, self.direction_margin) < 0:  # 1 + fg_weight stays > 0
+            raise ValueError(f"fg_weight={self.fg_weight}, direction_contrast={self.direction_contrast}, "
+                             f"direction_margin={self.direction_margin}: take weights >= 0 (0: off)")
         if not (0 <= self.high_noise_prob <= 1 and 0 <= self.high_noise_min < 1):
             raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
                              "a probability in [0, 1] and a noise level in [0, 1)")
         shapes_data.check_data_options(self.data, self.speed_scale)
-        if not 0 <= self.anchor_prob <= 1:
-            raise ValueError(f"anchor_prob={self.anchor_prob}: takes a probability in [0, 1]")
-        if self.direction_contrast < 0 or self.direction_margin < 0:
-            raise ValueError(f"direction_contrast={self.direction_contrast}, direction_margin={self.direction_margin}: "
-                             "take weights >= 0 (direction_contrast 0: no contrast)")
+        if not 0 <= self.anchor_prob <= 1 or self.latent_crop < 0:
+            raise ValueError(f"anchor_prob={self.anchor_prob}, latent_crop={self.latent_crop}: take a probability in "
+                             "[0, 1] and a crop side in latent cells (0: whole frames)")
 
     @property
     def latent_frames(self) -> int:
@@ -355,10 +354,12 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
         idx = rng.integers(0, n, size=cfg.batch)
         prefix_max = max(3, min(cfg.prefix_max, T - 1))
         frames = T if (rng.random() < cfg.full_clip_prob or T <= 3) else int(rng.integers(3, prefix_max + 1))
-        x0 = latents[idx, :, :frames].float()
+        x0, mask = latents[idx, :, :frames].float(), masks[idx, :frames] if masks is not None else None
+        if cfg.latent_crop:
+            x0, mask = crop_batch(x0, mask, cfg.latent_crop, rng)
         texts = ["" if rng.random() < cfg.caption_dropout else captions[i] for i in idx]
         xt, sigma, target = noisy_batch(cfg, x0, gen)
-        weight = 1 + cfg.fg_weight * masks[idx, None, :frames].float() if cfg.fg_weight else None
+        weight = 1 + cfg.fg_weight * mask[:, None].float() if cfg.fg_weight else None
         loss, stats = flow_matching_loss(pipe, xt, sigma, target, texts, cfg.max_sequence_length, weight,
                                          cfg.direction_contrast, cfg.direction_margin)
         ratios += [stats["reversed_over_true"]] if stats else []

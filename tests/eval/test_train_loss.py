@@ -2,11 +2,13 @@
 with one transformer call per sample and caption (float64 sums)."""
 import json
 
+import numpy as np
+
 import pytest
 import torch
 
 from fastdit.pipelines import shapes_data
-from fastdit.pipelines.train_loss import flow_matching_loss, noisy_batch
+from fastdit.pipelines.train_loss import crop_batch, flow_matching_loss, noisy_batch
 from fastdit.pipelines.train_tiny import PRESETS, TrainConfig, build_pipeline, main
 from helpers import record_train_timesteps
 
@@ -171,3 +173,41 @@ def test_training_with_anchoring_sends_per_token_timesteps(tmp_path, monkeypatch
     assert len(seen) == 2 and all(t.dim() == 2 and t.unique().numel() == 2 for t in seen)
     with pytest.raises(ValueError, match="anchor_prob"):
         TrainConfig(anchor_prob=1.5)
+
+
+def test_latent_crops_are_windows_of_each_sample_and_its_mask():
+    """``crop_batch``: each sample and its mask cut at one window, written out here by index; samples get their own
+    windows; a side at least the grid's keeps the whole frame."""
+    gen = torch.Generator().manual_seed(5)
+    x0, mask = torch.randn(16, 3, 2, 9, 11, generator=gen), torch.rand(16, 2, 9, 11, generator=gen) > 0.5
+    cropped, cropped_mask = crop_batch(x0, mask, 5, np.random.default_rng(1))
+    assert cropped.shape == (16, 3, 2, 5, 5) and cropped_mask.shape == (16, 2, 5, 5)
+    corners = set()
+    for b in range(16):
+        found = [(y, x) for y in range(5) for x in range(7) if torch.equal(cropped[b], x0[b, ..., y:y + 5, x:x + 5])]
+        assert len(found) == 1
+        y, x = found[0]
+        assert torch.equal(cropped_mask[b], mask[b, :, y:y + 5, x:x + 5])
+        corners.add(found[0])
+    assert len(corners) > 1
+    whole, whole_mask = crop_batch(x0, None, 11, np.random.default_rng(1))
+    assert whole is x0 and whole_mask is None
+
+
+def test_training_on_latent_crops_sends_cropped_grids(tmp_path, monkeypatch):
+    from fastdit.pipelines import train_tiny
+
+    shapes = []
+    build = train_tiny.build_pipeline
+
+    def recording_build(*args, **kwargs):
+        pipe = build(*args, **kwargs)
+        pipe.transformer.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape[-2:])))
+        return pipe
+
+    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    assert main(["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
+                 "--work", str(tmp_path / "w"), "--set", "latent_crop=5", "--set", "fg_weight=2"]) == 0
+    assert shapes == [(5, 5), (5, 5)]  # the test preset's grid is 8 x 8
+    with pytest.raises(ValueError, match="latent_crop"):
+        TrainConfig(latent_crop=-1)
