@@ -26,20 +26,43 @@ import torch
 
 from . import shapes_data
 
-__all__ = ["crop_batch", "flow_matching_loss", "noisy_batch", "token_timesteps"]
+__all__ = ["crop_batch", "shapes_fit", "flow_matching_loss", "noisy_batch", "token_timesteps"]
+
+
+def shapes_fit(mask: torch.Tensor, side: int) -> torch.Tensor:
+    """``[N]`` bool: whether all of sample n's shapes (``mask [N, F, H, W]``, over all its frames) fit in one
+    ``side`` x ``side`` window of the grid."""
+    rows, cols = mask.any(3).any(1), mask.any(2).any(1)  # [N, H], [N, W]
+
+    def extent(occupied):
+        index = torch.arange(occupied.shape[1])
+        first = torch.where(occupied, index, occupied.shape[1]).amin(1)
+        last = torch.where(occupied, index, -1).amax(1)
+        return (last - first + 1).clamp(min=0)
+    return (extent(rows) <= side) & (extent(cols) <= side)
 
 
 def crop_batch(x0, mask, side, rng):
-    """One random ``side`` x ``side`` window of the latent grid per sample (``x0 [B, C, F, H, W]``, ``mask
-    [B, F, H, W]`` or None); a side at least the grid's keeps the whole frame."""
+    """One random ``side`` x ``side`` window of the latent grid per sample, among the windows that hold all its
+    shapes (``mask [B, F, H, W]``: :func:`shapes_fit` must hold for every sample), the mask cut alike; ``x0
+    [B, C, F, H, W]``.  Why whole shapes: a window that cuts a shape shows it entering or leaving across an edge
+    the transformer cannot see (RoPE, patch 1: no absolute position); trained on such cuts (stop 65), the model
+    made shapes fade in and out of whole frames.  A side at least the grid's keeps the whole frame."""
     height, width = x0.shape[-2:]
     if side >= height and side >= width:
         return x0, mask
     h, w = min(side, height), min(side, width)
-    ys, xs = rng.integers(0, height - h + 1, len(x0)), rng.integers(0, width - w + 1, len(x0))
-    x0 = torch.stack([x[..., y:y + h, x_:x_ + w] for x, y, x_ in zip(x0, ys, xs)])
-    if mask is not None:
-        mask = torch.stack([m[..., y:y + h, x_:x_ + w] for m, y, x_ in zip(mask, ys, xs)])
+    windows = []
+    for m in mask:
+        rows, cols = torch.nonzero(m.any(2).any(0)).flatten(), torch.nonzero(m.any(1).any(0)).flatten()
+        # top row y: y <= first shape row and y + h - 1 >= last one, inside the grid (no shape: anywhere)
+        y_lo, y_hi = (max(0, int(rows[-1]) - h + 1), min(int(rows[0]), height - h)) if len(rows) else (0, height - h)
+        x_lo, x_hi = (max(0, int(cols[-1]) - w + 1), min(int(cols[0]), width - w)) if len(cols) else (0, width - w)
+        if y_lo > y_hi or x_lo > x_hi:
+            raise ValueError(f"the shapes of a sample span more than {side} latent cells: draw from shapes_fit")
+        windows.append((int(rng.integers(y_lo, y_hi + 1)), int(rng.integers(x_lo, x_hi + 1))))
+    x0 = torch.stack([x[..., y:y + h, x_:x_ + w] for x, (y, x_) in zip(x0, windows)])
+    mask = torch.stack([m[..., y:y + h, x_:x_ + w] for m, (y, x_) in zip(mask, windows)])
     return x0, mask
 
 

@@ -15,10 +15,9 @@ moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    drawn uniformly and shifted like the sampler's flow shift (``s' = k s / (1 + (k - 1) s)``, ``k = 3``),
    timestep ``1000 s'``.  Captions are dropped (replaced by ``""``, the pipeline's default negative prompt) with
    probability ``caption_dropout`` so that classifier-free guidance works.  Most steps train on a prefix of the
-   latent video (fewer frames: cheaper), the rest on the whole clip; ``latent_crop`` cuts a square window of the
-   grid too.  The noise draw and the loss with their options (``high_noise_prob``, ``anchor_prob``,
-   ``fg_weight``, ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA of the training
-   weights.
+   latent video (fewer frames: cheaper), the rest on the whole clip; ``latent_crop`` cuts a square window holding
+   every shape.  The batch, the noise draw and the loss with their options (``latent_crop``, ``high_noise_prob``,
+   ``anchor_prob``, ``fg_weight``, ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA.
 
 The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
 one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
@@ -43,7 +42,7 @@ import torch
 
 from . import shapes_data
 from .train_card import card_text, plot_losses
-from .train_loss import crop_batch, flow_matching_loss, noisy_batch
+from .train_loss import crop_batch, flow_matching_loss, noisy_batch, shapes_fit
 from .warm_start import load_weights
 
 #: Config fields a resumed run may change (more or fewer steps, bookkeeping).
@@ -95,8 +94,8 @@ class TrainConfig:
     fg_weight: float = 0.0
     full_clip_prob: float = 0.25  # else a prefix of 3 .. prefix_max latent frames (cheaper steps)
     prefix_max: int = 8
-    # square latent crops this many cells a side (0: whole frames), a window per sample: the transformer (patch 1, RoPE,
-    # no absolute position) sees the shapes at full scale for a fraction of the tokens; sampling stays whole-frame
+    # square latent windows this many cells a side, holding every shape (0: whole frames): the shapes at full scale
+    # for a fraction of the tokens (the transformer has no absolute position); sampling stays whole-frame
     latent_crop: int = 0
     flow_shift: float = 3.0
     # a caption's direction decides a shape's path only at the top of the noise range (below s ~ 0.97 x_s shows
@@ -312,7 +311,7 @@ def _ema_update(ema, model, decay):
                 e.copy_(p)
 
 
-def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=True, masks=None):
+def train_transformer(cfg, pipe, latents, captions, work, out, card, progress, masks):
     from tqdm import tqdm
 
     tr, te = pipe.transformer, pipe.text_encoder
@@ -340,10 +339,7 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
     def export():
         export_pipeline(cfg, pipe, ema, out, card(state), os.path.join(work, "loss_curve.png"))
 
-    start_step = state["step"]
-
-    def exported_now(state):
-        return state["step"] > start_step  # the loop ran up to cfg.steps and exported there
+    start_step = state["step"]  # a loop that ran up to cfg.steps exported there
 
     bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc="transformer",
                disable=not progress, mininterval=5)
@@ -354,9 +350,11 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
         idx = rng.integers(0, n, size=cfg.batch)
         prefix_max = max(3, min(cfg.prefix_max, T - 1))
         frames = T if (rng.random() < cfg.full_clip_prob or T <= 3) else int(rng.integers(3, prefix_max + 1))
-        x0, mask = latents[idx, :, :frames].float(), masks[idx, :frames] if masks is not None else None
-        if cfg.latent_crop:
-            x0, mask = crop_batch(x0, mask, cfg.latent_crop, rng)
+        pool = np.flatnonzero(shapes_fit(masks[:, :frames], cfg.latent_crop).numpy()) if cfg.latent_crop else []
+        if len(pool):  # a cropped step draws among the videos whose shapes fit one window over these frames
+            idx = pool[rng.integers(0, len(pool), size=cfg.batch)]
+        x0, mask = latents[idx, :, :frames].float(), masks[idx, :frames]
+        x0, mask = crop_batch(x0, mask, cfg.latent_crop, rng) if len(pool) else (x0, mask)
         texts = ["" if rng.random() < cfg.caption_dropout else captions[i] for i in idx]
         xt, sigma, target = noisy_batch(cfg, x0, gen)
         weight = 1 + cfg.fg_weight * mask[:, None].float() if cfg.fg_weight else None
@@ -385,7 +383,7 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress=Tr
                                                                      if ratios else {})})
         if state["step"] % cfg.export_every == 0 or state["step"] == cfg.steps:
             export()
-    if state["step"] == cfg.steps and not exported_now(state):
+    if state["step"] == cfg.steps and not state["step"] > start_step:
         export()  # e.g. a resumed run whose steps were lowered to the last checkpoint: export it as final
     return state
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdit.pipelines import shapes_data
-from fastdit.pipelines.train_loss import crop_batch, flow_matching_loss, noisy_batch
+from fastdit.pipelines.train_loss import crop_batch, flow_matching_loss, noisy_batch, shapes_fit
 from fastdit.pipelines.train_tiny import PRESETS, TrainConfig, build_pipeline, main
 from helpers import record_train_timesteps
 
@@ -175,11 +175,20 @@ def test_training_with_anchoring_sends_per_token_timesteps(tmp_path, monkeypatch
         TrainConfig(anchor_prob=1.5)
 
 
-def test_latent_crops_are_windows_of_each_sample_and_its_mask():
-    """``crop_batch``: each sample and its mask cut at one window, written out here by index; samples get their own
-    windows; a side at least the grid's keeps the whole frame."""
+def test_latent_crops_are_windows_holding_every_shape_of_each_sample():
+    """``crop_batch``: each sample and its mask cut at one window, found here by index, that holds all the sample's
+    shapes; samples get their own windows; ``shapes_fit`` against the extent of the mask written out here."""
     gen = torch.Generator().manual_seed(5)
-    x0, mask = torch.randn(16, 3, 2, 9, 11, generator=gen), torch.rand(16, 2, 9, 11, generator=gen) > 0.5
+    x0, mask = torch.randn(16, 3, 2, 9, 11, generator=gen), torch.zeros(16, 2, 9, 11, dtype=torch.bool)
+    for b in range(16):  # a 3 x 2 shape in frame 0, moved by up to 2 cells in frame 1
+        y, x = int(torch.randint(0, 5, (1,), generator=gen)), int(torch.randint(0, 8, (1,), generator=gen))
+        mask[b, 0, y:y + 3, x:x + 2] = True
+        mask[b, 1, y + b % 3:y + b % 3 + 3, x + 1:x + 3] = True
+    assert shapes_fit(mask, 5).all() and not shapes_fit(mask, 4).all()
+    for b in range(16):
+        ys, xs = torch.nonzero(mask[b].any(0), as_tuple=True)
+        extent = max(int(ys.max() - ys.min()), int(xs.max() - xs.min())) + 1
+        assert [bool(shapes_fit(mask[b:b + 1], side)) for side in (3, 4, 5)] == [extent <= side for side in (3, 4, 5)]
     cropped, cropped_mask = crop_batch(x0, mask, 5, np.random.default_rng(1))
     assert cropped.shape == (16, 3, 2, 5, 5) and cropped_mask.shape == (16, 2, 5, 5)
     corners = set()
@@ -188,10 +197,15 @@ def test_latent_crops_are_windows_of_each_sample_and_its_mask():
         assert len(found) == 1
         y, x = found[0]
         assert torch.equal(cropped_mask[b], mask[b, :, y:y + 5, x:x + 5])
+        assert cropped_mask[b].sum() == mask[b].sum()  # no shape cell left outside
         corners.add(found[0])
     assert len(corners) > 1
-    whole, whole_mask = crop_batch(x0, None, 11, np.random.default_rng(1))
-    assert whole is x0 and whole_mask is None
+    wide = mask.clone()
+    wide[0, 1, 0, 0] = wide[0, 1, 8, 10] = True
+    with pytest.raises(ValueError, match="shapes_fit"):
+        crop_batch(x0, wide, 5, np.random.default_rng(1))
+    whole, whole_mask = crop_batch(x0, mask, 11, np.random.default_rng(1))
+    assert whole is x0 and whole_mask is mask
 
 
 def test_training_on_latent_crops_sends_cropped_grids(tmp_path, monkeypatch):
@@ -208,6 +222,10 @@ def test_training_on_latent_crops_sends_cropped_grids(tmp_path, monkeypatch):
     monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
     assert main(["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
                  "--work", str(tmp_path / "w"), "--set", "latent_crop=5", "--set", "fg_weight=2"]) == 0
-    assert shapes == [(5, 5), (5, 5)]  # the test preset's grid is 8 x 8
+    assert shapes == [(5, 5), (5, 5)]  # the test preset's grid is 8 x 8; one of its 3 videos fits 5 cells
+    shapes.clear()
+    assert main(["--preset", "test", "--out", str(tmp_path / "out4"), "--no-progress", "--set", "steps=2",
+                 "--work", str(tmp_path / "w4"), "--set", "latent_crop=4"]) == 0
+    assert shapes == [(8, 8), (8, 8)]  # none fits 4 cells: whole frames
     with pytest.raises(ValueError, match="latent_crop"):
         TrainConfig(latent_crop=-1)
