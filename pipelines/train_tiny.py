@@ -97,6 +97,7 @@ class TrainConfig:
     # square latent windows this many cells a side, holding every shape (0: whole frames): the shapes at full scale
     # for a fraction of the tokens (the transformer has no absolute position); sampling stays whole-frame
     latent_crop: int = 0
+    crop_prob: float = 1.0  # the share of cropped steps (the rest whole frames: a crop-only model fails at them)
     flow_shift: float = 3.0
     # a caption's direction decides a shape's path only at the top of the noise range (below s ~ 0.97 x_s shows
     # it), where the shifted uniform puts ~8% of samples: with this probability s is uniform in [high_noise_min, 1]
@@ -122,9 +123,9 @@ class TrainConfig:
             raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
                              "a probability in [0, 1] and a noise level in [0, 1)")
         shapes_data.check_data_options(self.data, self.speed_scale)
-        if not 0 <= self.anchor_prob <= 1 or self.latent_crop < 0:
-            raise ValueError(f"anchor_prob={self.anchor_prob}, latent_crop={self.latent_crop}: take a probability in "
-                             "[0, 1] and a crop side in latent cells (0: whole frames)")
+        if not (0 <= self.anchor_prob <= 1 and 0 <= self.crop_prob <= 1) or self.latent_crop < 0:
+            raise ValueError(f"anchor_prob={self.anchor_prob}, crop_prob={self.crop_prob}, latent_crop="
+                             f"{self.latent_crop}: take probabilities in [0, 1] and a crop side in latent cells")
 
     @property
     def latent_frames(self) -> int:
@@ -350,7 +351,8 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress, m
         idx = rng.integers(0, n, size=cfg.batch)
         prefix_max = max(3, min(cfg.prefix_max, T - 1))
         frames = T if (rng.random() < cfg.full_clip_prob or T <= 3) else int(rng.integers(3, prefix_max + 1))
-        pool = np.flatnonzero(shapes_fit(masks[:, :frames], cfg.latent_crop).numpy()) if cfg.latent_crop else []
+        cropped = cfg.latent_crop and (cfg.crop_prob == 1 or rng.random() < cfg.crop_prob)
+        pool = np.flatnonzero(shapes_fit(masks[:, :frames], cfg.latent_crop).numpy()) if cropped else []
         if len(pool):  # a cropped step draws among the videos whose shapes fit one window over these frames
             idx = pool[rng.integers(0, len(pool), size=cfg.batch)]
         x0, mask = latents[idx, :, :frames].float(), masks[idx, :frames]

@@ -227,5 +227,10 @@ def test_training_on_latent_crops_sends_cropped_grids(tmp_path, monkeypatch):
     assert main(["--preset", "test", "--out", str(tmp_path / "out4"), "--no-progress", "--set", "steps=2",
                  "--work", str(tmp_path / "w4"), "--set", "latent_crop=4"]) == 0
     assert shapes == [(8, 8), (8, 8)]  # none fits 4 cells: whole frames
-    with pytest.raises(ValueError, match="latent_crop"):
-        TrainConfig(latent_crop=-1)
+    shapes.clear()
+    assert main(["--preset", "test", "--out", str(tmp_path / "out_mix"), "--no-progress", "--set", "steps=8",
+                 "--work", str(tmp_path / "mix"), "--set", "latent_crop=5", "--set", "crop_prob=0.5"]) == 0
+    assert len(shapes) == 8 and set(shapes) == {(5, 5), (8, 8)}  # cropped and whole-frame steps (seeded draws)
+    for bad in ({"latent_crop": -1}, {"crop_prob": 1.5}):
+        with pytest.raises(ValueError, match="latent_crop"):
+            TrainConfig(**bad)
