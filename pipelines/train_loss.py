@@ -29,17 +29,21 @@ from . import shapes_data
 __all__ = ["crop_batch", "shapes_fit", "flow_matching_loss", "noisy_batch", "token_timesteps"]
 
 
+def _shape_spans(mask: torch.Tensor) -> list[torch.Tensor]:
+    """First row, last row, first column, last column of each sample's shapes over its frames (``mask [N, F, H,
+    W]``), ``[N]`` each; a sample without shapes has first = the grid's size, last = -1."""
+    spans = []
+    for occupied in (mask.any(3).any(1), mask.any(2).any(1)):  # [N, H], [N, W]
+        index = torch.arange(occupied.shape[1])
+        spans += [torch.where(occupied, index, occupied.shape[1]).amin(1), torch.where(occupied, index, -1).amax(1)]
+    return spans
+
+
 def shapes_fit(mask: torch.Tensor, side: int) -> torch.Tensor:
     """``[N]`` bool: whether all of sample n's shapes (``mask [N, F, H, W]``, over all its frames) fit in one
     ``side`` x ``side`` window of the grid."""
-    rows, cols = mask.any(3).any(1), mask.any(2).any(1)  # [N, H], [N, W]
-
-    def extent(occupied):
-        index = torch.arange(occupied.shape[1])
-        first = torch.where(occupied, index, occupied.shape[1]).amin(1)
-        last = torch.where(occupied, index, -1).amax(1)
-        return (last - first + 1).clamp(min=0)
-    return (extent(rows) <= side) & (extent(cols) <= side)
+    top, bottom, left, right = _shape_spans(mask)
+    return ((bottom - top + 1).clamp(min=0) <= side) & ((right - left + 1).clamp(min=0) <= side)
 
 
 def crop_batch(x0, mask, side, rng):
@@ -53,11 +57,10 @@ def crop_batch(x0, mask, side, rng):
         return x0, mask
     h, w = min(side, height), min(side, width)
     windows = []
-    for m in mask:
-        rows, cols = torch.nonzero(m.any(2).any(0)).flatten(), torch.nonzero(m.any(1).any(0)).flatten()
-        # top row y: y <= first shape row and y + h - 1 >= last one, inside the grid (no shape: anywhere)
-        y_lo, y_hi = (max(0, int(rows[-1]) - h + 1), min(int(rows[0]), height - h)) if len(rows) else (0, height - h)
-        x_lo, x_hi = (max(0, int(cols[-1]) - w + 1), min(int(cols[0]), width - w)) if len(cols) else (0, width - w)
+    for top, bottom, left, right in zip(*(span.tolist() for span in _shape_spans(mask))):
+        # top row y: y <= the first shape row and y + h - 1 >= the last, inside the grid (no shape: anywhere)
+        y_lo, y_hi = max(0, bottom - h + 1), min(top, height - h)
+        x_lo, x_hi = max(0, right - w + 1), min(left, width - w)
         if y_lo > y_hi or x_lo > x_hi:
             raise ValueError(f"the shapes of a sample span more than {side} latent cells: draw from shapes_fit")
         windows.append((int(rng.integers(y_lo, y_hi + 1)), int(rng.integers(x_lo, x_hi + 1))))

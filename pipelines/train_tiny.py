@@ -340,7 +340,7 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress, m
     def export():
         export_pipeline(cfg, pipe, ema, out, card(state), os.path.join(work, "loss_curve.png"))
 
-    start_step = state["step"]  # a loop that ran up to cfg.steps exported there
+    start_step = state["step"]
 
     bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc="transformer",
                disable=not progress, mininterval=5)
@@ -385,7 +385,7 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress, m
                                                                      if ratios else {})})
         if state["step"] % cfg.export_every == 0 or state["step"] == cfg.steps:
             export()
-    if state["step"] == cfg.steps and not state["step"] > start_step:
+    if start_step == state["step"] == cfg.steps:  # the loop did not run, so it did not export
         export()  # e.g. a resumed run whose steps were lowered to the last checkpoint: export it as final
     return state
 
