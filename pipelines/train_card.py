@@ -1,12 +1,14 @@
-"""Model card text and loss-curve plot of the tiny-shapes training run (``train_tiny``)."""
+"""Model card text, loss-curve plot and pipeline export of the tiny-shapes training run (``train_tiny``)."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 
 import numpy as np
 
-__all__ = ["plot_losses", "card_text"]
+__all__ = ["plot_losses", "card_text", "export_pipeline"]
 
 
 def _smooth(values, k=50):
@@ -93,3 +95,23 @@ Wall times were taken on a shared 2-core machine (other jobs running beside it).
 {json.dumps(dataclasses.asdict(cfg), indent=1)}
 ```
 """
+
+
+def export_pipeline(cfg, pipe, ema, out, card, curve=None):
+    """Write the pipeline with the EMA weights into ``out`` (safetensors) plus the model card."""
+    import copy
+
+    tr = copy.deepcopy(pipe.transformer)
+    te = copy.deepcopy(pipe.text_encoder)
+    tr.load_state_dict(ema["transformer"])
+    te.load_state_dict(ema["text_encoder"])
+    from diffusers import WanPipeline
+
+    exported = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=te.eval(), vae=pipe.vae.eval(),
+                           transformer=tr.eval(), scheduler=pipe.scheduler)
+    os.makedirs(out, exist_ok=True)
+    exported.save_pretrained(out, safe_serialization=True)
+    if curve and os.path.exists(curve):
+        shutil.copyfile(curve, os.path.join(out, "loss_curve.png"))
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(card)

@@ -16,7 +16,7 @@ moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    timestep ``1000 s'``.  Captions are dropped (replaced by ``""``, the pipeline's default negative prompt) with
    probability ``caption_dropout`` so that classifier-free guidance works.  Most steps train on a prefix of the
    latent video (fewer frames: cheaper), the rest on the whole clip; ``latent_crop`` cuts a square window holding
-   every shape.  The batch, the noise draw and the loss with their options (``latent_crop``, ``high_noise_prob``,
+   every shape; ``image_prob`` trains that share of steps on first latent frames alone (images).  The batch, the noise draw and the loss with their options (``latent_crop``, ``high_noise_prob``,
    ``anchor_prob``, ``fg_weight``, ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA.
 
 The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
@@ -34,14 +34,13 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import time
 
 import numpy as np
 import torch
 
 from . import shapes_data
-from .train_card import card_text, plot_losses
+from .train_card import card_text, export_pipeline, plot_losses
 from .train_loss import crop_batch, flow_matching_loss, noisy_batch, shapes_fit
 from .warm_start import load_weights
 
@@ -98,6 +97,10 @@ class TrainConfig:
     # for a fraction of the tokens (the transformer has no absolute position); sampling stays whole-frame
     latent_crop: int = 0
     crop_prob: float = 1.0  # the share of cropped steps (the rest whole frames: a crop-only model fails at them)
+    # image steps: with this probability a step trains on image_batch first latent frames alone (video frame 0, which
+    # the causal VAE encodes on its own): shapes at full scale for 1/9 of the tokens and ~1/81 of the attention
+    image_prob: float = 0.0
+    image_batch: int = 16
     flow_shift: float = 3.0
     # a caption's direction decides a shape's path only at the top of the noise range (below s ~ 0.97 x_s shows
     # it), where the shifted uniform puts ~8% of samples: with this probability s is uniform in [high_noise_min, 1]
@@ -123,9 +126,11 @@ class TrainConfig:
             raise ValueError(f"high_noise_prob={self.high_noise_prob}, high_noise_min={self.high_noise_min}: take "
                              "a probability in [0, 1] and a noise level in [0, 1)")
         shapes_data.check_data_options(self.data, self.speed_scale)
-        if not (0 <= self.anchor_prob <= 1 and 0 <= self.crop_prob <= 1) or self.latent_crop < 0:
-            raise ValueError(f"anchor_prob={self.anchor_prob}, crop_prob={self.crop_prob}, latent_crop="
-                             f"{self.latent_crop}: take probabilities in [0, 1] and a crop side in latent cells")
+        probs = (self.anchor_prob, self.crop_prob, self.image_prob)
+        if not all(0 <= p <= 1 for p in probs) or self.latent_crop < 0 or self.image_batch < 1:
+            raise ValueError(f"anchor_prob={self.anchor_prob}, crop_prob={self.crop_prob}, image_prob={self.image_prob}"
+                             f", latent_crop={self.latent_crop}, image_batch={self.image_batch}: take probabilities in "
+                             "[0, 1], a crop side in latent cells and a batch >= 1")
 
     @property
     def latent_frames(self) -> int:
@@ -348,10 +353,12 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress, m
     for step in bar:
         rng = np.random.default_rng([cfg.seed, 2, step])
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 * step + 1)
-        idx = rng.integers(0, n, size=cfg.batch)
+        image = cfg.image_prob > 0 and rng.random() < cfg.image_prob  # no draw when off: earlier runs replay
+        idx = rng.integers(0, n, size=cfg.image_batch if image else cfg.batch)
         prefix_max = max(3, min(cfg.prefix_max, T - 1))
-        frames = T if (rng.random() < cfg.full_clip_prob or T <= 3) else int(rng.integers(3, prefix_max + 1))
-        cropped = cfg.latent_crop and (cfg.crop_prob == 1 or rng.random() < cfg.crop_prob)
+        frames = 1 if image else T if (rng.random() < cfg.full_clip_prob or T <= 3) else int(
+            rng.integers(3, prefix_max + 1))
+        cropped = not image and cfg.latent_crop and (cfg.crop_prob == 1 or rng.random() < cfg.crop_prob)
         pool = np.flatnonzero(shapes_fit(masks[:, :frames], cfg.latent_crop).numpy()) if cropped else []
         if len(pool):  # a cropped step draws among the videos whose shapes fit one window over these frames
             idx = pool[rng.integers(0, len(pool), size=cfg.batch)]
@@ -388,26 +395,6 @@ def train_transformer(cfg, pipe, latents, captions, work, out, card, progress, m
     if start_step == state["step"] == cfg.steps:  # the loop did not run, so it did not export
         export()  # e.g. a resumed run whose steps were lowered to the last checkpoint: export it as final
     return state
-
-
-def export_pipeline(cfg, pipe, ema, out, card_text, curve=None):
-    """Write the pipeline with the EMA weights into ``out`` (safetensors) plus the model card."""
-    import copy
-
-    tr = copy.deepcopy(pipe.transformer)
-    te = copy.deepcopy(pipe.text_encoder)
-    tr.load_state_dict(ema["transformer"])
-    te.load_state_dict(ema["text_encoder"])
-    from diffusers import WanPipeline
-
-    exported = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=te.eval(), vae=pipe.vae.eval(),
-                           transformer=tr.eval(), scheduler=pipe.scheduler)
-    os.makedirs(out, exist_ok=True)
-    exported.save_pretrained(out, safe_serialization=True)
-    if curve and os.path.exists(curve):
-        shutil.copyfile(curve, os.path.join(out, "loss_curve.png"))
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(card_text)
 
 
 # --------------------------------------------------------------------------- #

@@ -234,3 +234,30 @@ def test_training_on_latent_crops_sends_cropped_grids(tmp_path, monkeypatch):
     for bad in ({"latent_crop": -1}, {"crop_prob": 1.5}):
         with pytest.raises(ValueError, match="latent_crop"):
             TrainConfig(**bad)
+
+
+def test_image_steps_train_on_first_latent_frames_alone(tmp_path, monkeypatch):
+    """image_prob: that share of steps sends image_batch one-frame latents (video frame 0), the rest video clips."""
+    from fastdit.pipelines import train_tiny
+
+    calls = []
+    build = train_tiny.build_pipeline
+
+    def recording_build(*args, **kwargs):
+        pipe = build(*args, **kwargs)
+        pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
+        return pipe
+
+    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    assert main(["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
+                 "--work", str(tmp_path / "w"), "--set", "image_prob=1", "--set", "image_batch=3"]) == 0
+    assert [c[0] for c in calls] == [3, 3] and {c[2] for c in calls} == {1}  # batch 3, one latent frame
+    calls.clear()
+    assert main(["--preset", "test", "--out", str(tmp_path / "out_mix"), "--no-progress", "--set", "steps=10",
+                 "--work", str(tmp_path / "mix"), "--set", "image_prob=0.5", "--set", "image_batch=3"]) == 0
+    images = [c for c in calls if c[2] == 1]
+    assert 0 < len(images) < 10 and all(c[0] == 3 for c in images)
+    assert all(c[0] == 1 and c[2] > 1 for c in calls if c[2] != 1)  # the preset's batch 1, a clip of >= 3 frames
+    for bad in ({"image_prob": -0.1}, {"image_batch": 0}):
+        with pytest.raises(ValueError, match="image_prob"):
+            TrainConfig(**bad)
