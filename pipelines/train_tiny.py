@@ -16,8 +16,9 @@ moving-shapes videos of :mod:`fastdit.pipelines.shapes_data`:
    timestep ``1000 s'``.  Captions are dropped (replaced by ``""``, the pipeline's default negative prompt) with
    probability ``caption_dropout`` so that classifier-free guidance works.  Most steps train on a prefix of the
    latent video (fewer frames: cheaper), the rest on the whole clip; ``latent_crop`` cuts a square window holding
-   every shape; ``image_prob`` trains that share of steps on first latent frames alone (images).  The batch, the noise draw and the loss with their options (``latent_crop``, ``high_noise_prob``,
-   ``anchor_prob``, ``fg_weight``, ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA.
+   every shape; ``image_prob`` trains that share of steps on first latent frames alone (images).  The batch, the
+   noise draw and the loss with their options (``latent_crop``, ``high_noise_prob``, ``anchor_prob``, ``fg_weight``,
+   ``direction_contrast``): :mod:`.train_loss`.  The exported weights are an EMA.
 
 The ``short`` preset trains at 17 frames of 64 x 64 -> latent 9 x 16 x 16 (VAE: 2x2 patchify and
 one 2x stage in space, 2x in time) -> patch (1, 1, 1) -> 2304 video tokens per transformer call;
