@@ -1,6 +1,8 @@
 """Test helpers that several test files share (independent references, seeded inputs, the CLI tests' error
 check, the check that a removed patch left nothing behind)."""
+import importlib.util
 import math
+from pathlib import Path
 
 import torch
 
@@ -66,3 +68,12 @@ def record_train_timesteps(monkeypatch):
 
     monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
     return seen
+
+
+def load_script(name):
+    """The module of ``scripts/<name>.py`` (scripts are not a package), loaded from its file."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,22 +1,16 @@
 """scripts/shapes_direction.py: the travel read from a video, the hit rule, the effects, and a run end to end."""
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fastdit.pipelines import shapes_data
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "shapes_direction.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def direction():
-    spec = importlib.util.spec_from_file_location("shapes_direction", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("shapes_direction")
 
 
 @pytest.mark.parametrize("texture", ["plain", "stripes"])

@@ -1,20 +1,15 @@
 """scripts/shapes_word.py: word / seed effects, areas per word, the data's areas, and a run end to end."""
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "shapes_word.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def word():
-    spec = importlib.util.spec_from_file_location("shapes_word", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("shapes_word")
 
 
 def test_a_deaf_model_has_no_word_effect_and_a_hearing_one_has(word):
