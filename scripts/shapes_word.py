@@ -32,6 +32,11 @@ from fastdit.pipelines.shapes_data import COLORS, DIRECTIONS, SHAPES, sample_vid
 __all__ = ["summarise", "data_areas", "probe", "main"]
 
 
+def _ratios(values) -> list[float]:
+    """Each value over the first (the circle's); 0 where the first is 0 (no blob found)."""
+    return [float(v / values[0]) if values[0] else 0.0 for v in values]
+
+
 def summarise(images: np.ndarray, areas: np.ndarray, classes: list) -> dict:
     """``images`` [word, colour, seed, H, W, 3], ``areas`` [word, colour, seed] (0: no blob found), ``classes``
     nested the same way (a class name or None) -> word / seed effects, area per word, classes per word."""
@@ -41,7 +46,7 @@ def summarise(images: np.ndarray, areas: np.ndarray, classes: list) -> dict:
     seed = [np.abs(x[:, :, i] - x[:, :, j]).mean() for i in range(seeds) for j in range(i + 1, seeds)]
     area = np.asarray(areas, float).reshape(words, -1).mean(axis=1)
     return {"word_effect": float(np.mean(word)) if word else 0.0, "seed_effect": float(np.mean(seed)) if seed else 0.0,
-            "area": [float(a) for a in area], "area_ratio": [float(a / area[0]) if area[0] else 0.0 for a in area],
+            "area": [float(a) for a in area], "area_ratio": _ratios(area),
             "classes": [dict(Counter(c or "none" for row in per_word for c in row)) for per_word in classes]}
 
 
@@ -77,10 +82,9 @@ def probe(pipe, seeds: int = 2, size: int | None = None, call: dict | None = Non
                 images.append(image)
                 areas.append(blob.area if blob else 0.0)
                 classes.append(classify_shape(blob) if blob else None)
-    shape_ = (len(SHAPES), len(COLORS), seeds)
-    nested = [[classes[(w * len(COLORS) + c) * seeds:(w * len(COLORS) + c + 1) * seeds] for c in range(len(COLORS))]
-              for w in range(len(SHAPES))]
-    return np.stack(images).reshape(*shape_, *images[0].shape), np.array(areas).reshape(shape_), nested
+    layout = (len(SHAPES), len(COLORS), seeds)
+    nested = np.array(classes, dtype=object).reshape(layout).tolist()
+    return np.stack(images).reshape(*layout, *images[0].shape), np.array(areas).reshape(layout), nested
 
 
 def main(argv=None) -> dict:
@@ -102,8 +106,7 @@ def main(argv=None) -> dict:
     images, areas, classes = probe(pipe, args.seeds, args.size, TRAINED_DEFAULTS["tiny-shapes"])
     report = {"model": args.model, "seeds": args.seeds, "words": list(SHAPES), **summarise(images, areas, classes),
               "data_area": data_areas(size=images.shape[-2])}
-    report["data_area_ratio"] = [a / report["data_area"][0] if report["data_area"][0] else 0.0
-                                 for a in report["data_area"]]
+    report["data_area_ratio"] = _ratios(report["data_area"])
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     if args.png:

@@ -53,9 +53,9 @@ def nothing_installed(model):
             assert "_attention_backend" not in processor.__dict__, f"backend left on {name}"
 
 
-def record_train_timesteps(monkeypatch):
-    """A list that fills with the timestep argument of every transformer call ``train_tiny`` makes (its
-    ``build_pipeline`` wrapped to hook each pipeline it builds)."""
+def record_train_calls(monkeypatch, read):
+    """A list that fills with ``read(args)`` of every transformer call ``train_tiny`` makes (its ``build_pipeline``
+    wrapped to hook each pipeline it builds; ``args`` the call's positional arguments)."""
     from fastdit.pipelines import train_tiny
 
     seen = []
@@ -63,11 +63,16 @@ def record_train_timesteps(monkeypatch):
 
     def recording_build(*args, **kwargs):
         pipe = build(*args, **kwargs)
-        pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+        pipe.transformer.register_forward_pre_hook(lambda module, call_args: seen.append(read(call_args)))
         return pipe
 
     monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
     return seen
+
+
+def record_train_timesteps(monkeypatch):
+    """A list that fills with the timestep argument of every transformer call ``train_tiny`` makes."""
+    return record_train_calls(monkeypatch, lambda args: args[1].clone())
 
 
 def load_script(name):

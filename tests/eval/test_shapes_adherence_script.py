@@ -1,15 +1,12 @@
 """scripts/shapes_adherence.py's merge (the sampling itself runs outside CI: 74 s a video at 128 x 128)."""
-import importlib.util
 import json
-from pathlib import Path
+
+from helpers import load_script
 
 
 def test_adherence_script_keeps_the_objects_and_merges_what_each_shape_word_drew(tmp_path):
     """scripts/shapes_adherence.py --merge: per caption shape word, the shares of the classes drawn."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "shapes_adherence.py"
-    spec = importlib.util.spec_from_file_location("shapes_adherence", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("shapes_adherence")
     obj = dict(colour="red", direction="up", colour_score=1.0, shape_score=0.5, motion_score=1.0)
     sample = dict(seed=0, score=0.5, colour=1.0, shape=0.5, motion=0.0, seconds=1.0)
     records = [dict(sample, prompt=0, objects=[dict(obj, shape="square", drawn={"circle": 3, "square": 1})]),

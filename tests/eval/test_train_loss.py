@@ -10,7 +10,7 @@ import torch
 from fastdit.pipelines import shapes_data
 from fastdit.pipelines.train_loss import crop_batch, flow_matching_loss, noisy_batch, shapes_fit
 from fastdit.pipelines.train_tiny import PRESETS, TrainConfig, build_pipeline, main
-from helpers import record_train_timesteps
+from helpers import record_train_calls, record_train_timesteps
 
 TEXTS = ["a red circle moving left and a blue square moving up", "", "a green triangle moving down"]
 
@@ -209,17 +209,7 @@ def test_latent_crops_are_windows_holding_every_shape_of_each_sample():
 
 
 def test_training_on_latent_crops_sends_cropped_grids(tmp_path, monkeypatch):
-    from fastdit.pipelines import train_tiny
-
-    shapes = []
-    build = train_tiny.build_pipeline
-
-    def recording_build(*args, **kwargs):
-        pipe = build(*args, **kwargs)
-        pipe.transformer.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape[-2:])))
-        return pipe
-
-    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    shapes = record_train_calls(monkeypatch, lambda args: tuple(args[0].shape[-2:]))
     assert main(["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
                  "--work", str(tmp_path / "w"), "--set", "latent_crop=5", "--set", "fg_weight=2"]) == 0
     assert shapes == [(5, 5), (5, 5)]  # the test preset's grid is 8 x 8; one of its 3 videos fits 5 cells
@@ -238,17 +228,7 @@ def test_training_on_latent_crops_sends_cropped_grids(tmp_path, monkeypatch):
 
 def test_image_steps_train_on_first_latent_frames_alone(tmp_path, monkeypatch):
     """image_prob: that share of steps sends image_batch one-frame latents (video frame 0), the rest video clips."""
-    from fastdit.pipelines import train_tiny
-
-    calls = []
-    build = train_tiny.build_pipeline
-
-    def recording_build(*args, **kwargs):
-        pipe = build(*args, **kwargs)
-        pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
-        return pipe
-
-    monkeypatch.setattr(train_tiny, "build_pipeline", recording_build)
+    calls = record_train_calls(monkeypatch, lambda args: tuple(args[0].shape))
     assert main(["--preset", "test", "--out", str(tmp_path / "out"), "--no-progress", "--set", "steps=2",
                  "--work", str(tmp_path / "w"), "--set", "image_prob=1", "--set", "image_batch=3"]) == 0
     assert [c[0] for c in calls] == [3, 3] and {c[2] for c in calls} == {1}  # batch 3, one latent frame
