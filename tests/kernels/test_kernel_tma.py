@@ -20,6 +20,7 @@ from fastdit.kernels import block_sparse_attention, skip_reference
 from fastdit.kernels import block_sparse_tma as tma
 from fastdit.kernels import triton_tuning as tuning
 
+from helpers import load_script
 from kernel_backends import DEVICE, TRITON_OK, TRITON_SKIP_REASON, to_device
 from test_kernel import CASES, _check, _make_case, poisoned_empty  # noqa: F401  (fixture)
 from test_skip_threshold import _local_inputs, _pick_threshold, _plan
@@ -197,12 +198,7 @@ def test_warp_specialisation_only_on_blackwell():
 def test_bench_script_checks_and_times_both_variants(tmp_path):
     """scripts/bench_tma.py (gpu_check.sh's tma part) end to end on tiny sizes: the float64 check of
     both variants passes and every row is timed."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_tma.py"
-    spec = importlib.util.spec_from_file_location("bench_tma", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_tma")
     out = tmp_path / "tma.json"
     assert bench.main(["--device", DEVICE.type, "--tokens", "160", "--head-dims", "64", "--densities", "0.5",
                        "--runs", "1", "--heads", "1", "--check-tokens", "200,150", "--json", str(out)]) == 0

@@ -11,6 +11,7 @@ import torch
 import fastdit
 from fastdit.pipelines.tiny import tiny
 from fastdit.train.noise import _AttentionMaps, find_subjects, noise_loss, subject_tokens
+from helpers import load_script
 
 PROMPT = "a red circle moving left and a blue square moving down"
 
@@ -108,14 +109,9 @@ def test_bad_input_names_the_argument(pipe):
 def test_adherence_bench_code_path_on_the_trained_model(tmp_path):
     """scripts/bench_optiprune.py (the issue's evidence, run outside CI) on 1 caption, 1 denoising
     step, 5 frames: every config scored, neglect = some object's colour term < 0.5."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_optiprune.py"
-    spec = importlib.util.spec_from_file_location("bench_optiprune", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_optiprune")
     captions = bench.two_object_captions(3)
     assert len(set(captions)) == 3 and all(c.count(" and ") == 1 for c in captions)
     out = tmp_path / "r.json"
